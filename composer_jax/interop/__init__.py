@@ -1,0 +1,19 @@
+"""Checkpoint import from the Hugging Face DeepSeek-V3 / Kimi-K2 format."""
+
+from composer_jax.interop.export import export_hf_checkpoint
+from composer_jax.interop.hf import (
+    CheckpointMismatchError,
+    config_from_hf,
+    load_hf_checkpoint,
+    params_from_hf,
+)
+from composer_jax.interop.safetensors_io import read_hf_checkpoint
+
+__all__ = [
+    "CheckpointMismatchError",
+    "export_hf_checkpoint",
+    "config_from_hf",
+    "load_hf_checkpoint",
+    "params_from_hf",
+    "read_hf_checkpoint",
+]

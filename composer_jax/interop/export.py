@@ -1,0 +1,138 @@
+"""composer-jax models -> Hugging Face DeepSeek-V3 format (config.json + model.safetensors).
+
+The exact inverse of `hf.params_from_hf`, so a model survives an export/import round trip, and a
+model trained here can be served by tools that read DeepSeek-V3 checkpoints. MTP heads have no
+counterpart in that format and are not written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+from flax import nnx
+from safetensors.numpy import save_file
+
+from composer_jax.config import ModelConfig
+from composer_jax.model.transformer import Transformer
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    """The config.json of a model, in the DeepSeek-V3 hub format."""
+    out = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "first_k_dense_replace": cfg.first_k_dense,
+        "moe_layer_freq": 1,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_heads,
+        "q_lora_rank": cfg.q_lora_rank,
+        "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim,
+        "n_routed_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "n_group": cfg.n_group,
+        "topk_group": cfg.topk_group,
+        "n_shared_experts": cfg.num_shared_experts,
+        "routed_scaling_factor": cfg.routed_scaling_factor,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "num_nextn_predict_layers": 0,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "torch_dtype": "float32",
+    }
+    if cfg.rope_scaling is not None:
+        y = cfg.rope_scaling
+        out["rope_scaling"] = {
+            "type": "yarn",
+            "factor": y.factor,
+            "original_max_position_embeddings": y.original_max_position_embeddings,
+            "beta_fast": y.beta_fast,
+            "beta_slow": y.beta_slow,
+            "mscale": y.mscale,
+            "mscale_all_dim": y.mscale_all_dim,
+        }
+    return out
+
+
+def _hf_linear(w_in_out: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(w_in_out.reshape(w_in_out.shape[0], -1).T)
+
+
+def _swiglu(out: dict, prefix: str, mlp: dict) -> None:
+    for name in ("gate", "up", "down"):
+        out[f"{prefix}{name}_proj.weight"] = _hf_linear(mlp[name])
+
+
+def _layer(out: dict, index: int, layer: dict, cfg: ModelConfig) -> None:
+    prefix = f"model.layers.{index}."
+    attn = layer["attn"]
+    a = prefix + "self_attn."
+    out[prefix + "input_layernorm.weight"] = layer["attn_norm"]["scale"]
+    out[prefix + "post_attention_layernorm.weight"] = layer["mlp_norm"]["scale"]
+    if cfg.q_lora_rank is None:
+        out[a + "q_proj.weight"] = _hf_linear(attn["q_proj"])
+    else:
+        out[a + "q_a_proj.weight"] = _hf_linear(attn["q_a_proj"])
+        out[a + "q_a_layernorm.weight"] = attn["q_a_norm"]["scale"]
+        out[a + "q_b_proj.weight"] = _hf_linear(attn["q_b_proj"])
+    out[a + "kv_a_proj_with_mqa.weight"] = _hf_linear(attn["kv_a_proj"])
+    out[a + "kv_a_layernorm.weight"] = attn["kv_a_norm"]["scale"]
+    out[a + "kv_b_proj.weight"] = _hf_linear(attn["kv_b_proj"])
+    # o_proj is [heads, v_head_dim, embed] here and [embed, heads * v_head_dim] in HF.
+    out[a + "o_proj.weight"] = np.ascontiguousarray(attn["o_proj"].reshape(-1, cfg.hidden_size).T)
+    mlp, m = layer["mlp"], prefix + "mlp."
+    if index < cfg.first_k_dense:
+        _swiglu(out, m, mlp)
+        return
+    out[m + "gate.weight"] = _hf_linear(mlp["router"])
+    out[m + "gate.e_score_correction_bias"] = mlp["expert_bias"]
+    for e in range(cfg.num_experts):
+        _swiglu(out, f"{m}experts.{e}.", {k: mlp[k][e] for k in ("gate", "up", "down")})
+    if cfg.num_shared_experts:
+        _swiglu(out, m + "shared_experts.", mlp["shared"])
+
+
+def hf_tensors(m: Transformer) -> dict[str, np.ndarray]:
+    """HF-named float32 tensors of a model (MTP heads excluded)."""
+    cfg = m.cfg
+    state = nnx.to_pure_dict(nnx.state(m))
+    state = {k: v for k, v in state.items() if k != "mtp"}
+    state = jax.tree.map(lambda x: np.asarray(x, np.float32), state)
+    out = {
+        "model.embed_tokens.weight": state["embed"],
+        "model.norm.weight": state["final_norm"]["scale"],
+        "lm_head.weight": np.ascontiguousarray(state["lm_head"].T),
+    }
+    stacks = [
+        ("dense_layers", 0, cfg.first_k_dense),
+        ("moe_layers", cfg.first_k_dense, cfg.num_layers),
+    ]
+    for name, start, stop in stacks:
+        for i in range(start, stop):
+            _layer(out, i, jax.tree.map(lambda x: x[i - start], state[name]), cfg)
+    return out
+
+
+def export_hf_checkpoint(m: Transformer, path: str | os.PathLike) -> None:
+    """Writes `config.json` and `model.safetensors` (float32) into `path`."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config(m.cfg), f, indent=2)
+    save_file(hf_tensors(m), os.path.join(path, "model.safetensors"))

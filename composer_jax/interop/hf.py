@@ -1,0 +1,212 @@
+"""Hugging Face DeepSeek-V3 / Kimi-K2 checkpoints -> composer-jax models.
+
+`read_hf_checkpoint` gives HF-named numpy tensors (dequantized, experts per expert); this module
+maps them onto the model's stacked parameters. Every HF tensor must be used and every model
+parameter filled, or the error names the ones that are not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import numpy as np
+from flax import nnx
+
+from composer_jax.config import ModelConfig, YarnConfig, validate_model
+from composer_jax.interop.safetensors_io import read_hf_checkpoint
+from composer_jax.model.transformer import Transformer
+
+
+class CheckpointMismatchError(ValueError):
+    """HF tensors and model parameters do not correspond; the message names them."""
+
+
+# HF config values this implementation assumes; anything else would silently compute another model.
+_REQUIRED = {
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "hidden_act": "silu",
+    "moe_layer_freq": 1,
+    "tie_word_embeddings": False,
+}
+
+
+def config_from_hf(hf: dict, **overrides) -> ModelConfig:
+    """ModelConfig of an HF `config.json` (as normalised by `read_hf_config`)."""
+    for key, want in _REQUIRED.items():
+        if key in hf and hf[key] != want:
+            raise CheckpointMismatchError(
+                f"config.json: {key}={hf[key]!r} is unsupported (expected {want!r})"
+            )
+    scaling = hf.get("rope_scaling")
+    yarn = None
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind != "yarn":
+            raise CheckpointMismatchError(f"config.json: rope_scaling type {kind!r} is unsupported")
+        yarn = YarnConfig(
+            factor=float(scaling["factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+            beta_fast=float(scaling.get("beta_fast", 32)),
+            beta_slow=float(scaling.get("beta_slow", 1)),
+            mscale=float(scaling.get("mscale", 1)),
+            mscale_all_dim=float(scaling.get("mscale_all_dim", 0)),
+        )
+    cfg = ModelConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        first_k_dense=hf.get("first_k_dense_replace", 0),
+        num_heads=hf["num_attention_heads"],
+        q_lora_rank=hf.get("q_lora_rank"),
+        kv_lora_rank=hf["kv_lora_rank"],
+        qk_nope_head_dim=hf["qk_nope_head_dim"],
+        qk_rope_head_dim=hf["qk_rope_head_dim"],
+        v_head_dim=hf["v_head_dim"],
+        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rope_scaling=yarn,
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        intermediate_size=hf["intermediate_size"],
+        moe_intermediate_size=hf["moe_intermediate_size"],
+        num_experts=hf["n_routed_experts"],
+        num_experts_per_tok=hf["num_experts_per_tok"],
+        num_shared_experts=hf.get("n_shared_experts") or 0,
+        n_group=hf.get("n_group") or 1,
+        topk_group=hf.get("topk_group") or 1,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        # DeepSeek's MTP layers use another block structure; MTP heads are trained from scratch.
+        num_mtp_layers=0,
+    )
+    cfg = dataclasses.replace(cfg, **overrides)
+    validate_model(cfg)
+    return cfg
+
+
+class _Tensors:
+    """HF tensors that records which names were consumed."""
+
+    def __init__(self, tensors: dict[str, np.ndarray]):
+        self._tensors = tensors
+        self.used: set[str] = set()
+
+    def __call__(self, name: str) -> np.ndarray:
+        if name not in self._tensors:
+            raise CheckpointMismatchError(f"checkpoint lacks tensor {name!r}")
+        self.used.add(name)
+        return np.asarray(self._tensors[name], np.float32)
+
+    def unused(self) -> list[str]:
+        return sorted(set(self._tensors) - self.used)
+
+
+def _linear(w_out_in: np.ndarray) -> np.ndarray:
+    """HF Linear weights are [out, in]; ours are [in, out]."""
+    return w_out_in.T
+
+
+def _attention(get: _Tensors, prefix: str, cfg: ModelConfig) -> dict:
+    h = cfg.num_heads
+    a = {}
+    if cfg.q_lora_rank is None:
+        a["q_proj"] = _linear(get(prefix + "q_proj.weight")).reshape(cfg.hidden_size, h, -1)
+    else:
+        a["q_a_proj"] = _linear(get(prefix + "q_a_proj.weight"))
+        a["q_a_norm"] = {"scale": get(prefix + "q_a_layernorm.weight")}
+        a["q_b_proj"] = _linear(get(prefix + "q_b_proj.weight")).reshape(cfg.q_lora_rank, h, -1)
+    a["kv_a_proj"] = _linear(get(prefix + "kv_a_proj_with_mqa.weight"))
+    a["kv_a_norm"] = {"scale": get(prefix + "kv_a_layernorm.weight")}
+    a["kv_b_proj"] = _linear(get(prefix + "kv_b_proj.weight")).reshape(cfg.kv_lora_rank, h, -1)
+    a["o_proj"] = _linear(get(prefix + "o_proj.weight")).reshape(h, cfg.v_head_dim, -1)
+    return a
+
+
+def _swiglu(get: _Tensors, prefix: str) -> dict:
+    return {name: _linear(get(f"{prefix}{name}_proj.weight")) for name in ("gate", "up", "down")}
+
+
+def _layer(get: _Tensors, index: int, cfg: ModelConfig) -> dict:
+    prefix = f"model.layers.{index}."
+    layer = {
+        "attn_norm": {"scale": get(prefix + "input_layernorm.weight")},
+        "attn": _attention(get, prefix + "self_attn.", cfg),
+        "mlp_norm": {"scale": get(prefix + "post_attention_layernorm.weight")},
+    }
+    mlp = prefix + "mlp."
+    if index < cfg.first_k_dense:
+        layer["mlp"] = _swiglu(get, mlp)
+        return layer
+    experts = [_swiglu(get, f"{mlp}experts.{e}.") for e in range(cfg.num_experts)]
+    layer["mlp"] = {
+        "router": _linear(get(mlp + "gate.weight")),
+        "expert_bias": get(mlp + "gate.e_score_correction_bias"),
+        **{name: np.stack([e[name] for e in experts]) for name in ("gate", "up", "down")},
+    }
+    if cfg.num_shared_experts:
+        layer["mlp"]["shared"] = _swiglu(get, mlp + "shared_experts.")
+    return layer
+
+
+def _stack(layers: list[dict]) -> dict:
+    return jax.tree.map(lambda *xs: np.stack(xs), *layers)
+
+
+def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
+    """Pure-dict model state (params and expert biases) from HF-named tensors."""
+    get = _Tensors(tensors)
+    state = {
+        "embed": get("model.embed_tokens.weight"),
+        "final_norm": {"scale": get("model.norm.weight")},
+        "lm_head": _linear(get("lm_head.weight")),
+    }
+    if cfg.first_k_dense:
+        state["dense_layers"] = _stack([_layer(get, i, cfg) for i in range(cfg.first_k_dense)])
+    if cfg.num_moe_layers:
+        state["moe_layers"] = _stack(
+            [_layer(get, i, cfg) for i in range(cfg.first_k_dense, cfg.num_layers)]
+        )
+    mtp_prefixes = tuple(f"model.layers.{i}." for i in range(cfg.num_layers, cfg.num_layers + 8))
+    unused = [
+        n
+        for n in get.unused()
+        if not n.startswith(mtp_prefixes) and not n.endswith("rotary_emb.inv_freq")
+    ]
+    if unused:
+        raise CheckpointMismatchError(
+            f"checkpoint tensors the model has no place for: "
+            f"{unused[:8]}{' ...' if len(unused) > 8 else ''}"
+        )
+    return state
+
+
+def load_hf_checkpoint(
+    path: str | os.PathLike, dtype: str = "float32", param_dtype: str = "float32"
+) -> Transformer:
+    """A ready-to-run model from an HF DeepSeek-V3-format folder (config.json + safetensors)."""
+    hf_config, tensors = read_hf_checkpoint(path)
+    cfg = config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype)
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    expected = nnx.to_pure_dict(state)
+    loaded = params_from_hf(tensors, cfg)
+    expected_paths = {
+        jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(expected)
+    }
+    loaded_paths = {
+        jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(loaded)
+    }
+    missing = sorted(set(expected_paths) - set(loaded_paths))
+    if missing:
+        raise CheckpointMismatchError(f"model parameters not found in the checkpoint: {missing}")
+    for key, spec in expected_paths.items():
+        if tuple(loaded_paths[key].shape) != tuple(spec.shape):
+            raise CheckpointMismatchError(
+                f"parameter {key}: checkpoint gives shape {loaded_paths[key].shape}, "
+                f"the config implies {spec.shape}"
+            )
+    typed = jax.tree.map(lambda x, spec: np.asarray(x, spec.dtype), loaded, expected)
+    nnx.replace_by_pure_dict(state, typed)
+    return nnx.merge(graphdef, state)

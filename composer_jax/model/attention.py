@@ -1,0 +1,119 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3).
+
+Keys and values are compressed into a per-token latent (kv_lora_rank, RMS-normed) plus one rotary
+key part shared by every head. The forward pass is split at the latent so that context parallelism
+can all-gather just the latents, and an inference KV cache can store just the latents.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from composer_jax.config import ModelConfig
+from composer_jax.model import rope
+from composer_jax.model.layers import RMSNorm, fan_in_param
+
+_MASKED = -1e30
+# DeepSeek-V3 normalises the q and kv latents with a fixed epsilon, not rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+class MLA(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, h, pdt = cfg.hidden_size, cfg.num_heads, cfg.param_dtype
+        if cfg.q_lora_rank is None:
+            self.q_proj = fan_in_param(
+                rngs, (d, h, cfg.qk_head_dim), ("embed", "heads", "head_dim"), d, pdt
+            )
+        else:
+            r = cfg.q_lora_rank
+            self.q_a_proj = fan_in_param(rngs, (d, r), ("embed", "q_lora"), d, pdt)
+            self.q_a_norm = RMSNorm(r, LATENT_NORM_EPS, "q_lora", pdt)
+            self.q_b_proj = fan_in_param(
+                rngs, (r, h, cfg.qk_head_dim), ("q_lora", "heads", "head_dim"), r, pdt
+            )
+        self.kv_a_proj = fan_in_param(
+            rngs, (d, cfg.kv_lora_rank + cfg.qk_rope_head_dim), ("embed", "kv_lora"), d, pdt
+        )
+        self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, "kv_lora", pdt)
+        self.kv_b_proj = fan_in_param(
+            rngs,
+            (cfg.kv_lora_rank, h, cfg.qk_nope_head_dim + cfg.v_head_dim),
+            ("kv_lora", "heads", "head_dim"),
+            cfg.kv_lora_rank,
+            pdt,
+        )
+        self.o_proj = fan_in_param(
+            rngs, (h, cfg.v_head_dim, d), ("heads", "head_dim", "embed"), h * cfg.v_head_dim, pdt
+        )
+
+    def queries(
+        self, x_BTD: jax.Array, cos: jax.Array, sin: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """(q_nope [B,T,H,nope], q_rope [B,T,H,rope]) with RoPE applied."""
+        dt = x_BTD.dtype
+        if self.cfg.q_lora_rank is None:
+            q = jnp.einsum("btd,dhk->bthk", x_BTD, self.q_proj[...].astype(dt))
+        else:
+            c = self.q_a_norm(x_BTD @ self.q_a_proj[...].astype(dt))
+            q = jnp.einsum("btr,rhk->bthk", c, self.q_b_proj[...].astype(dt))
+        q_nope, q_rope = jnp.split(q, [self.cfg.qk_nope_head_dim], axis=-1)
+        return q_nope, rope.apply_rope(q_rope, cos, sin)
+
+    def latents(
+        self, x_BTD: jax.Array, cos: jax.Array, sin: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """(normed kv latent [B,T,R], rotary key [B,T,rope]): all a KV cache or CP exchange needs."""
+        dt = x_BTD.dtype
+        kv = x_BTD @ self.kv_a_proj[...].astype(dt)
+        c_kv, k_rope = jnp.split(kv, [self.cfg.kv_lora_rank], axis=-1)
+        return self.kv_a_norm(c_kv), rope.apply_rope(k_rope, cos, sin)
+
+    def attend(
+        self,
+        q_nope: jax.Array,
+        q_rope: jax.Array,
+        c_kv_BSR: jax.Array,
+        k_rope_BSK: jax.Array,
+        mask_BTS: jax.Array,
+    ) -> jax.Array:
+        """Attention of T queries over S latent tokens, projected back to the model width."""
+        cfg, dt = self.cfg, q_nope.dtype
+        kv = jnp.einsum("bsr,rhk->bshk", c_kv_BSR, self.kv_b_proj[...].astype(dt))
+        k_nope, v = jnp.split(kv, [cfg.qk_nope_head_dim], axis=-1)
+        scores = jnp.einsum(
+            "bthk,bshk->bhts", q_nope, k_nope, preferred_element_type=jnp.float32
+        ) + jnp.einsum("bthk,bsk->bhts", q_rope, k_rope_BSK, preferred_element_type=jnp.float32)
+        scores = scores * rope.softmax_scale(cfg)
+        scores = jnp.where(mask_BTS[:, None], scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        out = jnp.einsum("bhts,bshk->bthk", probs, v)
+        return jnp.einsum("bthk,hkd->btd", out, self.o_proj[...].astype(dt))
+
+    def __call__(
+        self, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array
+    ) -> jax.Array:
+        cos, sin = rope.rope_tables(positions_BT, self.cfg)
+        q_nope, q_rope = self.queries(x_BTD, cos, sin)
+        c_kv, k_rope = self.latents(x_BTD, cos, sin)
+        mask = attention_mask(segment_ids_BT, positions_BT, segment_ids_BT, positions_BT)
+        return self.attend(q_nope, q_rope, c_kv, k_rope, mask)
+
+
+def attention_mask(
+    q_segments_BT: jax.Array,
+    q_positions_BT: jax.Array,
+    k_segments_BS: jax.Array,
+    k_positions_BS: jax.Array,
+) -> jax.Array:
+    """Causal within a document: key s is visible to query t iff same segment and pos_s <= pos_t.
+
+    Defined by positions rather than array order, so it stays right when context parallelism
+    reorders the sequence, and attention never crosses packed documents.
+    """
+    same_doc = q_segments_BT[:, :, None] == k_segments_BS[:, None, :]
+    causal = k_positions_BS[:, None, :] <= q_positions_BT[:, :, None]
+    return same_doc & causal

@@ -1,0 +1,108 @@
+"""Orbax checkpoints of the whole training state plus JSON metadata (phase, data iterator state).
+
+The train state is saved as a flat {tree path: array} mapping, so any pytree node type (NNX state,
+optax states) round-trips, and a restore can name exactly which tensors a bad checkpoint lacks.
+Saves are asynchronous: training continues while the previous step is written.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or does not match the model being trained."""
+
+
+def _key_name(path) -> str:
+    """A storage-safe name for a tree path: its entries joined by '__'."""
+    parts = []
+    for entry in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(entry, attr):
+                parts.append(re.sub(r"[^A-Za-z0-9_]", "_", str(getattr(entry, attr))))
+                break
+    return "__".join(parts)
+
+
+def _flatten(tree) -> tuple[dict[str, Any], Any]:
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    flat = {_key_name(path): leaf for path, leaf in leaves}
+    if len(flat) != len(leaves):
+        raise CheckpointError("two state entries map to the same checkpoint name")
+    return flat, treedef
+
+
+class Checkpointer:
+    def __init__(self, directory: str, max_to_keep: int, async_save: bool = True):
+        self.directory = os.path.abspath(directory)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save
+        )
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=options,
+            item_handlers={
+                "state": ocp.StandardCheckpointHandler(),
+                "metadata": ocp.JsonCheckpointHandler(),
+            },
+        )
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def save(self, step: int, state: Any, metadata: dict) -> None:
+        flat, _ = _flatten(state)
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(flat), metadata=ocp.args.JsonSave(metadata)
+            ),
+        )
+
+    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+        """Restores into the structure, shapes and shardings of `abstract_state`."""
+        target, treedef = _flatten(abstract_state)
+        try:
+            stored = self._manager.item_metadata(step)["state"]
+        except Exception as e:  # Orbax raises several types for unreadable folders.
+            raise CheckpointError(f"checkpoint {self.directory}/{step} is unreadable: {e}") from e
+        if stored is not None:
+            missing = sorted(set(target) - set(stored))
+            unexpected = sorted(set(stored) - set(target))
+            if missing or unexpected:
+                raise CheckpointError(
+                    f"checkpoint {self.directory}/{step} does not match the model: missing "
+                    f"{missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected "
+                    f"{unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+                )
+            for key, spec in target.items():
+                shape = tuple(getattr(stored[key], "shape", spec.shape))
+                if shape != tuple(spec.shape):
+                    raise CheckpointError(
+                        f"checkpoint tensor {key} has shape {shape}, "
+                        f"the model expects {tuple(spec.shape)}"
+                    )
+        try:
+            restored = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(target), metadata=ocp.args.JsonRestore()
+                ),
+            )
+        except Exception as e:
+            raise CheckpointError(f"failed to restore {self.directory}/{step}: {e}") from e
+        state = jax.tree_util.tree_unflatten(treedef, [restored["state"][k] for k in target])
+        return state, dict(restored["metadata"])
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()

@@ -1,0 +1,406 @@
+"""The continued-pretraining loop: phases, evaluation, metrics, checkpoints, resumption.
+
+A run is a pure function of (config, seed): the data order is seeded, the train state is restored
+bit-exactly with the data iterator's position, so a killed run that is started again continues with
+the same losses it would have had. A non-finite loss stops the run before anything bad is saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import signal
+import threading
+import time
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm.auto import tqdm
+
+from composer_jax import config as config_lib
+from composer_jax import data as data_lib
+from composer_jax import optim
+from composer_jax.model.layers import logical_axes_of
+from composer_jax.model.transformer import Transformer, param_rngs
+from composer_jax.parallel import batch_sharding, logical_sharding, make_mesh
+from composer_jax.train.checkpoint import Checkpointer, CheckpointError
+from composer_jax.train.metrics import MetricsWriter
+from composer_jax.train.step import TrainState, eval_step, init_train_state, split_model, train_step
+
+
+class NonFiniteLossError(FloatingPointError):
+    """Training produced a NaN/Inf loss or gradient; the last good checkpoint is kept."""
+
+
+@dataclasses.dataclass
+class PretrainResult:
+    final_step: int
+    eval_nll_start: float | None
+    eval_nll_end: float | None
+    workdir: str
+    interrupted: str | None = None  # the signal that stopped the run early, if any
+
+
+def state_shardings(abstract_state: TrainState, mesh) -> TrainState:
+    """Shardings for the whole train state from the parameters' logical axis names.
+
+    Optimizer-state subtrees shaped like the parameters (Adam moments) take the parameters'
+    shardings; everything else (counters) is replicated.
+    """
+    param_sh = logical_sharding(logical_axes_of(abstract_state.params), abstract_state.params, mesh)
+    buffer_sh = logical_sharding(
+        logical_axes_of(abstract_state.buffers), abstract_state.buffers, mesh
+    )
+    replicated = NamedSharding(mesh, P())
+    params_def = jax.tree.structure(abstract_state.params)
+
+    def like_params(subtree):
+        if jax.tree.structure(subtree) == params_def:
+            return param_sh
+        return jax.tree.map(lambda _: replicated, subtree)
+
+    opt_sh = jax.tree.map(
+        like_params, abstract_state.opt_state, is_leaf=lambda t: jax.tree.structure(t) == params_def
+    )
+    return TrainState(replicated, param_sh, buffer_sh, opt_sh)
+
+
+class _StopRequest:
+    """SIGTERM / SIGINT handler: the loop stops at the next step boundary and saves; a second
+    signal stops at once."""
+
+    def __init__(self):
+        self.signal: str | None = None
+        self._previous = {}
+
+    def __call__(self, signum, frame):
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class _Corpora:
+    """Train/eval corpora and the tokenizer, built once per run."""
+
+    def __init__(self, cfg: config_lib.ExperimentConfig):
+        root = cfg.data.corpus_root or data_lib.default_code_root()
+        self.tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
+        kwargs = dict(extensions=tuple(cfg.data.extensions), eval_fraction=cfg.data.eval_fraction)
+        self.train = data_lib.CodeCorpus(root, split="train", **kwargs)
+        self.eval = data_lib.CodeCorpus(root, split="eval", **kwargs)
+
+
+def _phase_bounds(cfg) -> list[tuple[int, int]]:
+    lengths = config_lib.phase_steps(cfg)
+    starts = np.cumsum([0] + lengths[:-1])
+    return [(int(s), int(s + n)) for s, n in zip(starts, lengths)]
+
+
+def _phase_of(step: int, bounds) -> int:
+    for i, (start, end) in enumerate(bounds):
+        if start <= step < end:
+            return i
+    return len(bounds) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSetup:
+    """Everything a run derives from its config before touching data or checkpoints."""
+
+    cfg: config_lib.ExperimentConfig
+    mesh: Mesh
+    bounds: list[tuple[int, int]]  # [start, end) steps of each phase
+    schedule: optax.Schedule
+    optimizer: optax.GradientTransformation
+    graphdef: nnx.GraphDef
+    abstract_state: TrainState  # ShapeDtypeStructs carrying their shardings
+    shardings: TrainState
+
+    def init_state(self) -> TrainState:
+        """A fresh, sharded train state (parameters initialised on device, never on host)."""
+        return jax.jit(self._init_fn, out_shardings=self.shardings)()
+
+    def _init_fn(self):
+        model = Transformer(self.cfg.model, param_rngs(self.cfg.seed))
+        return init_train_state(model, self.optimizer)
+
+
+def make_train_setup(cfg: config_lib.ExperimentConfig, mesh: Mesh | None = None) -> TrainSetup:
+    mesh = make_mesh(cfg.mesh) if mesh is None else mesh
+    bounds = _phase_bounds(cfg)
+    schedule = optim.learning_rate_schedule(
+        cfg.optim, cfg.steps, [e - s for s, e in bounds], [p.lr_scale for p in cfg.train.phases]
+    )
+    optimizer = optim.make_optimizer(cfg.optim, schedule)
+    model = nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0)))
+    graphdef, _, _ = split_model(model)
+    shapes = jax.eval_shape(
+        lambda: init_train_state(Transformer(cfg.model, nnx.Rngs(0)), optimizer)
+    )
+    shardings = state_shardings(shapes, mesh)
+    abstract = jax.tree.map(
+        lambda sharding, sub: jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), sub
+        ),
+        shardings,
+        shapes,
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+    return TrainSetup(cfg, mesh, bounds, schedule, optimizer, graphdef, abstract, shardings)
+
+
+def _initial_state(setup: TrainSetup) -> TrainState:
+    """Fresh state; with `init_from`, every pretrained tensor replaces its random initialisation
+    (MTP heads absent from the checkpoint keep theirs and are trained from scratch)."""
+    state = setup.init_state()
+    cfg = setup.cfg
+    if not cfg.init_from:
+        return state
+    from composer_jax import interop
+
+    pretrained = interop.load_hf_checkpoint(
+        cfg.init_from, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype
+    )
+    _check_same_architecture(cfg.model, pretrained.cfg)
+    loaded = nnx.to_pure_dict(nnx.state(pretrained))
+    params, buffers = nnx.to_pure_dict(state.params), nnx.to_pure_dict(state.buffers)
+    for path, value in jax.tree_util.tree_leaves_with_path(loaded):
+        keys = [entry.key for entry in path]
+        target = params if _has_path(params, keys) else buffers
+        node = target
+        for key in keys[:-1]:
+            node = node[key]
+        node[keys[-1]] = value
+    nnx.replace_by_pure_dict(state.params, params)
+    nnx.replace_by_pure_dict(state.buffers, buffers)
+    print(f"Initialised from {cfg.init_from}", flush=True)
+    return jax.device_put(state, setup.shardings)
+
+
+def _has_path(tree: dict, keys: list) -> bool:
+    for key in keys:
+        if not isinstance(tree, dict) or key not in tree:
+            return False
+        tree = tree[key]
+    return True
+
+
+# Fields that may differ between a pretrained checkpoint and the model trained from it.
+_FREE_FIELDS = {
+    "dtype",
+    "param_dtype",
+    "scan_layers",
+    "remat",
+    "num_mtp_layers",
+    "router_bias_update_rate",
+    "max_position_embeddings",
+}
+
+
+def _check_same_architecture(ours: config_lib.ModelConfig, theirs: config_lib.ModelConfig):
+    for field in dataclasses.fields(ours):
+        if field.name in _FREE_FIELDS:
+            continue
+        a, b = getattr(ours, field.name), getattr(theirs, field.name)
+        if a != b:
+            raise config_lib.ConfigError(
+                f"model.{field.name}: the config has {a!r} but the init_from checkpoint has {b!r}"
+            )
+
+
+def load_trained_model(workdir: str, step: int | None = None) -> tuple[Transformer, int]:
+    """The model of a training run's checkpoint (latest unless `step`), for evaluation."""
+    with open(os.path.join(workdir, "config.json")) as f:
+        cfg = config_lib.from_dict(config_lib.ExperimentConfig, json.load(f))
+    setup = make_train_setup(
+        cfg, make_mesh(dataclasses.replace(cfg.mesh, replica=1, fsdp=-1, cp=1))
+    )
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
+    try:
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no checkpoint in {ckpt.directory}")
+        state, _ = ckpt.restore(step, setup.abstract_state)
+    finally:
+        ckpt.close()
+    return nnx.merge(setup.graphdef, state.params, state.buffers), step
+
+
+def run_pretraining(cfg: config_lib.ExperimentConfig, progress: bool = True) -> PretrainResult:
+    """Trains (or resumes) the run described by `cfg` in `cfg.workdir`."""
+    config_lib.validate(cfg, jax.device_count())
+    if cfg.model.vocab_size < data_lib.get_tokenizer(cfg.data.tokenizer).vocab_size:
+        raise config_lib.ConfigError(
+            f"model.vocab_size: {cfg.model.vocab_size} is smaller than the "
+            f"{cfg.data.tokenizer!r} tokenizer's vocabulary"
+        )
+    setup = make_train_setup(cfg)
+    mesh, bounds = setup.mesh, setup.bounds
+    workdir = os.path.abspath(cfg.workdir)
+    is_main = jax.process_index() == 0
+    if is_main:
+        os.makedirs(workdir, exist_ok=True)
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            json.dump(config_lib.to_dict(cfg), f, indent=2)
+
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
+    resume_step = ckpt.latest_step()
+    data_position: dict = {}
+    if resume_step is None:
+        state = _initial_state(setup)
+    else:
+        state, data_position = ckpt.restore(resume_step, setup.abstract_state)
+        print(f"Resumed from {ckpt.directory}/{resume_step}", flush=True)
+
+    step_fn = jax.jit(
+        functools.partial(
+            train_step, setup.graphdef, setup.optimizer, cfg.model, cfg.train, setup.schedule
+        ),
+        in_shardings=(setup.shardings, batch_sharding(mesh)),
+        out_shardings=(setup.shardings, NamedSharding(mesh, P())),
+        donate_argnums=0,
+    )
+    eval_fn = jax.jit(functools.partial(eval_step, setup.graphdef))
+
+    corpora = _Corpora(cfg)
+    eval_batches = _eval_batches(cfg, corpora, mesh)
+    writer = MetricsWriter(workdir, resume_step, is_writer=is_main)
+
+    def evaluate(step: int) -> float:
+        totals = [eval_fn(state, b) for b in eval_batches]
+        tokens = sum(int(t["tokens"]) for t in totals)
+        nll = sum(float(t["nll_sum"]) for t in totals) / max(tokens, 1)
+        writer.write(step, {"eval_nll": nll})
+        return nll
+
+    step = int(state.step)
+    eval_start = evaluate(step) if step == 0 else None
+    eval_end = None
+    if eval_start is not None:
+        print(f"step {step}: eval NLL {eval_start:.4f} nats/token", flush=True)
+
+    bar = tqdm(
+        total=cfg.steps,
+        initial=step,
+        disable=not (progress and is_main),
+        desc="pretrain",
+        dynamic_ncols=True,
+    )
+    last_saved = resume_step
+    interrupted = None
+    try:
+        with _StopRequest() as stop:
+            while step < cfg.steps and stop.signal is None:
+                phase_index = _phase_of(step, bounds)
+                phase = cfg.train.phases[phase_index]
+                iterator = _make_iterator(cfg, corpora, phase_index)
+                if data_position.get("phase") == phase_index and data_position.get("iterator"):
+                    data_lib.restore_iterator_from_json(iterator, data_position["iterator"])
+                data_position = {}
+                bar.set_description(f"pretrain[{phase.name}]")
+                phase_end = bounds[phase_index][1]
+                t0, logged_at = time.perf_counter(), step
+                while step < phase_end and stop.signal is None:
+                    state, metrics = step_fn(state, _global_batch(next(iterator), mesh))
+                    step += 1
+                    _check_finite(metrics, step, ckpt, last_saved)
+                    bar.update(1)
+                    if step % cfg.train.log_every == 0 or step == phase_end:
+                        seconds = (time.perf_counter() - t0) / (step - logged_at)
+                        record = writer.write(
+                            step, {**metrics, "phase": phase_index, "seconds_per_step": seconds}
+                        )
+                        bar.set_postfix(loss=f"{record['loss']:.3f}")
+                        t0, logged_at = time.perf_counter(), step
+                    if step % cfg.train.eval_every == 0 or step == cfg.steps:
+                        eval_end = evaluate(step)
+                    if (
+                        step % cfg.train.checkpoint_every == 0
+                        or step == phase_end
+                        or (stop.signal is not None and last_saved != step)
+                    ):
+                        _save(ckpt, step, state, phase_index, iterator, step == phase_end)
+                        last_saved = step
+            interrupted = stop.signal
+    finally:
+        bar.close()
+        ckpt.close()
+        writer.close()
+    if interrupted:
+        print(f"Stopped by {interrupted}; step {step} is saved in {ckpt.directory}", flush=True)
+    elif eval_start is not None and eval_end is not None:
+        print(f"eval NLL: start {eval_start:.4f} -> end {eval_end:.4f} nats/token", flush=True)
+    return PretrainResult(step, eval_start, eval_end, workdir, interrupted)
+
+
+def _check_finite(metrics: dict, step: int, ckpt: Checkpointer, last_saved: int | None) -> None:
+    loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+    if not (np.isfinite(loss) and np.isfinite(grad_norm)):
+        raise NonFiniteLossError(
+            f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at step {step}; stopping. "
+            f"The last good checkpoint is {ckpt.directory}/{last_saved}"
+        )
+
+
+def _save(
+    ckpt: Checkpointer, step: int, state: TrainState, phase_index: int, iterator, phase_done: bool
+) -> None:
+    """Saves the state with the data position; a finished phase's iterator is not needed again."""
+    position = {
+        "phase": phase_index,
+        "iterator": None if phase_done else data_lib.iterator_state_to_json(iterator),
+    }
+    ckpt.save(step, state, position)
+
+
+def _make_iterator(cfg, corpora: _Corpora, phase_index: int):
+    phase = cfg.train.phases[phase_index]
+    return data_lib.make_pretrain_iterator(
+        corpora.train,
+        corpora.tokenizer,
+        seq_len=phase.seq_len,
+        batch_size=phase.batch_size // jax.process_count(),
+        seed=cfg.seed * 1000 + phase_index,
+        shard_index=jax.process_index(),
+        shard_count=jax.process_count(),
+    )
+
+
+def _eval_batches(cfg, corpora: _Corpora, mesh) -> list[dict]:
+    """A fixed held-out set at the first phase's shape, so eval NLL is comparable across the run."""
+    phase = cfg.train.phases[0]
+    it = data_lib.make_pretrain_iterator(
+        corpora.eval,
+        corpora.tokenizer,
+        seq_len=phase.seq_len,
+        batch_size=phase.batch_size // jax.process_count(),
+        seed=12345,
+        shard_index=jax.process_index(),
+        shard_count=jax.process_count(),
+    )
+    return [_global_batch(next(it), mesh) for _ in range(cfg.train.eval_batches)]
+
+
+def _global_batch(local: dict, mesh) -> dict:
+    """Assembles each process's rows into one global array sharded over (replica, fsdp) x cp."""
+    sharding = batch_sharding(mesh)
+    return {
+        k: jax.make_array_from_process_local_data(sharding, np.asarray(local[k], np.int32))
+        for k in ("tokens", "segment_ids", "positions")
+    }

@@ -1,0 +1,135 @@
+"""The pretraining step: next-token cross-entropy + MTP loss, AdamW update, router balance update.
+
+Everything here is a pure function of (TrainState, batch); `make_train_step` adds the jit with
+explicit shardings. Batches are dicts of [B, T] int32 arrays: tokens, segment_ids (0 = padding),
+positions (restart at 0 per packed document). Targets are derived here: token t+1 is a target of
+position t only inside the same document.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from composer_jax.config import ModelConfig, TrainConfig
+from composer_jax.model.moe import ExpertBias, update_expert_bias
+from composer_jax.model.transformer import Transformer
+
+Batch = dict[str, jax.Array]
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    params: nnx.State  # fp32 master weights (nnx.Param)
+    buffers: nnx.State  # non-trainable state: expert routing biases
+    opt_state: Any
+
+
+def split_model(m: Transformer) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """(graphdef, params, buffers): the static structure and the two kinds of state."""
+    return nnx.split(m, nnx.Param, ExpertBias)
+
+
+def init_train_state(m: Transformer, optimizer: optax.GradientTransformation) -> TrainState:
+    _, params, buffers = split_model(m)
+    return TrainState(jnp.zeros((), jnp.int32), params, buffers, optimizer.init(params))
+
+
+def shift_targets(
+    tokens_BT: jax.Array, segment_ids_BT: jax.Array, shift: int
+) -> tuple[jax.Array, jax.Array]:
+    """Targets tokens[t+shift] and a mask true where that token belongs to position t's document."""
+    T = tokens_BT.shape[1]
+    targets = jnp.roll(tokens_BT, -shift, axis=1)
+    same_doc = jnp.roll(segment_ids_BT, -shift, axis=1) == segment_ids_BT
+    in_range = jnp.arange(T) < T - shift
+    return targets, same_doc & in_range & (segment_ids_BT > 0)
+
+
+def token_cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    log_z = jax.nn.logsumexp(logits_BTV, axis=-1)
+    picked = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    return log_z - picked
+
+
+def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(mask.sum(), 1)
+
+
+def pretrain_loss(
+    m: Transformer, batch: Batch, cfg: TrainConfig
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Cross-entropy of the main head plus `mtp_weight` x mean MTP loss over depths."""
+    tokens, segments = batch["tokens"], batch["segment_ids"]
+    out = m(tokens, batch["positions"], segments)
+    logits = m.logits(out.hidden_BTD)
+    targets, mask = shift_targets(tokens, segments, 1)
+    ce = _masked_mean(token_cross_entropy(logits, targets), mask)
+    metrics = {
+        "ce": ce,
+        "tokens": mask.sum().astype(jnp.float32),
+        "expert_load": out.expert_load_LE,
+    }
+    loss = ce
+    if out.mtp_hidden_DBTD is not None:
+        teacher_logp = jax.nn.log_softmax(jax.lax.stop_gradient(logits), axis=-1)
+        mtp_losses = []
+        for depth_index, h in enumerate(out.mtp_hidden_DBTD):
+            depth = depth_index + 1
+            student_logits = m.head(h)
+            mtp_targets, mtp_mask = shift_targets(tokens, segments, 1 + depth)
+            if cfg.mtp_loss == "ce":
+                per_token = token_cross_entropy(student_logits, mtp_targets)
+            else:  # KL(main head at t+depth || MTP head at t): both predict token t+1+depth.
+                teacher = jnp.roll(teacher_logp, -depth, axis=1)
+                student = jax.nn.log_softmax(student_logits, axis=-1)
+                per_token = jnp.sum(jnp.exp(teacher) * (teacher - student), axis=-1)
+            mtp_losses.append(_masked_mean(per_token, mtp_mask))
+        mtp = jnp.mean(jnp.stack(mtp_losses))
+        metrics["mtp"] = mtp
+        loss = loss + cfg.mtp_weight * mtp
+    metrics["loss"] = loss
+    return loss, metrics
+
+
+def train_step(
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    model_cfg: ModelConfig,
+    train_cfg: TrainConfig,
+    schedule: optax.Schedule,
+    state: TrainState,
+    batch: Batch,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    def loss_fn(params):
+        m = nnx.merge(graphdef, params, state.buffers)
+        return pretrain_loss(m, batch, train_cfg)
+
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+
+    load = metrics.pop("expert_load")
+    buffers = state.buffers
+    if load.shape[0]:
+        bias = buffers["moe_layers"]["mlp"]["expert_bias"]
+        bias[...] = update_expert_bias(bias[...], load, model_cfg.router_bias_update_rate)
+        metrics["expert_load_max_over_mean"] = jnp.max(
+            load / jnp.maximum(load.mean(-1, keepdims=True), 1e-9)
+        )
+    metrics["grad_norm"] = optax.tree_utils.tree_norm(grads)
+    metrics["lr"] = schedule(state.step)
+    return TrainState(state.step + 1, params, buffers, opt_state), metrics
+
+
+def eval_step(graphdef: nnx.GraphDef, state: TrainState, batch: Batch) -> dict[str, jax.Array]:
+    """Summed next-token NLL and token count of the main head (no MTP), for held-out data."""
+    m = nnx.merge(graphdef, state.params, state.buffers)
+    out = m(batch["tokens"], batch["positions"], batch["segment_ids"], with_mtp=False)
+    targets, mask = shift_targets(batch["tokens"], batch["segment_ids"], 1)
+    nll = token_cross_entropy(m.logits(out.hidden_BTD), targets)
+    return {"nll_sum": jnp.sum(jnp.where(mask, nll, 0.0)), "tokens": mask.sum()}

@@ -1,0 +1,57 @@
+r"""Codebase perplexity of a trained run (the report's base-model metric).
+
+  python -m launch.eval --workdir=runs/tiny [--eval_dir=path/to/code] [--window=256 --stride=128]
+
+Concatenates the directory's source files in alphabetical order and scores them with rolling
+windows; prints total NLL, bits per byte and perplexity. Defaults to the standard library.
+"""
+
+import sys
+
+from absl import app, flags
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "A pretraining run's folder.", required=True)
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+_EVAL_DIR = flags.DEFINE_string("eval_dir", "", "Code to score (default: the standard library).")
+_WINDOW = flags.DEFINE_integer("window", 256, "Tokens per window.")
+_STRIDE = flags.DEFINE_integer("stride", 128, "New tokens scored per window.")
+_BATCH = flags.DEFINE_integer("batch_size", 8, "Windows per forward pass.")
+_MAX_BYTES = flags.DEFINE_integer("max_bytes", 200_000, "Score only this many bytes (0: all).")
+
+
+def main(argv):
+    del argv
+    from launch import runtime
+
+    runtime.initialize()
+    from composer_jax import config as config_lib
+    from composer_jax import data, model
+    from composer_jax.eval import codebase_perplexity
+    from composer_jax.train import CheckpointError
+    from composer_jax.train.loop import load_trained_model
+
+    try:
+        m, step = load_trained_model(_WORKDIR.value, _STEP.value)
+    except (CheckpointError, config_lib.ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    root = _EVAL_DIR.value or data.default_code_root()
+    result = codebase_perplexity(
+        lambda tokens: model.compute_logits(m, tokens),
+        data.get_tokenizer("byte"),
+        root,
+        window=_WINDOW.value,
+        stride=_STRIDE.value,
+        batch_size=_BATCH.value,
+        max_bytes=_MAX_BYTES.value or None,
+        progress=True,
+    )
+    print(
+        f"{_WORKDIR.value} step {step} on {root}: total NLL {result.total_nll:.1f} nats over "
+        f"{result.num_tokens} tokens ({result.num_bytes} bytes); {result.bits_per_byte:.4f} "
+        f"bits/byte; perplexity {result.perplexity:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    app.run(main)

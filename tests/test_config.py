@@ -1,0 +1,100 @@
+"""Config conversion and validation: bad values fail before compilation, naming the field."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from composer_jax import config as C
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("name", sorted(C.PRESETS))
+def test_presets_validate_and_roundtrip(name):
+    cfg = C.PRESETS[name]()
+    C.validate(cfg)
+    as_dict = ml_collections.ConfigDict(C.to_dict(cfg))
+    assert C.from_dict(C.ExperimentConfig, as_dict) == cfg
+    assert sum(C.phase_steps(cfg)) == cfg.steps
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("num_experts_per_tok", 9, "model.num_experts_per_tok"),
+        ("n_group", 3, "model.n_group"),
+        ("topk_group", 2, "model.topk_group"),
+        ("qk_rope_head_dim", 5, "model.qk_rope_head_dim"),
+        ("first_k_dense", 5, "model.first_k_dense"),
+        ("dtype", "float8", "model.dtype"),
+    ],
+)
+def test_bad_model_values_name_the_field(field, value, message):
+    model = dataclasses.replace(C.tiny().model, **{field: value})
+    with pytest.raises(C.ConfigError, match=message.replace(".", r"\.")):
+        C.validate(dataclasses.replace(C.tiny(), model=model))
+
+
+def test_group_limited_topk_must_be_reachable():
+    model = dataclasses.replace(
+        C.tiny().model, num_experts=8, n_group=4, topk_group=1, num_experts_per_tok=3
+    )
+    with pytest.raises(C.ConfigError, match="topk_group"):
+        C.validate_model(model)
+
+
+def test_unknown_and_mistyped_fields():
+    data = C.to_dict(C.tiny())
+    data["model"]["num_layerz"] = 3
+    with pytest.raises(C.ConfigError, match=r"config\.model\.num_layerz"):
+        C.from_dict(C.ExperimentConfig, data)
+    data = C.to_dict(C.tiny())
+    data["train"]["phases"][1]["seq_len"] = "long"
+    with pytest.raises(C.ConfigError, match=r"config\.train\.phases\[1\]\.seq_len"):
+        C.from_dict(C.ExperimentConfig, data)
+
+
+def test_mesh_and_batch_must_fit_devices():
+    assert C.mesh_shape(C.MeshConfig(replica=2, fsdp=-1, cp=2), 8) == {
+        "replica": 2,
+        "fsdp": 2,
+        "cp": 2,
+    }
+    with pytest.raises(C.ConfigError, match="mesh.fsdp"):
+        C.mesh_shape(C.MeshConfig(replica=3, fsdp=-1), 8)
+    cfg = dataclasses.replace(C.tiny(), mesh=C.MeshConfig(fsdp=-1))
+    phases = (C.PhaseConfig("main", 1.0, seq_len=64, batch_size=12),)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, phases=phases))
+    with pytest.raises(C.ConfigError, match=r"train\.phases\[0\]\.batch_size"):
+        C.validate(cfg, num_devices=8)
+
+
+def test_phase_fractions_must_sum_to_one():
+    phases = (C.PhaseConfig("a", 0.5), C.PhaseConfig("b", 0.4))
+    cfg = dataclasses.replace(C.tiny(), train=dataclasses.replace(C.tiny().train, phases=phases))
+    with pytest.raises(C.ConfigError, match="train.phases"):
+        C.validate(cfg)
+
+
+def test_cli_rejects_bad_override_before_compiling(tmp_path):
+    """The entry point exits with a message naming the field, without building the model."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.pretrain",
+            "--config.model.num_experts_per_tok=99",
+            f"--config.workdir={tmp_path}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert "model.num_experts_per_tok" in out.stderr
+    assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))

@@ -1,0 +1,147 @@
+"""The pretraining loop end to end: resumption after a kill, non-finite stops, bad checkpoints."""
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from composer_jax import interop
+from composer_jax.config import ConfigError
+from composer_jax.model import init_model
+from composer_jax.train import (
+    CheckpointError,
+    NonFiniteLossError,
+    loop,
+    read_metrics,
+    run_pretraining,
+)
+from tests.train.helpers import make_corpus, tiny_experiment
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return make_corpus(str(tmp_path_factory.mktemp("corpus")))
+
+
+def _losses(workdir):
+    return {
+        m["step"]: m["loss"]
+        for m in read_metrics(os.path.join(workdir, "metrics.jsonl"))
+        if "loss" in m
+    }
+
+
+def _config_file(path, workdir, corpus, steps):
+    path.write_text(
+        textwrap.dedent(f"""
+        import ml_collections
+        from composer_jax import config
+        from tests.train.helpers import tiny_experiment
+
+        def get_config():
+            cfg = tiny_experiment({str(workdir)!r}, {corpus!r}, steps={steps})
+            return ml_collections.ConfigDict(config.to_dict(cfg))
+    """)
+    )
+    return str(path)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killed_run_resumes_with_identical_losses(tmp_path, corpus, sig):
+    """SIGKILL: resume from the last periodic save. SIGTERM: the run saves where it stops."""
+    steps = 10
+    reference = run_pretraining(tiny_experiment(str(tmp_path / "ref"), corpus, steps), False)
+    assert reference.eval_nll_end < reference.eval_nll_start
+    want = _losses(tmp_path / "ref")
+    assert sorted(want) == list(range(1, steps + 1))
+
+    workdir = tmp_path / "killed"
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.pretrain",
+        "--noprogress",
+        "--config=" + _config_file(tmp_path / "cfg.py", workdir, corpus, steps),
+    ]
+    env = dict(os.environ, PYTHONPATH=REPO)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    checkpoints = workdir / "checkpoints"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if checkpoints.exists() and any(d.isdigit() for d in os.listdir(checkpoints)):
+            break  # A finalised checkpoint exists; the run is somewhere after it.
+        time.sleep(0.02)
+    assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+    proc.send_signal(sig)
+    returncode = proc.wait()
+    killed_at = max(_losses(workdir))
+    assert killed_at < steps
+    if sig == signal.SIGTERM:
+        assert returncode == 128 + signal.SIGTERM
+        saved = [int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit()]
+        assert max(saved) == killed_at
+
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Resumed from" in done.stdout
+    got = _losses(workdir)
+    assert sorted(got) == list(range(1, steps + 1))
+    assert got == want  # Bit-identical: same data position, same state.
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, corpus, monkeypatch):
+    real_step = loop.train_step
+
+    def poisoned_step(*args):
+        state, metrics = real_step(*args)
+        metrics["loss"] = jnp.where(state.step >= 5, jnp.nan, metrics["loss"])
+        return state, metrics
+
+    monkeypatch.setattr(loop, "train_step", poisoned_step)
+    cfg = tiny_experiment(str(tmp_path / "nan"), corpus, steps=10)
+    with pytest.raises(NonFiniteLossError, match=r"at step 5.*checkpoints/3"):
+        run_pretraining(cfg, progress=False)
+    saved = sorted(int(d) for d in os.listdir(tmp_path / "nan" / "checkpoints") if d.isdigit())
+    assert saved == [3]
+
+
+def test_init_from_pretrained_checkpoint(tmp_path, corpus):
+    """A fresh run takes every weight of an HF-format checkpoint; MTP heads stay fresh."""
+    cfg = tiny_experiment(str(tmp_path / "run"), corpus, steps=2)
+    pretrained = init_model(dataclasses.replace(cfg.model, num_mtp_layers=0), seed=11)
+    interop.export_hf_checkpoint(pretrained, tmp_path / "hf")
+    cfg = dataclasses.replace(cfg, init_from=str(tmp_path / "hf"))
+    state = loop._initial_state(loop.make_train_setup(cfg))
+    fresh = loop.make_train_setup(dataclasses.replace(cfg, init_from="")).init_state()
+    want = nnx.to_pure_dict(nnx.state(pretrained))
+    got = nnx.to_pure_dict(state.params)
+    np.testing.assert_array_equal(got["embed"], want["embed"])
+    np.testing.assert_array_equal(
+        got["moe_layers"]["mlp"]["gate"], want["moe_layers"]["mlp"]["gate"]
+    )
+    np.testing.assert_array_equal(
+        got["mtp"][0]["proj"], nnx.to_pure_dict(fresh.params)["mtp"][0]["proj"]
+    )
+    other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_heads=4))
+    with pytest.raises(ConfigError, match="model.num_heads"):
+        loop._initial_state(loop.make_train_setup(other))
+
+
+def test_mismatched_checkpoint_is_reported(tmp_path, corpus):
+    cfg = tiny_experiment(str(tmp_path / "run"), corpus, steps=3)
+    run_pretraining(cfg, progress=False)
+    wider = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, kv_lora_rank=8), steps=6)
+    with pytest.raises(CheckpointError, match="kv_a"):
+        run_pretraining(wider, progress=False)

@@ -1,0 +1,169 @@
+"""The pretraining loss against numpy references, and the sharded step against one device."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from composer_jax import config as config_lib
+from composer_jax import optim
+from composer_jax.model import init_model
+from composer_jax.parallel import batch_sharding, make_mesh
+from composer_jax.train import step as S
+from composer_jax.train.loop import state_shardings
+
+
+def _model_cfg(**kw):
+    return dataclasses.replace(
+        config_lib.tiny().model,
+        hidden_size=32,
+        num_heads=2,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        dtype="float32",
+        **kw,
+    )
+
+
+def _packed_batch(rng, B=8, T=24, vocab=259):
+    """Rows of 1-3 random documents each, plus right padding in some rows."""
+    tokens = rng.integers(0, vocab, (B, T)).astype(np.int32)
+    segments = np.zeros((B, T), np.int32)
+    positions = np.zeros((B, T), np.int32)
+    for b in range(B):
+        cuts = np.sort(rng.choice(np.arange(2, T - 2), rng.integers(0, 3), replace=False))
+        end = T - rng.integers(0, 5)
+        bounds = [0, *cuts, end]
+        for s, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            segments[b, lo:hi] = s + 1
+            positions[b, lo:hi] = np.arange(hi - lo)
+    return {"tokens": tokens, "segment_ids": segments, "positions": positions}
+
+
+def _log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_shift_targets_matches_reference():
+    rng = np.random.default_rng(0)
+    batch = _packed_batch(rng)
+    for shift in (1, 2, 3):
+        targets, mask = S.shift_targets(
+            jnp.asarray(batch["tokens"]), jnp.asarray(batch["segment_ids"]), shift
+        )
+        seg = batch["segment_ids"]
+        B, T = seg.shape
+        for b in range(B):
+            for t in range(T):
+                ok = t + shift < T and seg[b, t] > 0 and seg[b, t + shift] == seg[b, t]
+                assert bool(mask[b, t]) == ok
+                if ok:
+                    assert int(targets[b, t]) == batch["tokens"][b, t + shift]
+
+
+@pytest.mark.parametrize("mtp_loss", ["distill", "ce"])
+def test_pretrain_loss_matches_numpy(mtp_loss):
+    cfg = _model_cfg(num_mtp_layers=2)
+    m = init_model(cfg, seed=1)
+    batch = _packed_batch(np.random.default_rng(2))
+    train_cfg = dataclasses.replace(config_lib.TrainConfig(), mtp_loss=mtp_loss, mtp_weight=0.7)
+    loss, metrics = S.pretrain_loss(m, {k: jnp.asarray(v) for k, v in batch.items()}, train_cfg)
+
+    out = m(
+        jnp.asarray(batch["tokens"]),
+        jnp.asarray(batch["positions"]),
+        jnp.asarray(batch["segment_ids"]),
+    )
+    main_logp = _log_softmax(np.asarray(m.logits(out.hidden_BTD), np.float64))
+    tokens, seg = batch["tokens"], batch["segment_ids"]
+    B, T = tokens.shape
+
+    def valid(b, t, shift):
+        return t + shift < T and seg[b, t] > 0 and seg[b, t + shift] == seg[b, t]
+
+    ce = [-main_logp[b, t, tokens[b, t + 1]] for b in range(B) for t in range(T) if valid(b, t, 1)]
+    np.testing.assert_allclose(metrics["ce"], np.mean(ce), rtol=1e-5)
+    depth_losses = []
+    for d, h in enumerate(out.mtp_hidden_DBTD, start=1):
+        student = _log_softmax(np.asarray(m.head(h), np.float64))
+        terms = []
+        for b in range(B):
+            for t in range(T):
+                if not valid(b, t, 1 + d):
+                    continue
+                if mtp_loss == "ce":
+                    terms.append(-student[b, t, tokens[b, t + 1 + d]])
+                else:
+                    teacher = main_logp[b, t + d]
+                    terms.append(np.sum(np.exp(teacher) * (teacher - student[b, t])))
+        depth_losses.append(np.mean(terms))
+    np.testing.assert_allclose(metrics["mtp"], np.mean(depth_losses), rtol=1e-5)
+    np.testing.assert_allclose(loss, np.mean(ce) + 0.7 * np.mean(depth_losses), rtol=1e-5)
+
+
+def _run_steps(cfg, mesh, batches):
+    train_cfg = config_lib.TrainConfig()
+    opt_cfg = config_lib.OptimizerConfig(warmup_steps=1)
+    schedule = optim.learning_rate_schedule(opt_cfg, 10)
+    optimizer = optim.make_optimizer(opt_cfg, schedule)
+    m = init_model(cfg, seed=3)
+    graphdef, _, _ = S.split_model(m)
+    state = S.init_train_state(m, optimizer)
+    shardings = state_shardings(jax.eval_shape(lambda: state), mesh)
+    state = jax.device_put(state, shardings)
+    step = jax.jit(
+        functools.partial(S.train_step, graphdef, optimizer, cfg, train_cfg, schedule),
+        in_shardings=(shardings, batch_sharding(mesh)),
+    )
+    losses = []
+    for b in batches:
+        state, metrics = step(state, jax.device_put(b, batch_sharding(mesh)))
+        losses.append(float(metrics["loss"]))
+    return losses, state
+
+
+def test_sharded_train_step_equals_single_device():
+    """FSDP over 8 simulated devices computes the same steps as one device."""
+    assert jax.device_count() == 8
+    cfg = _model_cfg(num_mtp_layers=1)
+    rng = np.random.default_rng(4)
+    batches = [_packed_batch(rng, B=8, T=16) for _ in range(3)]
+    single = make_mesh(config_lib.MeshConfig(fsdp=1), devices=jax.devices()[:1])
+    fsdp = make_mesh(config_lib.MeshConfig(fsdp=8))
+    losses_1, state_1 = _run_steps(cfg, single, batches)
+    losses_8, state_8 = _run_steps(cfg, fsdp, batches)
+    sharded = [x for x in jax.tree.leaves(state_8.params) if not x.sharding.is_fully_replicated]
+    assert sharded, "expected FSDP to shard some parameters"
+    np.testing.assert_allclose(losses_8, losses_1, rtol=2e-5)
+    for a, b in zip(jax.tree.leaves(state_1), jax.tree.leaves(state_8)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    assert losses_1[-1] < losses_1[0]
+
+
+def test_expert_bias_moves_towards_balance():
+    """One step moves each bias by rate * sign(mean load - load), load from the forward pass."""
+    cfg = _model_cfg()
+    batch = _packed_batch(np.random.default_rng(5), B=8, T=16)
+    out = init_model(cfg, seed=3)(
+        *(jnp.asarray(batch[k]) for k in ("tokens", "positions", "segment_ids"))
+    )
+    load = np.asarray(out.expert_load_LE)
+    valid = (batch["segment_ids"] > 0).sum() * cfg.num_experts_per_tok
+    np.testing.assert_allclose(load.sum(-1), valid)
+    mesh = make_mesh(config_lib.MeshConfig(fsdp=1), devices=jax.devices()[:1])
+    _, state = _run_steps(cfg, mesh, [batch])
+    bias = np.asarray(state.buffers["moe_layers"]["mlp"]["expert_bias"][...])
+    want = cfg.router_bias_update_rate * np.sign(load.mean(-1, keepdims=True) - load)
+    np.testing.assert_allclose(bias, want, atol=1e-7)
+    assert np.any(bias > 0) and np.any(bias < 0)
