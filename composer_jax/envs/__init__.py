@@ -1,0 +1,1 @@
+"""Sandboxed coding environments with test-based rewards (to come)."""

@@ -1,0 +1,1 @@
+"""Inference engine for rollouts: batched sampler with MLA KV cache (to come)."""

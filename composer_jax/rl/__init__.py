@@ -1,0 +1,1 @@
+"""RL objective and asynchronous actor loop (to come)."""
