@@ -13,6 +13,9 @@ import types
 import typing
 from typing import Any
 
+EXPERT_PRECISIONS = ("bf16", "mxfp8", "nvfp4_fwd_mxfp8_bwd")
+EXPERT_BACKENDS = ("reference", "xla", "pallas_hopper", "pallas_blackwell")
+
 
 class ConfigError(ValueError):
     """A configuration value is unknown, mistyped or inconsistent; the message names the field."""
@@ -59,6 +62,13 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
     router_bias_update_rate: float = 1e-3  # aux-loss-free balancing step (gamma in DeepSeek-V3).
+    # Router replay: a replayed expert is kept only if the trainer's score for it is at least this
+    # times the trainer's k-th best score (0 keeps every replayed expert).
+    replay_min_ratio: float = 0.0
+    # Expert grouped GEMM: "bf16" (compute dtype), "mxfp8", or "nvfp4_fwd_mxfp8_bwd"; and the
+    # backend that runs the low-precision recipes.
+    expert_precision: str = "bf16"
+    expert_backend: str = "reference"
     rms_norm_eps: float = 1e-6
     # Multi-token prediction: number of extra sequential depths (0 disables MTP).
     num_mtp_layers: int = 1
@@ -289,6 +299,17 @@ def validate_model(m: ModelConfig, where: str = "model") -> None:
             f"{where}.{name}",
             f"must be float32, bfloat16 or float16, got {getattr(m, name)!r}",
         )
+    _check(
+        m.expert_precision in EXPERT_PRECISIONS,
+        f"{where}.expert_precision",
+        f"must be one of {EXPERT_PRECISIONS}, got {m.expert_precision!r}",
+    )
+    _check(
+        m.expert_backend in EXPERT_BACKENDS,
+        f"{where}.expert_backend",
+        f"must be one of {EXPERT_BACKENDS}, got {m.expert_backend!r}",
+    )
+    _check(0 <= m.replay_min_ratio <= 1, f"{where}.replay_min_ratio", "must lie in [0, 1]")
     if m.rope_scaling is not None:
         _check(m.rope_scaling.factor >= 1.0, f"{where}.rope_scaling.factor", "must be >= 1")
         _check(

@@ -8,6 +8,7 @@ the selected experts (RL replays the sampler's choices); the chosen indices are 
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -28,15 +29,67 @@ class Routing(NamedTuple):
     scores_BTE: jax.Array  # float32 sigmoid scores of every expert (for replay checks, logging)
 
 
-def expert_gemm(lhs_MK: jax.Array, rhs_EKN: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
+class RoutingStats(NamedTuple):
+    load_E: jax.Array  # valid tokens routed to each expert
+    replay_replaced: jax.Array  # replayed (token, slot) pairs the plausibility filter replaced
+
+
+def expert_gemm(
+    lhs_MK: jax.Array,
+    rhs_EKN: jax.Array,
+    group_sizes_E: jax.Array,
+    precision: str = "bf16",
+    backend: str = "reference",
+) -> jax.Array:
     """The one grouped matmul all expert FLOPs go through: rows are sorted by expert.
 
-    Rows [sum(group_sizes[:e]), sum(group_sizes[:e+1])) are multiplied by rhs[e]. Low-precision
-    backends replace this function.
+    Rows [sum(group_sizes[:e]), sum(group_sizes[:e+1])) are multiplied by rhs[e]. `precision`
+    "bf16" multiplies in the compute dtype; the low-precision recipes live in `composer_jax.quant`.
     """
+    if precision != "bf16":
+        from composer_jax.quant import moe_gemm
+
+        return moe_gemm.quantized_expert_gemm(
+            lhs_MK, rhs_EKN, group_sizes_E, precision=precision, backend=backend
+        )
     return jax.lax.ragged_dot(
         lhs_MK, rhs_EKN, group_sizes_E, preferred_element_type=jnp.float32
     ).astype(lhs_MK.dtype)
+
+
+def _select_experts(scores_BTE: jax.Array, bias_E: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Group-limited top-k on the biased scores: [B, T, k] expert ids in order of preference."""
+    E = cfg.num_experts
+    choice = scores_BTE + bias_E
+    if cfg.n_group > 1:
+        grouped = choice.reshape(choice.shape[:-1] + (cfg.n_group, E // cfg.n_group))
+        group_score = jax.lax.top_k(grouped, min(2, E // cfg.n_group))[0].sum(-1)
+        _, top_groups = jax.lax.top_k(group_score, cfg.topk_group)
+        keep_group = jax.nn.one_hot(top_groups, cfg.n_group, dtype=jnp.bool_).any(-2)
+        keep = jnp.repeat(keep_group, E // cfg.n_group, axis=-1)
+        choice = jnp.where(keep, choice, -jnp.inf)
+    return jax.lax.top_k(choice, cfg.num_experts_per_tok)[1].astype(jnp.int32)
+
+
+def filter_replayed_experts(
+    scores_BTE: jax.Array, forced_BTK: jax.Array, own_BTK: jax.Array, min_ratio: float
+) -> tuple[jax.Array, jax.Array]:
+    """Router replay's plausibility filter.
+
+    A replayed expert is kept when the trainer's score for it is at least `min_ratio` times the
+    trainer's k-th best score (the weakest of its own choices); each other slot takes the trainer's
+    most preferred choice not already kept. Returns (indices, replaced mask [B, T, k]).
+    """
+    threshold = min_ratio * jnp.take_along_axis(scores_BTE, own_BTK, axis=-1).min(-1, keepdims=True)
+    kept = jnp.take_along_axis(scores_BTE, forced_BTK, axis=-1) >= threshold
+    # A candidate (own choice) is free unless a kept replayed slot already holds that expert.
+    taken = ((own_BTK[..., :, None] == forced_BTK[..., None, :]) & kept[..., None, :]).any(-1)
+    free = ~taken
+    candidate_rank = jnp.cumsum(free, axis=-1) - 1  # rank among free candidates
+    slot_rank = jnp.cumsum(~kept, axis=-1) - 1  # rank among replaced slots
+    pick = free[..., None, :] & (candidate_rank[..., None, :] == slot_rank[..., :, None])
+    substitute = jnp.sum(jnp.where(pick, own_BTK[..., None, :], 0), axis=-1)
+    return jnp.where(kept, forced_BTK, substitute).astype(jnp.int32), ~kept
 
 
 def route(
@@ -44,26 +97,27 @@ def route(
     bias_E: jax.Array,
     cfg: ModelConfig,
     forced_indices_BTK: jax.Array | None = None,
-) -> Routing:
-    """Group-limited top-k on biased scores; weights from the unbiased scores of the chosen experts."""
-    k, E = cfg.num_experts_per_tok, cfg.num_experts
-    if forced_indices_BTK is None:
-        choice = scores_BTE + bias_E
-        if cfg.n_group > 1:
-            grouped = choice.reshape(choice.shape[:-1] + (cfg.n_group, E // cfg.n_group))
-            group_score = jax.lax.top_k(grouped, min(2, E // cfg.n_group))[0].sum(-1)
-            _, top_groups = jax.lax.top_k(group_score, cfg.topk_group)
-            keep_group = jax.nn.one_hot(top_groups, cfg.n_group, dtype=jnp.bool_).any(-2)
-            keep = jnp.repeat(keep_group, E // cfg.n_group, axis=-1)
-            choice = jnp.where(keep, choice, -jnp.inf)
-        _, indices = jax.lax.top_k(choice, k)
-    else:
-        indices = forced_indices_BTK
-    indices = indices.astype(jnp.int32)
+) -> tuple[Routing, jax.Array]:
+    """Chooses experts (or replays forced ones) and their mixing weights.
+
+    Weights always come from the live unbiased scores of the chosen experts, so the router gets
+    gradients under replay too. With `cfg.replay_min_ratio` > 0, implausible replayed experts are
+    replaced (see `filter_replayed_experts`). Returns (routing, replaced mask [B, T, k]).
+    """
+    indices = _select_experts(scores_BTE, bias_E, cfg)
+    replaced = jnp.zeros(indices.shape, jnp.bool_)
+    if forced_indices_BTK is not None:
+        forced = forced_indices_BTK.astype(jnp.int32)
+        if cfg.replay_min_ratio > 0:
+            indices, replaced = filter_replayed_experts(
+                scores_BTE, forced, indices, cfg.replay_min_ratio
+            )
+        else:
+            indices = forced
     weights = jnp.take_along_axis(scores_BTE, indices, axis=-1)
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-    return Routing(indices, weights * cfg.routed_scaling_factor, scores_BTE)
+    return Routing(indices, weights * cfg.routed_scaling_factor, scores_BTE), replaced
 
 
 class MoE(nnx.Module):
@@ -82,11 +136,13 @@ class MoE(nnx.Module):
 
     def __call__(
         self, x_BTD: jax.Array, valid_BT: jax.Array, forced_indices_BTK: jax.Array | None = None
-    ) -> tuple[jax.Array, Routing, jax.Array]:
-        """Returns (output, routing, tokens per expert counted over valid tokens [E])."""
+    ) -> tuple[jax.Array, Routing, RoutingStats]:
+        """Returns (output, routing, statistics over valid tokens)."""
         cfg, dt = self.cfg, x_BTD.dtype
         logits = jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32), self.router[...])
-        routing = route(jax.nn.sigmoid(logits), self.expert_bias[...], cfg, forced_indices_BTK)
+        routing, replaced = route(
+            jax.nn.sigmoid(logits), self.expert_bias[...], cfg, forced_indices_BTK
+        )
 
         B, T, D = x_BTD.shape
         k = cfg.num_experts_per_tok
@@ -95,23 +151,27 @@ class MoE(nnx.Module):
         order = jnp.argsort(expert_of_row, stable=True)
         group_sizes = jnp.bincount(expert_of_row, length=cfg.num_experts).astype(jnp.int32)
         rows = x_ND[order // k]  # token of each sorted slot
-        h = jax.nn.silu(expert_gemm(rows, self.gate[...].astype(dt), group_sizes)) * expert_gemm(
-            rows, self.up[...].astype(dt), group_sizes
+        gemm = functools.partial(
+            expert_gemm,
+            group_sizes_E=group_sizes,
+            precision=cfg.expert_precision,
+            backend=cfg.expert_backend,
         )
-        out_sorted = expert_gemm(h, self.down[...].astype(dt), group_sizes)
+        h = jax.nn.silu(gemm(rows, self.gate[...].astype(dt))) * gemm(rows, self.up[...].astype(dt))
+        out_sorted = gemm(h, self.down[...].astype(dt))
         out_slots = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(B, T, k, D)
         routed = jnp.einsum("btkd,btk->btd", out_slots.astype(jnp.float32), routing.weights_BTK)
         out = routed.astype(dt)
         if self.shared is not None:
             out = out + self.shared(x_BTD)
+        valid_slots = jnp.broadcast_to(valid_BT[..., None], routing.indices_BTK.shape)
         load = (
             jnp.zeros((cfg.num_experts,), jnp.float32)
             .at[routing.indices_BTK]
-            .add(
-                jnp.broadcast_to(valid_BT[..., None], routing.indices_BTK.shape).astype(jnp.float32)
-            )
+            .add(valid_slots.astype(jnp.float32))
         )
-        return out, routing, load
+        replaced_slots = jnp.sum(replaced & valid_slots).astype(jnp.float32)
+        return out, routing, RoutingStats(load, replaced_slots)
 
 
 def update_expert_bias(bias_E: jax.Array, load_E: jax.Array, rate: float) -> jax.Array:

@@ -16,7 +16,7 @@ from flax import nnx
 from composer_jax.config import ModelConfig
 from composer_jax.model.attention import MLA
 from composer_jax.model.layers import DenseMLP, RMSNorm, dtype_of, param
-from composer_jax.model.moe import MoE
+from composer_jax.model.moe import MoE, RoutingStats
 
 
 class Block(nnx.Module):
@@ -36,8 +36,8 @@ class Block(nnx.Module):
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
         h = self.mlp_norm(x)
         if isinstance(self.mlp, MoE):
-            out, routing, load = self.mlp(h, segment_ids > 0, forced_indices)
-            return x + out, routing.indices_BTK, load
+            out, routing, stats = self.mlp(h, segment_ids > 0, forced_indices)
+            return x + out, routing.indices_BTK, stats
         return x + self.mlp(h), None, None
 
 
@@ -66,6 +66,7 @@ class ForwardOutput(NamedTuple):
     mtp_hidden_DBTD: jax.Array | None  # per MTP depth d: states predicting token t+1+d (normed)
     router_indices_LBTK: jax.Array  # experts used per MoE layer (for router replay)
     expert_load_LE: jax.Array  # valid tokens routed to each expert, per MoE layer
+    replay_replaced_L: jax.Array  # replayed expert slots the plausibility filter replaced
 
 
 def _stack(make: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs) -> nnx.Module:
@@ -90,8 +91,8 @@ def _run_layers(stack: nnx.Module, x, positions, segment_ids, forced, cfg: Model
     def body(carry, xs):
         layer_state, forced_indices = xs
         layer = nnx.merge(graphdef, layer_state)
-        y, indices, load = layer(carry, positions, segment_ids, forced_indices)
-        return y, (indices, load)
+        y, indices, stats = layer(carry, positions, segment_ids, forced_indices)
+        return y, (indices, stats)
 
     if cfg.remat:
         body = jax.checkpoint(body, prevent_cse=False)
@@ -144,12 +145,12 @@ class Transformer(nnx.Module):
         if self.dense_layers is not None:
             x, _ = _run_layers(self.dense_layers, x, positions_BT, segment_ids_BT, None, cfg)
         if self.moe_layers is not None:
-            x, (indices, loads) = _run_layers(
+            x, (indices, stats) = _run_layers(
                 self.moe_layers, x, positions_BT, segment_ids_BT, forced_indices_LBTK, cfg
             )
         else:
             indices = jnp.zeros((0, B, T, cfg.num_experts_per_tok), jnp.int32)
-            loads = jnp.zeros((0, cfg.num_experts), jnp.float32)
+            stats = RoutingStats(jnp.zeros((0, cfg.num_experts)), jnp.zeros((0,)))
 
         mtp_hidden = None
         if with_mtp and len(self.mtp):
@@ -159,7 +160,7 @@ class Transformer(nnx.Module):
                 h = layer(h, self.embed_tokens(ahead), positions_BT, segment_ids_BT)
                 states.append(layer.out_norm(h))
             mtp_hidden = jnp.stack(states)
-        return ForwardOutput(x, mtp_hidden, indices, loads)
+        return ForwardOutput(x, mtp_hidden, indices, stats.load_E, stats.replay_replaced)
 
     def head(self, normed_hidden: jax.Array) -> jax.Array:
         """Output projection to float32 logits."""

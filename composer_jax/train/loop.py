@@ -210,6 +210,9 @@ _FREE_FIELDS = {
     "num_mtp_layers",
     "router_bias_update_rate",
     "max_position_embeddings",
+    "replay_min_ratio",
+    "expert_precision",
+    "expert_backend",
 }
 
 

@@ -54,7 +54,7 @@ LAYER_CFGS = {
 
 @functools.partial(jax.jit, static_argnums=2)
 def _route_jit(scores, bias, cfg, forced=None):
-    return moe_lib.route(scores, bias, cfg, forced)
+    return moe_lib.route(scores, bias, cfg, forced)[0]
 
 
 # ----------------------------------------------------------------------------- route
@@ -139,7 +139,9 @@ def _numpy_params(layer) -> dict:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _apply(graphdef, state, x, valid, forced=None):
-    return nnx.merge(graphdef, state)(x, valid, forced)
+    """(output, routing, load): the layer with its statistics reduced to the expert load."""
+    out, routing, stats = nnx.merge(graphdef, state)(x, valid, forced)
+    return out, routing, stats.load_E
 
 
 def _inputs(cfg, seed=2):

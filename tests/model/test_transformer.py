@@ -54,10 +54,10 @@ def _unrolled(dense_gd, moe_gd, embed_table, dense_state, moe_state, tokens, pos
         num = jax.tree.leaves(state)[0].shape[0]
         for i in range(num):
             layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
-            x, idx, load = layer(x, positions, segments)
+            x, idx, stats = layer(x, positions, segments)
             if idx is not None:
                 indices.append(idx)
-                loads.append(load)
+                loads.append(stats.load_E)
     return x, jnp.stack(indices), jnp.stack(loads)
 
 
