@@ -109,6 +109,13 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     clip_norm: float = 1.0
+    # Muon (name="muon"): matrices get orthogonalised momentum, everything else AdamW above.
+    muon_learning_rate: float = 0.02
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muon_scaling: str = "rms"  # "rms": 0.2*sqrt(max(A, B)) (AdamW-matched); "spectral"
+    qk_clip_threshold: float = 0.0  # MuonClip for MLA: 0 disables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,7 +331,13 @@ def validate(cfg: ExperimentConfig, num_devices: int | None = None) -> None:
     validate_model(cfg.model)
     _check(cfg.steps > 0, "steps", f"must be positive, got {cfg.steps}")
     o = cfg.optim
-    _check(o.name in ("adamw",), "optim.name", f"unknown optimizer {o.name!r}")
+    _check(o.name in ("adamw", "muon"), "optim.name", f"unknown optimizer {o.name!r}")
+    _check(
+        o.muon_scaling in ("rms", "spectral"),
+        "optim.muon_scaling",
+        f"must be 'rms' or 'spectral', got {o.muon_scaling!r}",
+    )
+    _check(o.muon_ns_steps > 0, "optim.muon_ns_steps", "must be positive")
     _check(o.learning_rate > 0, "optim.learning_rate", "must be positive")
     _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must lie in [0, 1]")
     _check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
