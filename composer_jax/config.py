@@ -2,8 +2,8 @@
 
 `launch/` turns these into `ml_collections.ConfigDict`s so every field can be overridden from the
 command line (`--config.model.num_layers=4`), then rebuilds the dataclasses with `from_dict`, which
-rejects unknown fields and wrong types, and `validate`, which rejects contradictory values. Both name
-the offending field and run before anything is compiled.
+rejects unknown fields and wrong types, and `validate`, which rejects contradictory values. Both
+name the offending field and run before anything is compiled. Presets: `composer_jax.presets`.
 """
 
 from __future__ import annotations
@@ -91,11 +91,18 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Physical mesh axis sizes; -1 on one axis means 'all remaining devices'."""
+    """Physical mesh axis sizes; -1 on one axis means 'all remaining devices'.
+
+    `ep` names the axes whose devices form one expert-parallel group (experts are split over
+    them; the other axes shard each expert's matrices). `ep_dispatch` is how tokens travel to
+    their experts: "auto" (ragged all-to-all where supported, else padded), "padded", "ragged".
+    """
 
     replica: int = 1
     fsdp: int = -1
     cp: int = 1
+    ep: tuple[str, ...] = ("fsdp", "cp")
+    ep_dispatch: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +158,57 @@ class TrainConfig:
     keep_checkpoints: int = 2
 
 
+KL_ESTIMATORS = ("k1", "k2", "k3", "exact")
+KL_PLACEMENTS = ("in_reward", "in_loss")
+IMPORTANCE_WEIGHTINGS = ("none", "truncated", "ppo_clip")
+ADVANTAGE_MODES = ("mean", "mean_std", "leave_one_out")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLObjectiveConfig:
+    """Group policy gradient with KL, length penalty and text-feedback distillation."""
+
+    # KL(pi || pi_ref): "k1" log(pi/ref), "k2" (log ratio)^2/2, "k3" (r - 1) - log r with
+    # r = ref/pi, or "exact" (full-vocabulary KL per position from the logits; in_loss only).
+    # "in_reward": -kl_coef * estimate folded into the sample's reward (stop-gradient; reaches the
+    # policy through the score function). "in_loss": added as a differentiable loss (ablation).
+    kl_estimator: str = "k1"
+    kl_placement: str = "in_reward"
+    kl_coef: float = 1e-3
+    # Importance weight between the trainer's log-probs and the sampler's: "none", "truncated"
+    # (stop-gradient ratio capped at importance_cap) or "ppo_clip" (ratio clipped to
+    # [1 - clip_eps_low, 1 + clip_eps_high], pessimistic surrogate).
+    importance_weighting: str = "truncated"
+    importance_cap: float = 2.0
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.28
+    # Token losses are summed and divided by a constant, never by a sequence's length:
+    # loss_normalizer, or (when 0) the batch's sample slots (groups * G) * max_generation_len.
+    loss_normalizer: float = 0.0
+    max_generation_len: int = 1024
+    # Advantage = reward - group mean ("mean", Dr. GRPO); "mean_std" also divides by the group's
+    # std + advantage_std_eps; "leave_one_out" subtracts the mean of the *other* samples.
+    advantage_mode: str = "mean"
+    advantage_std_eps: float = 1e-6
+    # Length penalty coef * C(x), C(x) = ((1 + k x)^(1 - q) - 1) / (k (1 - q)) (log(1 + k x) / k at
+    # q = 1), x = weighted sum of the sample's token counts by kind, tool calls and turns.
+    length_penalty_coef: float = 1e-3
+    length_penalty_k: float = 1e-3
+    length_penalty_q: float = 1.5
+    length_weight_thinking: float = 1.0
+    length_weight_tool_call: float = 1.0
+    length_weight_tool_output: float = 0.5
+    length_weight_final_message: float = 1.0
+    length_weight_summary: float = 1.0
+    length_weight_per_tool_call: float = 0.0
+    length_weight_per_turn: float = 0.0
+    # Text-feedback distillation: coefficient of KL(student || hinted teacher) on flagged turns.
+    distill_coef: float = 0.1
+    # Router replay: force the sampler's experts in the trainer's forward (the plausibility ratio
+    # is the model's `replay_min_ratio`, since it changes the model's routing).
+    router_replay: bool = True
+
+
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
     model: ModelConfig = ModelConfig()
@@ -158,12 +216,14 @@ class ExperimentConfig:
     optim: OptimizerConfig = OptimizerConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
+    rl: RLObjectiveConfig = RLObjectiveConfig()
     steps: int = 200
     seed: int = 0
     workdir: str = "runs/default"
     # Hugging Face DeepSeek-V3-format folder whose weights start a fresh run (continued
     # pretraining); its architecture must match `model`. Ignored when the workdir has a checkpoint.
     init_from: str = ""
+    print_sharding: bool = False  # print every parameter's resolved sharding at start-up
 
 
 # ----------------------------------------------------------------------------- conversion
@@ -326,9 +386,49 @@ def validate_model(m: ModelConfig, where: str = "model") -> None:
         )
 
 
+def validate_rl_objective(cfg: RLObjectiveConfig, where: str = "rl") -> None:
+    """Rejects unknown choices and out-of-range values, naming the field."""
+    choices = (
+        ("kl_estimator", KL_ESTIMATORS),
+        ("kl_placement", KL_PLACEMENTS),
+        ("importance_weighting", IMPORTANCE_WEIGHTINGS),
+        ("advantage_mode", ADVANTAGE_MODES),
+    )
+    for name, allowed in choices:
+        value = getattr(cfg, name)
+        _check(value in allowed, f"{where}.{name}", f"{value!r} is not one of {allowed}")
+    _check(
+        not (cfg.kl_estimator == "exact" and cfg.kl_placement == "in_reward"),
+        f"{where}.kl_placement",
+        "the exact KL is a per-position expectation: use it with 'in_loss'",
+    )
+    non_negative = (
+        "kl_coef",
+        "loss_normalizer",
+        "length_penalty_coef",
+        "length_penalty_q",
+        "distill_coef",
+        "length_weight_thinking",
+        "length_weight_tool_call",
+        "length_weight_tool_output",
+        "length_weight_final_message",
+        "length_weight_summary",
+        "length_weight_per_tool_call",
+        "length_weight_per_turn",
+    )
+    for name in non_negative:
+        _check(getattr(cfg, name) >= 0, f"{where}.{name}", "must be >= 0")
+    positive = ("importance_cap", "advantage_std_eps", "length_penalty_k", "max_generation_len")
+    for name in positive:
+        _check(getattr(cfg, name) > 0, f"{where}.{name}", "must be > 0")
+    _check(0 <= cfg.clip_eps_low < 1, f"{where}.clip_eps_low", "must lie in [0, 1)")
+    _check(cfg.clip_eps_high >= 0, f"{where}.clip_eps_high", "must be >= 0")
+
+
 def validate(cfg: ExperimentConfig, num_devices: int | None = None) -> None:
     """Checks the whole experiment; with `num_devices`, also that the mesh and batches fit it."""
     validate_model(cfg.model)
+    validate_rl_objective(cfg.rl)
     _check(cfg.steps > 0, "steps", f"must be positive, got {cfg.steps}")
     o = cfg.optim
     _check(o.name in ("adamw", "muon"), "optim.name", f"unknown optimizer {o.name!r}")
@@ -354,8 +454,25 @@ def validate(cfg: ExperimentConfig, num_devices: int | None = None) -> None:
     for name in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "eval_batches"):
         _check(getattr(t, name) > 0, f"train.{name}", "must be positive")
     _check(0 < cfg.data.eval_fraction < 1, "data.eval_fraction", "must lie in (0, 1)")
+    for axis in cfg.mesh.ep:
+        _check(axis in ("replica", "fsdp", "cp"), "mesh.ep", f"unknown mesh axis {axis!r}")
+    _check(len(set(cfg.mesh.ep)) == len(cfg.mesh.ep), "mesh.ep", "repeats an axis")
+    _check(
+        cfg.mesh.ep_dispatch in ("auto", "padded", "ragged"),
+        "mesh.ep_dispatch",
+        f"must be auto, padded or ragged, got {cfg.mesh.ep_dispatch!r}",
+    )
     if num_devices is not None:
         shape = mesh_shape(cfg.mesh, num_devices)
+        ep_size = 1
+        for axis in cfg.mesh.ep:
+            ep_size *= shape[axis]
+        _check(
+            cfg.model.num_experts % ep_size == 0,
+            "mesh.ep",
+            f"the expert-parallel group {cfg.mesh.ep} has {ep_size} devices, which does not "
+            f"divide model.num_experts={cfg.model.num_experts}",
+        )
         data_parallel = shape["replica"] * shape["fsdp"]
         for i, p in enumerate(t.phases):
             _check(
@@ -406,122 +523,7 @@ def phase_steps(cfg: ExperimentConfig) -> list[int]:
     return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-# ----------------------------------------------------------------------------- presets
+# Presets live in their own module; re-exported so `config.tiny()` reads naturally.
+from composer_jax.presets import PRESETS, kimi_k2, kimi_k2_model, small, tiny  # noqa: E402
 
-
-def tiny() -> ExperimentConfig:
-    """Runs in minutes on a laptop CPU: 3 phases (main, long context, short SFT-length)."""
-    return ExperimentConfig(
-        model=ModelConfig(),
-        train=TrainConfig(
-            phases=(
-                PhaseConfig("main", fraction=0.7, seq_len=128, batch_size=8),
-                PhaseConfig("long_context", fraction=0.2, seq_len=256, batch_size=4, lr_scale=0.5),
-                PhaseConfig("sft", fraction=0.1, seq_len=64, batch_size=16, lr_scale=0.25),
-            ),
-            eval_every=50,
-            checkpoint_every=50,
-        ),
-        steps=300,
-        workdir="runs/tiny",
-    )
-
-
-def small() -> ExperimentConfig:
-    """About 100M total parameters: a single-GPU model for real ablations."""
-    model = ModelConfig(
-        vocab_size=259,
-        hidden_size=512,
-        num_layers=8,
-        first_k_dense=1,
-        num_heads=8,
-        q_lora_rank=256,
-        kv_lora_rank=128,
-        qk_nope_head_dim=64,
-        qk_rope_head_dim=32,
-        v_head_dim=64,
-        intermediate_size=2048,
-        moe_intermediate_size=256,
-        num_experts=32,
-        num_experts_per_tok=6,
-        num_shared_experts=1,
-        n_group=4,
-        topk_group=2,
-        routed_scaling_factor=2.5,
-        max_position_embeddings=32768,
-        num_mtp_layers=1,
-    )
-    return ExperimentConfig(
-        model=model,
-        optim=OptimizerConfig(learning_rate=1e-3, warmup_steps=500),
-        train=TrainConfig(
-            phases=(
-                PhaseConfig("main", fraction=0.8, seq_len=2048, batch_size=64),
-                PhaseConfig(
-                    "long_context", fraction=0.15, seq_len=8192, batch_size=16, lr_scale=0.3
-                ),
-                PhaseConfig("sft", fraction=0.05, seq_len=2048, batch_size=64, lr_scale=0.1),
-            ),
-            log_every=20,
-            eval_every=500,
-            checkpoint_every=500,
-        ),
-        steps=20000,
-        workdir="runs/small",
-    )
-
-
-def kimi_k2_model() -> ModelConfig:
-    """The Kimi-K2 shape (1.04T total / 32B active); used for accounting, never allocated."""
-    return ModelConfig(
-        vocab_size=163840,
-        hidden_size=7168,
-        num_layers=61,
-        first_k_dense=1,
-        num_heads=64,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        rope_theta=50000.0,
-        rope_scaling=YarnConfig(
-            factor=32.0,
-            original_max_position_embeddings=4096,
-            beta_fast=1.0 * 32,
-            beta_slow=1.0,
-            mscale=1.0,
-            mscale_all_dim=1.0,
-        ),
-        max_position_embeddings=131072,
-        intermediate_size=18432,
-        moe_intermediate_size=2048,
-        num_experts=384,
-        num_experts_per_tok=8,
-        num_shared_experts=1,
-        n_group=1,
-        topk_group=1,
-        routed_scaling_factor=2.827,
-        num_mtp_layers=0,
-    )
-
-
-def kimi_k2() -> ExperimentConfig:
-    return ExperimentConfig(
-        model=kimi_k2_model(),
-        mesh=MeshConfig(replica=-1, fsdp=64, cp=2),
-        train=TrainConfig(
-            phases=(
-                PhaseConfig("main", fraction=0.9, seq_len=32768, batch_size=512),
-                PhaseConfig(
-                    "long_context", fraction=0.08, seq_len=262144, batch_size=64, lr_scale=0.3
-                ),
-                PhaseConfig("sft", fraction=0.02, seq_len=32768, batch_size=512, lr_scale=0.1),
-            )
-        ),
-        steps=100000,
-        workdir="runs/kimi_k2",
-    )
-
-
-PRESETS = {"tiny": tiny, "small": small, "kimi_k2": kimi_k2}
+__all__ = ["PRESETS", "kimi_k2", "kimi_k2_model", "small", "tiny"]

@@ -1,1 +1,1 @@
-"""Pallas kernels: block-scaled grouped GEMM and quantisation, each with a jnp reference (to come)."""
+"""Pallas Mosaic GPU kernels for the low-precision MoE grouped GEMM, with jnp references."""

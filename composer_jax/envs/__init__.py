@@ -1,1 +1,78 @@
-"""Sandboxed coding environments with test-based rewards (to come)."""
+"""Sandboxed coding environments with test-based rewards (no JAX: runs on CPU-only hosts)."""
+
+from composer_jax.envs.builtin_tasks import builtin_tasks, make_task, solution_source
+from composer_jax.envs.environment import (
+    DEFAULT_TOOLS,
+    EnvConfig,
+    Episode,
+    EpisodePool,
+    StepResult,
+    oracle_turns,
+    random_turns,
+    run_episode,
+)
+from composer_jax.envs.feature_deletion import (
+    candidate_modules,
+    default_cache_dir,
+    synthesize_stdlib_tasks,
+)
+from composer_jax.envs.monitors import MonitorFlag, RewardHackMonitor
+from composer_jax.envs.protocol import (
+    EpisodeCounts,
+    ToolCall,
+    Turn,
+    count_bytes,
+    parse_turn,
+    render_call,
+    render_output,
+    render_turn,
+)
+from composer_jax.envs.sandbox import (
+    CommandResult,
+    Sandbox,
+    SandboxLimits,
+    bwrap_available,
+    python_executable,
+)
+from composer_jax.envs.task import GradeResult, Task, grade
+from composer_jax.envs.tools import TOOL_SPECS, ToolBox, ToolCallRecord, ToolSpec, check_args
+
+__all__ = [
+    "DEFAULT_TOOLS",
+    "TOOL_SPECS",
+    "CommandResult",
+    "EnvConfig",
+    "Episode",
+    "EpisodeCounts",
+    "EpisodePool",
+    "GradeResult",
+    "MonitorFlag",
+    "RewardHackMonitor",
+    "Sandbox",
+    "SandboxLimits",
+    "StepResult",
+    "Task",
+    "ToolBox",
+    "ToolCall",
+    "ToolCallRecord",
+    "ToolSpec",
+    "Turn",
+    "builtin_tasks",
+    "bwrap_available",
+    "candidate_modules",
+    "check_args",
+    "count_bytes",
+    "default_cache_dir",
+    "grade",
+    "make_task",
+    "oracle_turns",
+    "parse_turn",
+    "python_executable",
+    "random_turns",
+    "render_call",
+    "render_output",
+    "render_turn",
+    "run_episode",
+    "solution_source",
+    "synthesize_stdlib_tasks",
+]

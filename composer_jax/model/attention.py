@@ -14,6 +14,7 @@ from flax import nnx
 from composer_jax.config import ModelConfig
 from composer_jax.model import rope
 from composer_jax.model.layers import RMSNorm, fan_in_param
+from composer_jax.parallel.mesh import constrain
 
 _MASKED = -1e30
 # DeepSeek-V3 normalises the q and kv latents with a fixed epsilon, not rms_norm_eps.
@@ -99,7 +100,13 @@ class MLA(nnx.Module):
         cos, sin = rope.rope_tables(positions_BT, self.cfg)
         q_nope, q_rope = self.queries(x_BTD, cos, sin)
         c_kv, k_rope = self.latents(x_BTD, cos, sin)
-        mask = attention_mask(segment_ids_BT, positions_BT, segment_ids_BT, positions_BT)
+        # Under context parallelism every rank needs every key: gather the small latents (not
+        # keys and values) over cp; each rank then projects keys and values itself.
+        c_kv = constrain(c_kv, ("batch", None, None))
+        k_rope = constrain(k_rope, ("batch", None, None))
+        key_segments = constrain(segment_ids_BT, ("batch", None))
+        key_positions = constrain(positions_BT, ("batch", None))
+        mask = attention_mask(segment_ids_BT, positions_BT, key_segments, key_positions)
         return self.attend(q_nope, q_rope, c_kv, k_rope, mask)
 
 

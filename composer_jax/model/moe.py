@@ -17,6 +17,8 @@ from flax import nnx
 
 from composer_jax.config import ModelConfig
 from composer_jax.model.layers import DenseMLP, fan_in_param
+from composer_jax.parallel import expert_parallel
+from composer_jax.parallel.mesh import current_layout
 
 
 class ExpertBias(nnx.Variable):
@@ -134,6 +136,24 @@ class MoE(nnx.Module):
         else:
             self.shared = None
 
+    def _local_experts(self, rows_MD, expert_of_row_M, gate_EDF, up_EDF, down_EFD) -> jax.Array:
+        """SwiGLU of each row through its expert; rows whose expert id is out of range (padding
+        from an expert-parallel exchange) come back as zeros."""
+        cfg = self.cfg
+        num_experts = gate_EDF.shape[0]
+        order = jnp.argsort(expert_of_row_M, stable=True)
+        group_sizes = jnp.bincount(expert_of_row_M, length=num_experts).astype(jnp.int32)
+        gemm = functools.partial(
+            expert_gemm,
+            group_sizes_E=group_sizes,
+            precision=cfg.expert_precision,
+            backend=cfg.expert_backend,
+        )
+        rows = rows_MD[order]
+        h = jax.nn.silu(gemm(rows, gate_EDF)) * gemm(rows, up_EDF)
+        out_sorted = gemm(h, down_EFD)
+        return jnp.zeros_like(out_sorted).at[order].set(out_sorted)
+
     def __call__(
         self, x_BTD: jax.Array, valid_BT: jax.Array, forced_indices_BTK: jax.Array | None = None
     ) -> tuple[jax.Array, Routing, RoutingStats]:
@@ -144,24 +164,30 @@ class MoE(nnx.Module):
             jax.nn.sigmoid(logits), self.expert_bias[...], cfg, forced_indices_BTK
         )
 
-        B, T, D = x_BTD.shape
-        k = cfg.num_experts_per_tok
-        x_ND = x_BTD.reshape(B * T, D)
-        expert_of_row = routing.indices_BTK.reshape(-1)  # [N*k]
-        order = jnp.argsort(expert_of_row, stable=True)
-        group_sizes = jnp.bincount(expert_of_row, length=cfg.num_experts).astype(jnp.int32)
-        rows = x_ND[order // k]  # token of each sorted slot
-        gemm = functools.partial(
-            expert_gemm,
-            group_sizes_E=group_sizes,
-            precision=cfg.expert_precision,
-            backend=cfg.expert_backend,
-        )
-        h = jax.nn.silu(gemm(rows, self.gate[...].astype(dt))) * gemm(rows, self.up[...].astype(dt))
-        out_sorted = gemm(h, self.down[...].astype(dt))
-        out_slots = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(B, T, k, D)
-        routed = jnp.einsum("btkd,btk->btd", out_slots.astype(jnp.float32), routing.weights_BTK)
-        out = routed.astype(dt)
+        gate, up, down = (w[...].astype(dt) for w in (self.gate, self.up, self.down))
+        layout = current_layout()
+        if layout is not None and layout.ep_size > 1:
+            out = expert_parallel.routed_experts(
+                x_BTD,
+                routing.indices_BTK,
+                routing.weights_BTK,
+                gate,
+                up,
+                down,
+                layout,
+                self._local_experts,
+            )
+        else:
+            B, T, D = x_BTD.shape
+            k = cfg.num_experts_per_tok
+            rows = jnp.repeat(x_BTD.reshape(B * T, D), k, axis=0)  # one row per (token, slot)
+            out_slots = self._local_experts(rows, routing.indices_BTK.reshape(-1), gate, up, down)
+            routed = jnp.einsum(
+                "btkd,btk->btd",
+                out_slots.reshape(B, T, k, D).astype(jnp.float32),
+                routing.weights_BTK,
+            )
+            out = routed.astype(dt)
         if self.shared is not None:
             out = out + self.shared(x_BTD)
         valid_slots = jnp.broadcast_to(valid_BT[..., None], routing.indices_BTK.shape)

@@ -17,6 +17,10 @@ from composer_jax.config import ModelConfig
 from composer_jax.model.attention import MLA
 from composer_jax.model.layers import DenseMLP, RMSNorm, dtype_of, param
 from composer_jax.model.moe import MoE, RoutingStats
+from composer_jax.parallel.context_parallel import inverse_order, load_balanced_order
+from composer_jax.parallel.mesh import constrain, current_layout
+
+ACTIVATION_AXES = ("batch", "seq", None)
 
 
 class Block(nnx.Module):
@@ -92,7 +96,7 @@ def _run_layers(stack: nnx.Module, x, positions, segment_ids, forced, cfg: Model
         layer_state, forced_indices = xs
         layer = nnx.merge(graphdef, layer_state)
         y, indices, stats = layer(carry, positions, segment_ids, forced_indices)
-        return y, (indices, stats)
+        return constrain(y, ACTIVATION_AXES), (indices, stats)
 
     if cfg.remat:
         body = jax.checkpoint(body, prevent_cse=False)
@@ -134,14 +138,17 @@ class Transformer(nnx.Module):
         segment_ids_BT: jax.Array | None = None,
         forced_indices_LBTK: jax.Array | None = None,
         with_mtp: bool = True,
+        ahead_tokens_DBT: jax.Array | None = None,
     ) -> ForwardOutput:
+        """Main path and MTP states. `ahead_tokens_DBT[d-1]` is the token d+1 places after each
+        position (defaults to rolling `tokens_BT`; pass it when the sequence is reordered)."""
         cfg = self.cfg
         B, T = tokens_BT.shape
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         if segment_ids_BT is None:
             segment_ids_BT = jnp.ones((B, T), jnp.int32)
-        x = self.embed_tokens(tokens_BT)
+        x = constrain(self.embed_tokens(tokens_BT), ACTIVATION_AXES)
         if self.dense_layers is not None:
             x, _ = _run_layers(self.dense_layers, x, positions_BT, segment_ids_BT, None, cfg)
         if self.moe_layers is not None:
@@ -156,7 +163,10 @@ class Transformer(nnx.Module):
         if with_mtp and len(self.mtp):
             states, h = [], x
             for depth, layer in enumerate(self.mtp, start=1):
-                ahead = jnp.roll(tokens_BT, -depth, axis=1)  # wrapped tail is masked by the loss
+                if ahead_tokens_DBT is None:
+                    ahead = jnp.roll(tokens_BT, -depth, axis=1)  # wrapped tail: masked by the loss
+                else:
+                    ahead = ahead_tokens_DBT[depth - 1]
                 h = layer(h, self.embed_tokens(ahead), positions_BT, segment_ids_BT)
                 states.append(layer.out_norm(h))
             mtp_hidden = jnp.stack(states)
@@ -173,6 +183,48 @@ class Transformer(nnx.Module):
 
     def logits(self, hidden_BTD: jax.Array) -> jax.Array:
         return self.head(self.final_norm(hidden_BTD))
+
+
+def forward(
+    m: Transformer,
+    tokens_BT: jax.Array,
+    positions_BT: jax.Array,
+    segment_ids_BT: jax.Array,
+    forced_indices_LBTK: jax.Array | None = None,
+    with_mtp: bool = True,
+) -> ForwardOutput:
+    """`m(...)` with context parallelism's load-balanced token order when a layout asks for it.
+
+    Inputs and outputs are in the caller's order; in between, the sequence is reordered so that
+    each cp rank holds chunks i and 2*cp-1-i (equal causal work). Attention masks depend on
+    (segment id, position) only, and MTP's look-ahead tokens are taken before reordering, so the
+    result equals the unpermuted forward.
+    """
+    layout = current_layout()
+    cp = 1 if layout is None else layout.cp_size
+    if cp == 1:
+        return m(tokens_BT, positions_BT, segment_ids_BT, forced_indices_LBTK, with_mtp)
+    order = load_balanced_order(tokens_BT.shape[1], cp)
+    inverse = inverse_order(order)
+    ahead = None
+    if with_mtp and len(m.mtp):
+        depths = range(1, len(m.mtp) + 1)
+        ahead = jnp.stack([jnp.roll(tokens_BT, -d, axis=1) for d in depths])[:, :, order]
+    forced = None if forced_indices_LBTK is None else forced_indices_LBTK[:, :, order]
+    out = m(
+        tokens_BT[:, order],
+        positions_BT[:, order],
+        segment_ids_BT[:, order],
+        forced,
+        with_mtp,
+        ahead_tokens_DBT=ahead,
+    )
+    mtp = None if out.mtp_hidden_DBTD is None else out.mtp_hidden_DBTD[:, :, inverse]
+    return out._replace(
+        hidden_BTD=out.hidden_BTD[:, inverse],
+        mtp_hidden_DBTD=mtp,
+        router_indices_LBTK=out.router_indices_LBTK[:, :, inverse],
+    )
 
 
 def param_rngs(seed: int) -> nnx.Rngs:

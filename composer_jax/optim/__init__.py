@@ -1,5 +1,24 @@
 """Optimizers and schedules."""
 
 from composer_jax.optim.adamw import learning_rate_schedule, make_optimizer
+from composer_jax.optim.muon import (
+    matrix_layout,
+    muon,
+    newton_schulz,
+    orthogonalize,
+    scale_by_muon,
+    split_table,
+)
+from composer_jax.optim.sharding import shard_like_params
 
-__all__ = ["learning_rate_schedule", "make_optimizer"]
+__all__ = [
+    "learning_rate_schedule",
+    "make_optimizer",
+    "matrix_layout",
+    "muon",
+    "newton_schulz",
+    "orthogonalize",
+    "scale_by_muon",
+    "shard_like_params",
+    "split_table",
+]

@@ -1,4 +1,4 @@
-"""AdamW with linear warmup, cosine decay, per-phase learning-rate scales and global-norm clipping."""
+"""Schedules (warmup, cosine, per-phase scales) and the optimizer factory: AdamW or Muon + AdamW."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from composer_jax.config import OptimizerConfig
+from composer_jax.optim.muon import muon, split_table
 
 
 def learning_rate_schedule(
@@ -43,15 +44,64 @@ def _decay_mask(params):
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def make_optimizer(cfg: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
-    return optax.chain(
-        optax.clip_by_global_norm(cfg.clip_norm),
-        optax.adamw(
-            schedule,
-            b1=cfg.b1,
-            b2=cfg.b2,
-            eps=cfg.eps,
+def make_optimizer(
+    cfg: OptimizerConfig,
+    schedule: optax.Schedule,
+    logical_axes=None,
+    shardings=None,
+    verbose: bool = True,
+) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW (`cfg.name="adamw"`) or Muon + AdamW (`"muon"`).
+
+    Muon needs the parameters' logical axes (`logical_axes_of(params)`) to split matrices from the
+    rest and to find the Newton-Schulz batch axes; with the parameters' NamedShardings it runs the
+    sharded (all-to-all) Newton-Schulz. Muon's learning rate follows `schedule` rescaled to peak
+    at `cfg.muon_learning_rate`. With `verbose`, the first `init` prints which parameter gets what.
+    """
+    clip = optax.clip_by_global_norm(cfg.clip_norm)
+    if cfg.name == "adamw":
+        return optax.chain(
+            clip,
+            optax.adamw(
+                schedule,
+                b1=cfg.b1,
+                b2=cfg.b2,
+                eps=cfg.eps,
+                weight_decay=cfg.weight_decay,
+                mask=_decay_mask,
+            ),
+        )
+    if cfg.name != "muon":
+        raise ValueError(f"optim.name: unknown optimizer {cfg.name!r}")
+    if logical_axes is None:
+        raise ValueError("optim.name='muon' needs the parameters' logical axes")
+    ratio = cfg.muon_learning_rate / cfg.learning_rate
+    tx = optax.chain(
+        clip,
+        muon(
+            lambda count: schedule(count) * ratio,
+            logical_axes,
+            shardings=shardings,
+            beta=cfg.muon_momentum,
+            nesterov=cfg.muon_nesterov,
+            ns_steps=cfg.muon_ns_steps,
+            scaling=cfg.muon_scaling,
             weight_decay=cfg.weight_decay,
-            mask=_decay_mask,
+            adam_learning_rate=schedule,
+            adam_b1=cfg.b1,
+            adam_b2=cfg.b2,
+            adam_eps=cfg.eps,
+            adam_weight_decay=cfg.weight_decay,
         ),
     )
+    if not verbose:
+        return tx
+    printed = []
+
+    def init(params):
+        if not printed:
+            print(split_table(params, logical_axes, shardings), flush=True)
+            printed.append(True)
+        return tx.init(params)
+
+    return optax.GradientTransformation(init, tx.update)

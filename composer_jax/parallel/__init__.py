@@ -1,5 +1,12 @@
-"""Mesh construction and logical-axis sharding rules."""
+"""Mesh, layouts (logical-axis rule tables), context and expert parallelism, batch packing."""
 
-from composer_jax.parallel.mesh import batch_sharding, logical_sharding, make_mesh, spec_for
+from composer_jax.parallel.mesh import (
+    Layout,
+    constrain,
+    current_layout,
+    make_layout,
+    make_mesh,
+    use_layout,
+)
 
-__all__ = ["batch_sharding", "logical_sharding", "make_mesh", "spec_for"]
+__all__ = ["Layout", "constrain", "current_layout", "make_layout", "make_mesh", "use_layout"]

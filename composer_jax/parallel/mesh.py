@@ -1,11 +1,18 @@
-"""One physical mesh and the logical-axis rule tables that place state and activations on it.
+"""One physical mesh, the layout that maps logical axis names onto it, and its rule tables.
 
 Dense state (attention, shared expert, embeddings, norms) shards over (fsdp, cp) and is replicated
-over replica; expert state shards its expert axis over the wider (fsdp, cp) group. Changing a
-layout means changing a table here, never model code.
+over replica (HSDP). Expert state shards its expert axis over the expert-parallel group (`ep` axes,
+default (fsdp, cp)) and each expert's matrices over the remaining axes (expert-FSDP). Activations
+shard batch over (replica, fsdp) and sequence over cp. Changing a layout is changing a table here,
+never model code.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
 
 import jax
 import numpy as np
@@ -15,61 +22,115 @@ from jax.sharding import PartitionSpec as P
 from composer_jax.config import MeshConfig, mesh_shape
 
 AXES = ("replica", "fsdp", "cp")
+BATCH_AXES = ("replica", "fsdp")
 
-# Logical name -> mesh axes. The first dimension of a parameter whose name maps to axes that
-# divide it (and that no earlier dimension used) gets sharded; the rest are replicated.
-DENSE_RULES: dict[str, tuple[str, ...]] = {
-    "vocab": ("fsdp", "cp"),
-    "embed": ("fsdp", "cp"),
-    "mlp": ("fsdp", "cp"),
-    "heads": ("fsdp", "cp"),
-    "q_lora": ("fsdp", "cp"),
-    "kv_lora": ("fsdp", "cp"),
-}
-EXPERT_RULES: dict[str, tuple[str, ...]] = {
-    "expert": ("fsdp", "cp"),
-    "expert_embed": ("fsdp", "cp"),
-    "expert_mlp": ("fsdp", "cp"),
-}
-ACTIVATION_RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("replica", "fsdp"),
-    "seq": ("cp",),
-}
+DENSE_NAMES = ("vocab", "embed", "mlp", "heads", "q_lora", "kv_lora")
+EXPERT_MATRIX_NAMES = ("expert_embed", "expert_mlp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A mesh plus the expert-parallel choice: everything sharding decisions depend on."""
+
+    mesh: Mesh
+    ep_axes: tuple[str, ...] = ("fsdp", "cp")
+    ep_dispatch: str = "auto"
+
+    @property
+    def ep_size(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.ep_axes)
+
+    @property
+    def cp_size(self) -> int:
+        return self.mesh.shape["cp"]
+
+    @property
+    def rules(self) -> dict[str, tuple[str, ...]]:
+        """Logical name -> mesh axes, dense, expert and activation tables together."""
+        remaining = tuple(a for a in AXES if a not in self.ep_axes)
+        table = {name: ("fsdp", "cp") for name in DENSE_NAMES}
+        table["expert"] = self.ep_axes
+        table.update({name: remaining for name in EXPERT_MATRIX_NAMES})
+        table["batch"] = BATCH_AXES
+        table["seq"] = ("cp",)
+        return table
+
+    def spec(self, logical_axes: tuple[str | None, ...], shape: tuple[int, ...]) -> P:
+        """Partition spec of one array: each dimension takes its rule's axes that are still free,
+        have size > 1 and divide it; anything else is replicated."""
+        used: set[str] = set()
+        parts: list = []
+        for name, dim in zip(logical_axes, shape):
+            candidates = self.rules.get(name, ()) if name is not None else ()
+            axes = tuple(a for a in candidates if a not in used and self.mesh.shape[a] > 1)
+            size = math.prod(self.mesh.shape[a] for a in axes)
+            if axes and dim % size == 0:
+                parts.append(axes if len(axes) > 1 else axes[0])
+                used.update(axes)
+            else:
+                parts.append(None)
+        return P(*parts)
+
+    def sharding(self, logical_axes, shape) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(tuple(logical_axes), tuple(shape)))
+
+    def tree_shardings(self, logical_axes_tree, shapes_tree):
+        """NamedShardings for a pytree from matching trees of logical names and arrays."""
+        return jax.tree.map(
+            lambda axes, x: self.sharding(axes, x.shape),
+            logical_axes_tree,
+            shapes_tree,
+            is_leaf=lambda a: isinstance(a, tuple),
+        )
+
+    def batch_sharding(self) -> NamedSharding:
+        """[batch, seq] arrays: batch over (replica, fsdp), sequence over cp."""
+        return NamedSharding(self.mesh, P(BATCH_AXES, "cp"))
 
 
 def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
-    """Mesh over all (or the given) devices with axes (replica, fsdp, cp)."""
+    """Mesh over all (or the given) devices with axes (replica, fsdp, cp).
+
+    On several hosts, `replica` spans hosts (slow network: only gradient all-reduce crosses it)
+    and fsdp x cp stay inside a host's fast interconnect whenever they fit there.
+    """
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh_shape(cfg, len(devices))
-    return Mesh(np.asarray(devices).reshape([shape[a] for a in AXES]), AXES)
+    dims = [shape[a] for a in AXES]
+    processes = len({d.process_index for d in devices})
+    if processes > 1 and shape["replica"] % processes == 0:
+        from jax.experimental import mesh_utils
+
+        per_host = [shape["replica"] // processes, shape["fsdp"], shape["cp"]]
+        grid = mesh_utils.create_hybrid_device_mesh(per_host, [processes, 1, 1], devices=devices)
+        return Mesh(grid, AXES)
+    return Mesh(np.asarray(devices).reshape(dims), AXES)
 
 
-def spec_for(logical_axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
-    """Partition spec for one array from its logical names, skipping non-dividing placements."""
-    used: set[str] = set()
-    parts: list = []
-    for name, dim in zip(logical_axes, shape):
-        axes = DENSE_RULES.get(name) or EXPERT_RULES.get(name) or ACTIVATION_RULES.get(name) or ()
-        axes = tuple(a for a in axes if a not in used and mesh.shape[a] > 1)
-        size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-        if axes and dim % size == 0:
-            parts.append(axes if len(axes) > 1 else axes[0])
-            used.update(axes)
-        else:
-            parts.append(None)
-    return P(*parts)
+def make_layout(cfg: MeshConfig, devices=None) -> Layout:
+    return Layout(make_mesh(cfg, devices), tuple(cfg.ep), cfg.ep_dispatch)
 
 
-def logical_sharding(logical_axes_tree, shapes_tree, mesh: Mesh):
-    """NamedShardings for a pytree, given matching trees of logical names and array shapes."""
-    return jax.tree.map(
-        lambda axes, x: NamedSharding(mesh, spec_for(axes, x.shape, mesh)),
-        logical_axes_tree,
-        shapes_tree,
-        is_leaf=lambda a: isinstance(a, tuple),
-    )
+_CURRENT: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("layout", default=None)
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """[batch, seq] arrays: batch over (replica, fsdp), sequence over cp."""
-    return NamedSharding(mesh, P(("replica", "fsdp"), "cp"))
+@contextlib.contextmanager
+def use_layout(layout: Layout | None):
+    """Makes `layout` visible to model code traced inside (activation constraints, EP, CP)."""
+    token = _CURRENT.set(layout)
+    try:
+        yield layout
+    finally:
+        _CURRENT.reset(token)
+
+
+def current_layout() -> Layout | None:
+    return _CURRENT.get()
+
+
+def constrain(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
+    """Pins an activation's sharding under the current layout; a no-op without one."""
+    layout = current_layout()
+    if layout is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, layout.sharding(logical_axes, x.shape))

@@ -1,1 +1,1 @@
-"""Low-precision MoE training: MXFP8 / NVFP4 formats and the quantized grouped GEMM (to come)."""
+"""Low-precision MoE training: MXFP8 / NVFP4 formats and the quantized grouped GEMM."""

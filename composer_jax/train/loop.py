@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
@@ -28,7 +28,8 @@ from composer_jax import data as data_lib
 from composer_jax import optim
 from composer_jax.model.layers import logical_axes_of
 from composer_jax.model.transformer import Transformer, param_rngs
-from composer_jax.parallel import batch_sharding, logical_sharding, make_mesh
+from composer_jax.parallel import Layout, make_layout
+from composer_jax.parallel.report import sharding_table
 from composer_jax.train.checkpoint import Checkpointer, CheckpointError
 from composer_jax.train.metrics import MetricsWriter
 from composer_jax.train.step import TrainState, eval_step, init_train_state, split_model, train_step
@@ -47,17 +48,17 @@ class PretrainResult:
     interrupted: str | None = None  # the signal that stopped the run early, if any
 
 
-def state_shardings(abstract_state: TrainState, mesh) -> TrainState:
+def state_shardings(abstract_state: TrainState, layout: Layout) -> TrainState:
     """Shardings for the whole train state from the parameters' logical axis names.
 
     Optimizer-state subtrees shaped like the parameters (Adam moments) take the parameters'
     shardings; everything else (counters) is replicated.
     """
-    param_sh = logical_sharding(logical_axes_of(abstract_state.params), abstract_state.params, mesh)
-    buffer_sh = logical_sharding(
-        logical_axes_of(abstract_state.buffers), abstract_state.buffers, mesh
+    param_sh = layout.tree_shardings(logical_axes_of(abstract_state.params), abstract_state.params)
+    buffer_sh = layout.tree_shardings(
+        logical_axes_of(abstract_state.buffers), abstract_state.buffers
     )
-    replicated = NamedSharding(mesh, P())
+    replicated = NamedSharding(layout.mesh, P())
     params_def = jax.tree.structure(abstract_state.params)
 
     def like_params(subtree):
@@ -124,7 +125,7 @@ class TrainSetup:
     """Everything a run derives from its config before touching data or checkpoints."""
 
     cfg: config_lib.ExperimentConfig
-    mesh: Mesh
+    layout: Layout
     bounds: list[tuple[int, int]]  # [start, end) steps of each phase
     schedule: optax.Schedule
     optimizer: optax.GradientTransformation
@@ -141,8 +142,8 @@ class TrainSetup:
         return init_train_state(model, self.optimizer)
 
 
-def make_train_setup(cfg: config_lib.ExperimentConfig, mesh: Mesh | None = None) -> TrainSetup:
-    mesh = make_mesh(cfg.mesh) if mesh is None else mesh
+def make_train_setup(cfg: config_lib.ExperimentConfig, layout: Layout | None = None) -> TrainSetup:
+    layout = make_layout(cfg.mesh) if layout is None else layout
     bounds = _phase_bounds(cfg)
     schedule = optim.learning_rate_schedule(
         cfg.optim, cfg.steps, [e - s for s, e in bounds], [p.lr_scale for p in cfg.train.phases]
@@ -153,7 +154,7 @@ def make_train_setup(cfg: config_lib.ExperimentConfig, mesh: Mesh | None = None)
     shapes = jax.eval_shape(
         lambda: init_train_state(Transformer(cfg.model, nnx.Rngs(0)), optimizer)
     )
-    shardings = state_shardings(shapes, mesh)
+    shardings = state_shardings(shapes, layout)
     abstract = jax.tree.map(
         lambda sharding, sub: jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), sub
@@ -162,7 +163,7 @@ def make_train_setup(cfg: config_lib.ExperimentConfig, mesh: Mesh | None = None)
         shapes,
         is_leaf=lambda x: isinstance(x, NamedSharding),
     )
-    return TrainSetup(cfg, mesh, bounds, schedule, optimizer, graphdef, abstract, shardings)
+    return TrainSetup(cfg, layout, bounds, schedule, optimizer, graphdef, abstract, shardings)
 
 
 def _initial_state(setup: TrainSetup) -> TrainState:
@@ -232,7 +233,7 @@ def load_trained_model(workdir: str, step: int | None = None) -> tuple[Transform
     with open(os.path.join(workdir, "config.json")) as f:
         cfg = config_lib.from_dict(config_lib.ExperimentConfig, json.load(f))
     setup = make_train_setup(
-        cfg, make_mesh(dataclasses.replace(cfg.mesh, replica=1, fsdp=-1, cp=1))
+        cfg, make_layout(dataclasses.replace(cfg.mesh, replica=1, fsdp=-1, cp=1))
     )
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
     try:
@@ -254,7 +255,7 @@ def run_pretraining(cfg: config_lib.ExperimentConfig, progress: bool = True) -> 
             f"{cfg.data.tokenizer!r} tokenizer's vocabulary"
         )
     setup = make_train_setup(cfg)
-    mesh, bounds = setup.mesh, setup.bounds
+    layout, bounds = setup.layout, setup.bounds
     workdir = os.path.abspath(cfg.workdir)
     is_main = jax.process_index() == 0
     if is_main:
@@ -262,6 +263,8 @@ def run_pretraining(cfg: config_lib.ExperimentConfig, progress: bool = True) -> 
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(config_lib.to_dict(cfg), f, indent=2)
 
+    if cfg.print_sharding and is_main:
+        print(sharding_table(setup.abstract_state.params), flush=True)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
     resume_step = ckpt.latest_step()
     data_position: dict = {}
@@ -273,16 +276,22 @@ def run_pretraining(cfg: config_lib.ExperimentConfig, progress: bool = True) -> 
 
     step_fn = jax.jit(
         functools.partial(
-            train_step, setup.graphdef, setup.optimizer, cfg.model, cfg.train, setup.schedule
+            train_step,
+            setup.graphdef,
+            setup.optimizer,
+            cfg.model,
+            cfg.train,
+            setup.schedule,
+            layout,
         ),
-        in_shardings=(setup.shardings, batch_sharding(mesh)),
-        out_shardings=(setup.shardings, NamedSharding(mesh, P())),
+        in_shardings=(setup.shardings, layout.batch_sharding()),
+        out_shardings=(setup.shardings, NamedSharding(layout.mesh, P())),
         donate_argnums=0,
     )
-    eval_fn = jax.jit(functools.partial(eval_step, setup.graphdef))
+    eval_fn = jax.jit(functools.partial(eval_step, setup.graphdef, layout))
 
     corpora = _Corpora(cfg)
-    eval_batches = _eval_batches(cfg, corpora, mesh)
+    eval_batches = _eval_batches(cfg, corpora, layout)
     writer = MetricsWriter(workdir, resume_step, is_writer=is_main)
 
     def evaluate(step: int) -> float:
@@ -320,7 +329,7 @@ def run_pretraining(cfg: config_lib.ExperimentConfig, progress: bool = True) -> 
                 phase_end = bounds[phase_index][1]
                 t0, logged_at = time.perf_counter(), step
                 while step < phase_end and stop.signal is None:
-                    state, metrics = step_fn(state, _global_batch(next(iterator), mesh))
+                    state, metrics = step_fn(state, _global_batch(next(iterator), layout))
                     step += 1
                     _check_finite(metrics, step, ckpt, last_saved)
                     bar.update(1)
@@ -385,7 +394,7 @@ def _make_iterator(cfg, corpora: _Corpora, phase_index: int):
     )
 
 
-def _eval_batches(cfg, corpora: _Corpora, mesh) -> list[dict]:
+def _eval_batches(cfg, corpora: _Corpora, layout: Layout) -> list[dict]:
     """A fixed held-out set at the first phase's shape, so eval NLL is comparable across the run."""
     phase = cfg.train.phases[0]
     it = data_lib.make_pretrain_iterator(
@@ -397,12 +406,12 @@ def _eval_batches(cfg, corpora: _Corpora, mesh) -> list[dict]:
         shard_index=jax.process_index(),
         shard_count=jax.process_count(),
     )
-    return [_global_batch(next(it), mesh) for _ in range(cfg.train.eval_batches)]
+    return [_global_batch(next(it), layout) for _ in range(cfg.train.eval_batches)]
 
 
-def _global_batch(local: dict, mesh) -> dict:
+def _global_batch(local: dict, layout: Layout) -> dict:
     """Assembles each process's rows into one global array sharded over (replica, fsdp) x cp."""
-    sharding = batch_sharding(mesh)
+    sharding = layout.batch_sharding()
     return {
         k: jax.make_array_from_process_local_data(sharding, np.asarray(local[k], np.int32))
         for k in ("tokens", "segment_ids", "positions")

@@ -17,7 +17,8 @@ from flax import nnx
 
 from composer_jax.config import ModelConfig, TrainConfig
 from composer_jax.model.moe import ExpertBias, update_expert_bias
-from composer_jax.model.transformer import Transformer
+from composer_jax.model.transformer import Transformer, forward
+from composer_jax.parallel.mesh import Layout, use_layout
 
 Batch = dict[str, jax.Array]
 
@@ -65,7 +66,7 @@ def pretrain_loss(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Cross-entropy of the main head plus `mtp_weight` x mean MTP loss over depths."""
     tokens, segments = batch["tokens"], batch["segment_ids"]
-    out = m(tokens, batch["positions"], segments)
+    out = forward(m, tokens, batch["positions"], segments)
     logits = m.logits(out.hidden_BTD)
     targets, mask = shift_targets(tokens, segments, 1)
     ce = _masked_mean(token_cross_entropy(logits, targets), mask)
@@ -102,14 +103,18 @@ def train_step(
     model_cfg: ModelConfig,
     train_cfg: TrainConfig,
     schedule: optax.Schedule,
+    layout: Layout | None,
     state: TrainState,
     batch: Batch,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step; `layout` (bound before jit) enables EP/CP and activation shardings."""
+
     def loss_fn(params):
         m = nnx.merge(graphdef, params, state.buffers)
         return pretrain_loss(m, batch, train_cfg)
 
-    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    with use_layout(layout):
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
 
@@ -126,10 +131,13 @@ def train_step(
     return TrainState(state.step + 1, params, buffers, opt_state), metrics
 
 
-def eval_step(graphdef: nnx.GraphDef, state: TrainState, batch: Batch) -> dict[str, jax.Array]:
+def eval_step(
+    graphdef: nnx.GraphDef, layout: Layout | None, state: TrainState, batch: Batch
+) -> dict[str, jax.Array]:
     """Summed next-token NLL and token count of the main head (no MTP), for held-out data."""
     m = nnx.merge(graphdef, state.params, state.buffers)
-    out = m(batch["tokens"], batch["positions"], batch["segment_ids"], with_mtp=False)
+    with use_layout(layout):
+        out = forward(m, batch["tokens"], batch["positions"], batch["segment_ids"], with_mtp=False)
     targets, mask = shift_targets(batch["tokens"], batch["segment_ids"], 1)
     nll = token_cross_entropy(m.logits(out.hidden_BTD), targets)
     return {"nll_sum": jnp.sum(jnp.where(mask, nll, 0.0)), "tokens": mask.sum()}

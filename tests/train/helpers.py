@@ -34,7 +34,7 @@ def tiny_experiment(
         v_head_dim=8,
         intermediate_size=64,
         moe_intermediate_size=16,
-        num_experts=4,
+        num_experts=8,
         num_experts_per_tok=2,
     )
     train = config_lib.TrainConfig(

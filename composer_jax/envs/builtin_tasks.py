@@ -1,0 +1,189 @@
+"""The built-in task family: tiny generated Python functions with hidden tests.
+
+A task chains one to three parameterised transforms of a string, a list of ints or an int
+(`reverse it, then replace 'a' with 'x'`). Prompts and solutions are a few hundred bytes so a small
+byte-level model can learn them after a short SFT, and there are many thousands of distinct
+functions. Everything is a pure function of the seed; the split is by a hash of the function's
+spec, so a held-out function never appears in training under another seed.
+"""
+
+import dataclasses
+import hashlib
+import json
+import random
+import string
+
+from composer_jax.envs.task import RESULT_PREFIX, Task
+
+SOLUTION_FILE = "solution.py"
+VISIBLE_TEST_FILE = "test_solution.py"
+HELD_OUT_PERCENT = 10
+_NUM_HIDDEN_CASES = 6
+_LETTERS = "abcdefghij"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Op:
+    """One transform: its kind (input -> output type), how it reads and how it is coded."""
+
+    kind: str  # "str", "list", "int", or "str->int" / "list->int" for reductions
+    text: str  # description, formatted with the parameters
+    code: str  # a statement on `x`, formatted with the parameters
+    params: tuple = ()  # per-parameter choices
+
+
+_OPS = (
+    _Op("str", "reverse it", "x = x[::-1]"),
+    _Op("str", "make it upper case", "x = x.upper()"),
+    _Op("str", "swap the case of each letter", "x = x.swapcase()"),
+    _Op("str", "replace {0!r} with {1!r}", "x = x.replace({0!r}, {1!r})", (_LETTERS, "xyz-")),
+    _Op("str", "repeat each character {0} times", "x = ''.join(c * {0} for c in x)", ((2, 3),)),
+    _Op("str", "keep every {0}th character", "x = x[::{0}]", ((2, 3),)),
+    _Op("str", "append {0!r}", "x = x + {0!r}", (("!", "ok", "zz", "-end"),)),
+    _Op("str", "remove every {0!r}", "x = x.replace({0!r}, '')", (_LETTERS,)),
+    _Op("str", "sort its characters", "x = ''.join(sorted(x))"),
+    _Op("str->int", "count the {0!r} characters", "x = x.count({0!r})", (_LETTERS,)),
+    _Op("str->int", "take its length", "x = len(x)"),
+    _Op("list", "multiply each item by {0}", "x = [v * {0} for v in x]", ((2, 3, -1, 10),)),
+    _Op("list", "add {0} to each item", "x = [v + {0} for v in x]", ((1, 2, 5, -3),)),
+    _Op("list", "keep items greater than {0}", "x = [v for v in x if v > {0}]", ((0, 2, 5),)),
+    _Op("list", "keep the even items", "x = [v for v in x if v % 2 == 0]"),
+    _Op("list", "reverse it", "x = x[::-1]"),
+    _Op("list", "sort it", "x = sorted(x)"),
+    _Op("list", "take the first {0} items", "x = x[:{0}]", ((1, 2, 3),)),
+    _Op("list->int", "take the sum", "x = sum(x)"),
+    _Op("list->int", "take the length", "x = len(x)"),
+    _Op("int", "multiply it by {0}", "x = x * {0}", ((2, 3, 7, -1),)),
+    _Op("int", "add {0}", "x = x + {0}", ((1, 4, 10, -5),)),
+    _Op("int", "take it modulo {0}", "x = x % {0}", ((3, 5, 7),)),
+    _Op("int", "integer-divide it by {0}", "x = x // {0}", ((2, 3, 10),)),
+    _Op("int", "square it", "x = x * x"),
+    _Op("int", "take its absolute value", "x = abs(x)"),
+)
+_INPUT_NAMES = {"str": "a string", "list": "a list of ints", "int": "an int"}
+
+
+@dataclasses.dataclass(frozen=True)
+class FunctionSpec:
+    """The function to write: input type and its chain of (op index, parameters)."""
+
+    input_kind: str
+    steps: tuple[tuple[int, tuple], ...]
+
+    def key(self) -> str:
+        return json.dumps([self.input_kind, [list(s) for s in self.steps]])
+
+
+def _random_spec(rng: random.Random) -> FunctionSpec:
+    input_kind = rng.choice(("str", "list", "int"))
+    steps = []
+    kind = input_kind
+    for _ in range(rng.randint(1, 3)):
+        choices = [i for i, op in enumerate(_OPS) if op.kind.split("->")[0] == kind]
+        index = rng.choice(choices)
+        op = _OPS[index]
+        steps.append((index, tuple(rng.choice(options) for options in op.params)))
+        if "->" in op.kind:
+            break
+    return FunctionSpec(input_kind, tuple(steps))
+
+
+def _describe(spec: FunctionSpec) -> str:
+    parts = [_OPS[i].text.format(*params) for i, params in spec.steps]
+    return ", then ".join(parts)
+
+
+def solution_source(spec: FunctionSpec) -> str:
+    """The oracle solution."""
+    lines = ["def f(x):"]
+    lines += [f"    {_OPS[i].code.format(*params)}" for i, params in spec.steps]
+    lines.append("    return x")
+    return "\n".join(lines) + "\n"
+
+
+def _evaluate(spec: FunctionSpec, value):
+    namespace: dict = {}
+    exec(solution_source(spec), namespace)  # noqa: S102 - our own generated code
+    return namespace["f"](value)
+
+
+def _random_input(rng: random.Random, kind: str):
+    if kind == "str":
+        alphabet = _LETTERS + string.ascii_uppercase[:4]
+        return "".join(rng.choice(alphabet) for _ in range(rng.randint(3, 9)))
+    if kind == "list":
+        return [rng.randint(-5, 9) for _ in range(rng.randint(2, 6))]
+    return rng.randint(-20, 60)
+
+
+def _split_of(spec: FunctionSpec) -> str:
+    digest = int(hashlib.sha256(spec.key().encode()).hexdigest()[:8], 16)
+    return "held_out" if digest % 100 < HELD_OUT_PERCENT else "train"
+
+
+_HIDDEN_TEST = """import json, sys
+sys.path.insert(0, '.')
+cases = json.loads({cases!r})
+results = {{}}
+try:
+    from solution import f
+except BaseException as error:
+    f = None
+for i, (arg, want) in enumerate(cases):
+    try:
+        results[f'case_{{i}}'] = 'pass' if f is not None and f(arg) == want else 'fail'
+    except BaseException:
+        results[f'case_{{i}}'] = 'error'
+print({prefix!r} + json.dumps({{'tests': results}}))
+"""
+
+
+def make_task(seed: int) -> Task:
+    """The task of one seed (deterministic)."""
+    rng = random.Random(seed)
+    spec = _random_spec(rng)
+    inputs: list = []
+    while len(inputs) < _NUM_HIDDEN_CASES + 1:
+        value = _random_input(rng, spec.input_kind)
+        if value not in inputs:
+            inputs.append(value)
+    example, hidden = inputs[0], inputs[1:]
+    cases = [(value, _evaluate(spec, value)) for value in hidden]
+    example_out = _evaluate(spec, example)
+    prompt = (
+        f"Write f(x) in {SOLUTION_FILE}: x is {_INPUT_NAMES[spec.input_kind]}; "
+        f"{_describe(spec)}; return the result.\nExample: f({example!r}) == {example_out!r}\n"
+    )
+    visible = f"from solution import f\nassert f({example!r}) == {example_out!r}\nprint('ok')\n"
+    hidden_test = _HIDDEN_TEST.format(cases=json.dumps(cases), prefix=RESULT_PREFIX)
+    return Task(
+        task_id=f"builtin-{seed}",
+        prompt=prompt,
+        files={
+            SOLUTION_FILE: "def f(x):\n    raise NotImplementedError\n",
+            VISIBLE_TEST_FILE: visible,
+        },
+        hidden_files={"hidden_test.py": hidden_test},
+        test_command="python3 {hidden}/hidden_test.py",
+        visible_test_command=f"python3 {VISIBLE_TEST_FILE}",
+        protected_paths=(VISIBLE_TEST_FILE,),
+        test_literals=tuple(repr(v) for v in hidden if len(repr(v)) >= 3),
+        oracle_files={SOLUTION_FILE: solution_source(spec)},
+        split=_split_of(spec),
+        family="builtin",
+    )
+
+
+def builtin_tasks(count: int, split: str = "train", seed: int = 0) -> list[Task]:
+    """`count` tasks of one split ("train" or "held_out"), deterministic in `seed`."""
+    if split not in ("train", "held_out"):
+        raise ValueError(f"split must be 'train' or 'held_out', got {split!r}")
+    tasks, seen = [], set()
+    task_seed = seed * 1_000_003
+    while len(tasks) < count:
+        task = make_task(task_seed)
+        task_seed += 1
+        if task.split == split and task.prompt not in seen:
+            seen.add(task.prompt)
+            tasks.append(task)
+    return tasks

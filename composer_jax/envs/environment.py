@@ -1,0 +1,209 @@
+"""The environment step API the actor loop drives: one `Episode` per rollout, many at once.
+
+The loop submits a model turn and gets back the observation text to append, whether the episode is
+done, the reward (at the end), the counts for the length penalty and the monitor flags. Steps of
+different episodes run in parallel in `EpisodePool` (threads: the work is subprocesses and file
+I/O, which release the GIL); steps of one episode are serialised by its lock.
+"""
+
+import concurrent.futures
+import dataclasses
+import random
+import threading
+
+from composer_jax.envs import protocol
+from composer_jax.envs.monitors import MonitorFlag, RewardHackMonitor
+from composer_jax.envs.sandbox import Sandbox, SandboxLimits
+from composer_jax.envs.task import GradeResult, Task, grade
+from composer_jax.envs.tools import TOOL_SPECS, ToolBox, ToolCallRecord
+
+DEFAULT_TOOLS = (
+    "read_file",
+    "write_file",
+    "edit_file",
+    "list_dir",
+    "grep",
+    "run_shell",
+    "run_tests",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvConfig:
+    """One environment's settings: its tool set, argument strictness (training can be stricter
+    than eval), turn and call caps, and sandbox limits for the agent's commands and for grading."""
+
+    tools: tuple[str, ...] = DEFAULT_TOOLS
+    strict_tools: bool = True
+    max_turns: int = 8
+    max_calls_per_turn: int = 8
+    max_output_bytes: int = 2048
+    limits: SandboxLimits = SandboxLimits(cpu_seconds=10, wall_seconds=20)
+    # Grading gets the same room as task validation (stdlib suites print a lot).
+    grading_limits: SandboxLimits = SandboxLimits(
+        cpu_seconds=30, wall_seconds=60, memory_bytes=2 << 30, output_bytes=4 << 20
+    )
+    backend: str = "auto"
+    workspace_root: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    observation: str
+    done: bool
+    reward: float
+    counts: dict[str, int]
+    flags: tuple[MonitorFlag, ...]
+    info: dict
+
+
+class Episode:
+    """One rollout on one task: its own sandbox, tools, monitor and counts."""
+
+    def __init__(self, task: Task, config: EnvConfig = EnvConfig(), count_tokens=None):
+        self.task = task
+        self.config = config
+        self.count_tokens = count_tokens or protocol.count_bytes
+        self.sandbox = Sandbox.from_files(
+            task.files,
+            root=config.workspace_root,
+            limits=config.limits,
+            backend=config.backend,
+            hidden_paths=task.hidden_paths,
+        )
+        self.tools = ToolBox(
+            self.sandbox,
+            config.tools,
+            strict=config.strict_tools,
+            test_command=task.visible_test_command,
+            max_output_bytes=config.max_output_bytes,
+        )
+        self.monitor = RewardHackMonitor(task)
+        self.counts = protocol.EpisodeCounts()
+        self.done = False
+        self.reward = 0.0
+        self.grade_result: GradeResult | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def prompt(self) -> str:
+        """The first observation: the task and the tools."""
+        return f"{self.task.prompt}{self.tools.describe()}\n"
+
+    @property
+    def call_log(self) -> list[ToolCallRecord]:
+        return self.tools.log
+
+    def step(self, model_output: str) -> StepResult:
+        """Applies one agent turn. Never raises for anything the model wrote."""
+        with self._lock:
+            if self.done:
+                return self._result("episode already finished", {})
+            turn = protocol.parse_turn(model_output)
+            self.counts.add_turn(turn, self.count_tokens)
+            outputs = []
+            for call in turn.calls[: self.config.max_calls_per_turn]:
+                self.monitor.check_call(call, self.counts.turns)
+                text, _ = self.tools.call(call.tool, call.args)
+                outputs.append(protocol.render_output(call.tool, text))
+            if len(turn.calls) > self.config.max_calls_per_turn:
+                outputs.append(f"[only the first {self.config.max_calls_per_turn} calls ran]")
+            if not turn.calls and turn.final is None:
+                outputs.append(
+                    "[no tool call or final message found: use <call tool=...> or <final>]"
+                )
+            observation = "\n".join(outputs)
+            self.counts.tool_output_tokens += self.count_tokens(observation)
+            info = {"parse_errors": list(turn.errors)}
+            if turn.final is not None or self.counts.turns >= self.config.max_turns:
+                self._finish()
+                info["grade"] = dataclasses.asdict(self.grade_result)
+            return self._result(observation, info)
+
+    def _finish(self) -> None:
+        self.done = True
+        self.monitor.check_workspace(self.sandbox.snapshot(), self.counts.turns)
+        self.grade_result = grade(self.sandbox, self.task, self.config.grading_limits)
+        self.reward = 0.0 if self.monitor.flags else self.grade_result.reward
+
+    def _result(self, observation: str, info: dict) -> StepResult:
+        return StepResult(
+            observation=observation,
+            done=self.done,
+            reward=self.reward if self.done else 0.0,
+            counts=self.counts.as_dict(),
+            flags=tuple(self.monitor.flags),
+            info=info,
+        )
+
+    def close(self) -> None:
+        self.sandbox.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class EpisodePool:
+    """Runs episode steps concurrently; `submit` returns a future of the StepResult."""
+
+    def __init__(self, max_workers: int = 8):
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max_workers, thread_name_prefix="episode"
+        )
+
+    def start(self, task: Task, config: EnvConfig = EnvConfig()) -> "concurrent.futures.Future":
+        """A future of a fresh Episode (creating the workspace is I/O too)."""
+        return self._executor.submit(Episode, task, config)
+
+    def submit(self, episode: Episode, model_output: str) -> "concurrent.futures.Future":
+        return self._executor.submit(episode.step, model_output)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+
+def oracle_turns(task: Task) -> list[str]:
+    """A scripted agent that writes the solution files, then finishes (SFT data, oracle test)."""
+    calls = tuple(("write_file", {"path": p, "content": c}) for p, c in task.oracle_files.items())
+    return [protocol.render_turn(calls=calls), protocol.render_turn(final="Done.")]
+
+
+def random_turns(task: Task, rng: random.Random, num_turns: int = 2) -> list[str]:
+    """A random policy: random tool calls with random text, then a final message."""
+    alphabet = "abcdefxyz()[]:=+-*/ \n'\"0123456789<>"
+    turns = []
+    for _ in range(num_turns):
+        tool = rng.choice(sorted(TOOL_SPECS))
+        args = {
+            name: "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+            for name in TOOL_SPECS[tool].params
+        }
+        if "path" in args and rng.random() < 0.7:
+            args["path"] = rng.choice(sorted(task.files))
+        noise = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        try:
+            turns.append(noise + protocol.render_call(tool, args))
+        except ValueError:
+            turns.append(noise)
+    turns.append(protocol.render_turn(final="done"))
+    return turns
+
+
+def run_episode(task: Task, turns: list[str], config: EnvConfig = EnvConfig()) -> StepResult:
+    """Plays scripted turns to the end; returns the last step's result."""
+    with Episode(task, config) as episode:
+        result = None
+        for text in turns:
+            result = episode.step(text)
+            if result.done:
+                break
+        return result

@@ -1,0 +1,371 @@
+"""Rollout inference engine: continuous batching over slots of the MLA latent cache.
+
+Each running sequence owns a cache slot. Between decode steps the host admits queued requests into
+free slots (bucketed, batched prefill), decodes one token for every running slot in one fixed-shape
+call, and frees slots whose request hit a stop sequence or its token budget. A request submitted
+with `keep_cache=True` parks its slot when it finishes, so `continue_request` can append tool output
+and generate the next turn without prefilling the prefix again. Weights can be swapped between
+steps (`update_weights`); every token records the policy version that sampled it.
+
+Shapes seen by the compiler: decode is always [num_slots, 1]; prefill chunks are
+[batch bucket (power of two <= num_slots), length bucket], so nothing recompiles per request.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+from typing import Callable, ContextManager
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from composer_jax.infer import sampling
+from composer_jax.infer.cache import LatentCache, init_cache
+from composer_jax.infer.forward import forward_chunk
+from composer_jax.infer.sampling import Sampled, SamplingParams
+from composer_jax.model.transformer import Transformer
+
+
+@dataclasses.dataclass
+class Completion:
+    """One turn of one request, with everything RL needs per generated token."""
+
+    request_id: int
+    prompt: list[int]  # tokens prefilled for this turn (a continuation: the appended tokens)
+    start_position: int  # sequence position of prompt[0]
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)  # sampling distribution
+    raw_logprobs: list[float] = dataclasses.field(default_factory=list)  # log_softmax(logits)
+    versions: list[int] = dataclasses.field(default_factory=list)  # policy version per token
+    # Routed experts [moe_layers, k] of the position whose logits produced each token.
+    experts: list[np.ndarray] = dataclasses.field(default_factory=list)
+    # Routed experts of every prefilled position of this turn, [positions, moe_layers, k]; for a
+    # continuation the first row is the previous turn's last token.
+    prompt_experts: list[np.ndarray] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "max_len"
+
+
+@dataclasses.dataclass
+class _Slot:
+    request_id: int
+    params: SamplingParams
+    context: list[int]  # the whole sequence; the cache holds context[:length]
+    length: int = 0
+    feed: list[int] = dataclasses.field(default_factory=list)  # still to prefill
+    emit: bool = True  # sample this turn's first token once the feed is consumed
+    unrecorded: int = 0  # leading feed tokens that only rebuild the cache (no experts recorded)
+    parked: bool = False
+
+
+@functools.partial(jax.jit, static_argnums=(0, 11), donate_argnums=(2,))
+def _generate_step(
+    graphdef,
+    state,
+    cache: LatentCache,
+    tokens_BT,
+    positions_BT,
+    valid_BT,
+    slot_ids_B,
+    last_B,
+    temperature_B,
+    top_p_B,
+    seeds_B,
+    absorbed: bool,
+) -> tuple[Sampled, jax.Array, LatentCache]:
+    """A chunk through the cached model, then one token sampled from each row's last valid
+    position. Returns (sample, routed experts [L_moe, B, T, k], cache)."""
+    m = nnx.merge(graphdef, state)
+    out = forward_chunk(m, cache, tokens_BT, positions_BT, valid_BT, slot_ids_B, absorbed)
+    rows = jnp.arange(tokens_BT.shape[0])
+    logits_BV = m.logits(out.hidden_BTD[rows, last_B])
+    keys = sampling.token_keys(seeds_B, positions_BT[rows, last_B] + 1)
+    return sampling.sample(logits_BV, temperature_B, top_p_B, keys), out.experts_LBTK, out.cache
+
+
+class InferenceEngine:
+    """Continuous-batching sampler over a fixed pool of cache slots.
+
+    `mesh`: place the cache with its slots split over every mesh axis and the weights replicated
+    (or by `param_shardings`, a pytree of shardings matching the model state).
+    `trace_context`: entered around every jitted call, e.g. `lambda: use_layout(layout)` so the
+    model's MoE takes its expert-parallel path while the step is traced.
+    `prefill_buckets` / `prefill_batch_sizes`: the chunk lengths and row counts prefill pads to
+    (default row counts: powers of two up to num_slots); each pair compiles once.
+    `absorbed`: decode and prefill in latent space (`absorbed_attend`) instead of expanding K/V.
+    `cache_layers_extra`: cache layers after the main stack (the speculative decoder's MTP layer).
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        num_slots: int = 8,
+        max_len: int = 512,
+        prefill_buckets: tuple[int, ...] = (16, 64, 256),
+        prefill_batch_sizes: tuple[int, ...] | None = None,
+        absorbed: bool = True,
+        version: int = 0,
+        mesh: Mesh | None = None,
+        param_shardings=None,
+        trace_context: Callable[[], ContextManager] | None = None,
+        cache_layers_extra: int = 0,
+    ):
+        self.cfg = model.cfg
+        self.num_slots, self.max_len = num_slots, max_len
+        self.buckets = tuple(sorted(b for b in prefill_buckets if b <= max_len)) or (max_len,)
+        if prefill_batch_sizes is None:
+            prefill_batch_sizes = tuple(1 << i for i in range(num_slots.bit_length()))
+        sizes = {b for b in prefill_batch_sizes if b < num_slots} | {num_slots}
+        self.batch_sizes = tuple(sorted(sizes))
+        self.absorbed = absorbed
+        self.mesh, self._param_shardings = mesh, param_shardings
+        self._trace_context = trace_context or contextlib.nullcontext
+        self.graphdef, state = nnx.split(model)
+        self.state = self._place_params(state)
+        cache = init_cache(self.cfg, self.cfg.num_layers + cache_layers_extra, num_slots, max_len)
+        if mesh is not None:
+            slots_spec = NamedSharding(mesh, P(None, tuple(mesh.axis_names)))
+            cache = jax.device_put(cache, slots_spec)
+        self.cache = cache
+        self.version = version
+        self.completions: dict[int, Completion] = {}
+        self._queue: collections.deque[_Slot] = collections.deque()
+        self._slots: list[_Slot | None] = [None] * num_slots
+        self._next_id = 0
+
+    # ------------------------------------------------------------------ public API
+
+    def submit(self, prompt: list[int], params: SamplingParams = SamplingParams()) -> int:
+        """Queues a request; it joins the running batch at the next `step`."""
+        if not 0 < len(prompt) < self.max_len:
+            raise ValueError(f"prompt length {len(prompt)} must be in [1, max_len={self.max_len})")
+        rid = self._new_completion(list(prompt), 0)
+        self._queue.append(_Slot(rid, params, list(prompt), feed=list(prompt)))
+        return rid
+
+    def continue_request(
+        self, request_id: int, appended: list[int], params: SamplingParams = SamplingParams()
+    ) -> int:
+        """Next turn of a finished request that kept its cache: prefills only the previous turn's
+        last token and `appended` (e.g. tool output), then generates. Returns the new turn's id."""
+        index = self._slot_of(request_id)
+        slot = self._slots[index]
+        if slot is None or not slot.parked:
+            raise ValueError(f"request {request_id} is not finished with keep_cache=True")
+        feed = slot.context[slot.length :] + list(appended)
+        if slot.length + len(feed) >= self.max_len:
+            raise ValueError(f"continuation would exceed max_len={self.max_len}")
+        rid = self._new_completion(feed, slot.length)
+        self._slots[index] = _Slot(
+            rid, params, slot.context + list(appended), slot.length, feed=feed
+        )
+        return rid
+
+    def release(self, request_id: int) -> None:
+        """Frees the slot a parked request holds."""
+        self._slots[self._slot_of(request_id)] = None
+
+    def update_weights(self, params, version: int, recompute_cache: bool = True) -> None:
+        """Swaps in new weights between decode steps; running sequences keep their slots.
+
+        `params`: a `Transformer` or its `nnx.State`. With `recompute_cache`, every held sequence's
+        cached latents are recomputed under the new weights (so what follows is exactly what the
+        new policy produces from that prefix); without it, old-policy latents are reused.
+        """
+        state = nnx.split(params)[1] if isinstance(params, nnx.Module) else params
+        self.state = self._place_params(state)
+        self.version = version
+        if recompute_cache:
+            for slot in self._slots:
+                if slot is not None and slot.length:
+                    slot.feed = slot.context[: slot.length] + slot.feed
+                    slot.unrecorded += slot.length
+                    slot.length = 0
+            self._prefill()
+
+    def compile_all(self) -> None:
+        """Compiles every prefill (length bucket x batch size) shape and the decode shape now,
+        so serving never stops to compile. Runs them on padding rows, which write nothing."""
+        for bucket in self.buckets:
+            for rows in self.batch_sizes:
+                self._run_padding(rows, bucket)
+        self._run_padding(self.num_slots, 1)
+
+    def _run_padding(self, rows: int, length: int) -> None:
+        zeros = np.zeros((rows, length), np.int32)
+        slot_ids = np.full((rows,), self.num_slots, np.int32)
+        self._run(zeros, zeros, zeros.astype(bool), slot_ids, zeros[:, 0], [None] * rows)
+
+    @property
+    def has_work(self) -> bool:
+        running = any(s is not None and not s.parked for s in self._slots)
+        return bool(self._queue) or running
+
+    def step(self) -> list[int]:
+        """Admits queued requests, prefills, decodes one token per running slot. Returns the ids
+        of requests that finished during this step."""
+        finished: list[int] = []
+        self._admit()
+        finished += self._prefill()
+        finished += self._decode()
+        return finished
+
+    def run(self) -> dict[int, Completion]:
+        while self.has_work:
+            self.step()
+        return self.completions
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        ids = [self.submit(p, params) for p in prompts]
+        self.run()
+        return [self.completions[i] for i in ids]
+
+    # ------------------------------------------------------------------ internals
+
+    def _new_completion(self, prompt: list[int], start_position: int) -> int:
+        rid = self._next_id
+        self._next_id += 1
+        self.completions[rid] = Completion(rid, prompt, start_position)
+        return rid
+
+    def _slot_of(self, request_id: int) -> int:
+        for index, slot in enumerate(self._slots):
+            if slot is not None and slot.request_id == request_id:
+                return index
+        raise KeyError(f"request {request_id} holds no slot")
+
+    def _place_params(self, state: nnx.State) -> nnx.State:
+        if self.mesh is None:
+            return state
+        shardings = self._param_shardings
+        if shardings is None:
+            shardings = jax.tree.map(lambda _: NamedSharding(self.mesh, P()), state)
+        return jax.device_put(state, shardings)
+
+    def _admit(self) -> None:
+        for index in range(self.num_slots):
+            if not self._queue:
+                return
+            if self._slots[index] is None:
+                self._slots[index] = self._queue.popleft()
+
+    def _run(self, tokens_BT, positions_BT, valid_BT, slot_ids_B, last_B, row_slots):
+        """One `_generate_step` call; `row_slots` gives each row's slot (None: padding row)."""
+        B = len(row_slots)
+        temperature = np.zeros((B,), np.float32)
+        top_p = np.ones((B,), np.float32)
+        seeds = np.zeros((B,), np.uint32)
+        for row, slot in enumerate(row_slots):
+            if slot is not None:
+                temperature[row] = slot.params.temperature
+                top_p[row] = slot.params.top_p
+                seeds[row] = slot.params.seed
+        args = (tokens_BT, positions_BT, valid_BT, slot_ids_B, last_B, temperature, top_p, seeds)
+        with self._trace_context():
+            drawn, experts, self.cache = _generate_step(
+                self.graphdef, self.state, self.cache, *map(jnp.asarray, args), self.absorbed
+            )
+        return jax.device_get(drawn), np.asarray(experts)
+
+    def _prefill(self) -> list[int]:
+        """Feeds every slot's pending tokens in bucketed chunks until all feeds are consumed."""
+        finished: list[int] = []
+        while True:
+            todo = [i for i, s in enumerate(self._slots) if s is not None and s.feed]
+            if not todo:
+                return finished
+            by_bucket: dict[int, list[int]] = collections.defaultdict(list)
+            for index in todo:
+                n = min(len(self._slots[index].feed), self.buckets[-1])
+                by_bucket[next(b for b in self.buckets if b >= n)].append(index)
+            for bucket, group in by_bucket.items():
+                finished += self._prefill_batch(bucket, group)
+
+    def _prefill_batch(self, bucket: int, group: list[int]) -> list[int]:
+        B = next(b for b in self.batch_sizes if b >= len(group))
+        tokens = np.zeros((B, bucket), np.int32)
+        positions = np.zeros((B, bucket), np.int32)
+        valid = np.zeros((B, bucket), bool)
+        slot_ids = np.full((B,), self.num_slots, np.int32)  # padding rows: out of range
+        last = np.zeros((B,), np.int32)
+        row_slots: list[_Slot | None] = [None] * B
+        for row, index in enumerate(group):
+            slot = row_slots[row] = self._slots[index]
+            piece = slot.feed[:bucket]
+            tokens[row, : len(piece)] = piece
+            positions[row] = slot.length + np.arange(bucket)
+            valid[row, : len(piece)] = True
+            slot_ids[row], last[row] = index, len(piece) - 1
+        drawn, experts = self._run(tokens, positions, valid, slot_ids, last, row_slots)
+        finished = []
+        for row, index in enumerate(group):
+            slot = self._slots[index]
+            n = int(valid[row].sum())
+            slot.length += n
+            slot.feed = slot.feed[n:]
+            skip = min(slot.unrecorded, n)
+            slot.unrecorded -= skip
+            completion = self.completions[slot.request_id]
+            completion.prompt_experts.extend(experts[:, row, skip:n].transpose(1, 0, 2))
+            if not slot.feed and slot.emit:
+                slot.emit = False
+                finished += self._emit(index, drawn, row, experts[:, row, n - 1])
+        return finished
+
+    def _decode(self) -> list[int]:
+        N = self.num_slots
+        rows = [i for i, s in enumerate(self._slots) if s is not None and not s.parked]
+        if not rows:
+            return []
+        tokens = np.zeros((N, 1), np.int32)
+        positions = np.zeros((N, 1), np.int32)
+        valid = np.zeros((N, 1), bool)
+        for index in rows:
+            slot = self._slots[index]
+            tokens[index, 0] = slot.context[slot.length]  # the last sampled token
+            positions[index, 0] = slot.length
+            valid[index, 0] = True
+        row_slots = [self._slots[i] if i in rows else None for i in range(N)]
+        drawn, experts = self._run(
+            tokens, positions, valid, np.arange(N, dtype=np.int32), np.zeros(N, np.int32), row_slots
+        )
+        finished = []
+        for index in rows:
+            self._slots[index].length += 1
+            finished += self._emit(index, drawn, index, experts[:, index, 0])
+        return finished
+
+    def _emit(self, index: int, drawn: Sampled, row: int, experts_LK: np.ndarray) -> list[int]:
+        """Appends a sampled token to its request; finishes (frees or parks) the slot if done."""
+        slot = self._slots[index]
+        completion = self.completions[slot.request_id]
+        token = int(drawn.token_B[row])
+        completion.tokens.append(token)
+        completion.logprobs.append(float(drawn.logprob_B[row]))
+        completion.raw_logprobs.append(float(drawn.raw_logprob_B[row]))
+        completion.versions.append(self.version)
+        completion.experts.append(experts_LK)
+        slot.context.append(token)
+        out = completion.tokens
+        if any(
+            len(out) >= len(s) and out[-len(s) :] == list(s) for s in slot.params.stop_sequences
+        ):
+            reason = "stop"
+        elif len(out) >= slot.params.max_new_tokens:
+            reason = "length"
+        elif len(slot.context) >= self.max_len:
+            reason = "max_len"
+        else:
+            return []
+        completion.finish_reason = reason
+        if slot.params.keep_cache:
+            slot.parked = True
+        else:
+            self._slots[index] = None
+        return [slot.request_id]

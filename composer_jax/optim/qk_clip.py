@@ -1,0 +1,69 @@
+"""QK-clip (Kimi K2's MuonClip) for MLA: per-head rescaling of the query / key projections.
+
+Muon has no per-coordinate normalisation to keep attention logits bounded; after an update, every
+head whose largest pre-softmax logit S_h (softmax scale included) exceeded the threshold tau gets
+gamma_h = tau / S_h folded into its weights. In MLA a logit is q_nope . k_nope + q_rope . k_rope
+where k_rope is shared by all heads, so the head-specific parts are scaled as: q_nope and k_nope
+columns by sqrt(gamma_h), q_rope columns by gamma_h, k_rope and the values untouched. Every logit
+of head h then scales by exactly gamma_h: its maximum becomes tau.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from composer_jax.model import rope
+from composer_jax.model.attention import MLA, attention_mask
+
+
+def clip_factors(max_logits_H: jax.Array, threshold: float) -> jax.Array:
+    """gamma per head: tau / S_h where S_h > tau, else 1."""
+    safe = jnp.maximum(max_logits_H, threshold)
+    return jnp.where(max_logits_H > threshold, threshold / safe, 1.0)
+
+
+def qk_clip(
+    q_proj_RHK: jax.Array,
+    kv_b_proj_RHK: jax.Array,
+    max_logits_H: jax.Array,
+    threshold: float,
+    qk_nope_head_dim: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Rescaled (query projection, kv_b projection) of one MLA, or of a stack of them.
+
+    q_proj is q_b_proj [..., q_lora, heads, nope + rope] (or q_proj [..., embed, heads, ...]),
+    kv_b_proj [..., kv_lora, heads, nope + v]; max_logits [..., heads] with the same leading
+    (layer) dims.
+    """
+    gamma = clip_factors(max_logits_H.astype(jnp.float32), threshold)[..., None, :, None]
+    root = jnp.sqrt(gamma)
+    nope = qk_nope_head_dim
+    q_cols = jnp.arange(q_proj_RHK.shape[-1])
+    q_scale = jnp.where(q_cols < nope, root, gamma)
+    kv_cols = jnp.arange(kv_b_proj_RHK.shape[-1])
+    kv_scale = jnp.where(kv_cols < nope, root, 1.0)
+    return (
+        (q_proj_RHK * q_scale).astype(q_proj_RHK.dtype),
+        (kv_b_proj_RHK * kv_scale).astype(kv_b_proj_RHK.dtype),
+    )
+
+
+def mla_max_logits(
+    attn: MLA, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array
+) -> jax.Array:
+    """Largest visible pre-softmax logit of each head [H] over a batch, as `MLA.attend` scores it.
+
+    For tests and offline checks; in training the attention layer should report these maxima
+    from its own forward pass instead of recomputing them.
+    """
+    cos, sin = rope.rope_tables(positions_BT, attn.cfg)
+    q_nope, q_rope = attn.queries(x_BTD, cos, sin)
+    c_kv, k_rope = attn.latents(x_BTD, cos, sin)
+    kv = jnp.einsum("bsr,rhk->bshk", c_kv, attn.kv_b_proj[...].astype(c_kv.dtype))
+    k_nope = kv[..., : attn.cfg.qk_nope_head_dim]
+    scores = jnp.einsum("bthk,bshk->bhts", q_nope, k_nope, preferred_element_type=jnp.float32)
+    scores += jnp.einsum("bthk,bsk->bhts", q_rope, k_rope, preferred_element_type=jnp.float32)
+    scores = scores * rope.softmax_scale(attn.cfg)
+    mask = attention_mask(segment_ids_BT, positions_BT, segment_ids_BT, positions_BT)
+    return jnp.max(jnp.where(mask[:, None], scores, -jnp.inf), axis=(0, 2, 3))

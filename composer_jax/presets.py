@@ -1,0 +1,130 @@
+"""Experiment presets: `tiny` (CPU, minutes), `small` (~100M parameters, one GPU) and `kimi_k2`
+(the 1.04T / 32B-active shape, for accounting and cluster launch)."""
+
+from composer_jax.config import (
+    ExperimentConfig,
+    MeshConfig,
+    ModelConfig,
+    OptimizerConfig,
+    PhaseConfig,
+    TrainConfig,
+    YarnConfig,
+)
+
+
+def tiny() -> ExperimentConfig:
+    """Runs in minutes on a laptop CPU: 3 phases (main, long context, short SFT-length)."""
+    return ExperimentConfig(
+        model=ModelConfig(),
+        train=TrainConfig(
+            phases=(
+                PhaseConfig("main", fraction=0.7, seq_len=128, batch_size=8),
+                PhaseConfig("long_context", fraction=0.2, seq_len=256, batch_size=4, lr_scale=0.5),
+                PhaseConfig("sft", fraction=0.1, seq_len=64, batch_size=16, lr_scale=0.25),
+            ),
+            eval_every=50,
+            checkpoint_every=50,
+        ),
+        steps=300,
+        workdir="runs/tiny",
+    )
+
+
+def small() -> ExperimentConfig:
+    """About 100M total parameters: a single-GPU model for real ablations."""
+    model = ModelConfig(
+        vocab_size=259,
+        hidden_size=512,
+        num_layers=8,
+        first_k_dense=1,
+        num_heads=8,
+        q_lora_rank=256,
+        kv_lora_rank=128,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        intermediate_size=2048,
+        moe_intermediate_size=256,
+        num_experts=32,
+        num_experts_per_tok=6,
+        num_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=32768,
+        num_mtp_layers=1,
+    )
+    return ExperimentConfig(
+        model=model,
+        optim=OptimizerConfig(learning_rate=1e-3, warmup_steps=500),
+        train=TrainConfig(
+            phases=(
+                PhaseConfig("main", fraction=0.8, seq_len=2048, batch_size=64),
+                PhaseConfig(
+                    "long_context", fraction=0.15, seq_len=8192, batch_size=16, lr_scale=0.3
+                ),
+                PhaseConfig("sft", fraction=0.05, seq_len=2048, batch_size=64, lr_scale=0.1),
+            ),
+            log_every=20,
+            eval_every=500,
+            checkpoint_every=500,
+        ),
+        steps=20000,
+        workdir="runs/small",
+    )
+
+
+def kimi_k2_model() -> ModelConfig:
+    """The Kimi-K2 shape (1.04T total / 32B active); used for accounting, never allocated."""
+    return ModelConfig(
+        vocab_size=163840,
+        hidden_size=7168,
+        num_layers=61,
+        first_k_dense=1,
+        num_heads=64,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        rope_theta=50000.0,
+        rope_scaling=YarnConfig(
+            factor=32.0,
+            original_max_position_embeddings=4096,
+            beta_fast=1.0 * 32,
+            beta_slow=1.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+        max_position_embeddings=131072,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_experts=384,
+        num_experts_per_tok=8,
+        num_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.827,
+        num_mtp_layers=0,
+    )
+
+
+def kimi_k2() -> ExperimentConfig:
+    return ExperimentConfig(
+        model=kimi_k2_model(),
+        mesh=MeshConfig(replica=-1, fsdp=64, cp=2),
+        train=TrainConfig(
+            phases=(
+                PhaseConfig("main", fraction=0.9, seq_len=32768, batch_size=512),
+                PhaseConfig(
+                    "long_context", fraction=0.08, seq_len=262144, batch_size=64, lr_scale=0.3
+                ),
+                PhaseConfig("sft", fraction=0.02, seq_len=32768, batch_size=512, lr_scale=0.1),
+            )
+        ),
+        steps=100000,
+        workdir="runs/kimi_k2",
+    )
+
+
+PRESETS = {"tiny": tiny, "small": small, "kimi_k2": kimi_k2}

@@ -1,0 +1,76 @@
+"""The RL loss on the model: trainer forward under router replay, reference and teacher passes.
+
+Router replay forces the experts the sampler used (`batch.router_indices_LBTK`), so the trainer's
+log-probs are those of the policy that sampled, up to weight staleness; the model's
+`replay_min_ratio` replaces replayed experts the trainer finds implausible, and the rate is logged.
+Gates are computed live, so the router is trained through the RL loss.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from composer_jax.model.transformer import Transformer, forward
+from composer_jax.rl.batch import TrajectoryBatch
+from composer_jax.rl.config import RLObjectiveConfig
+from composer_jax.rl.loss import Metrics, policy_objective, token_logprobs
+
+
+def trainer_logits(
+    model: Transformer, batch: TrajectoryBatch, replay: bool = True
+) -> tuple[jax.Array, Metrics]:
+    """Float32 logits of the main head and the router-replay statistics."""
+    forced = batch.router_indices_LBTK if replay else None
+    out = forward(
+        model,
+        batch.tokens_BT,
+        batch.positions_BT,
+        batch.segment_ids_BT,
+        forced_indices_LBTK=forced,
+        with_mtp=False,
+    )
+    replay_slots = (batch.segment_ids_BT > 0).sum() * model.cfg.num_experts_per_tok
+    replaced = out.replay_replaced_L
+    metrics = {
+        "router_replaced": replaced.sum(),
+        "router_replace_rate": replaced.sum() / jnp.maximum(replay_slots * replaced.shape[0], 1),
+    }
+    return model.logits(out.hidden_BTD), metrics
+
+
+def reference_logprobs(model: Transformer, batch: TrajectoryBatch) -> jax.Array:
+    """Token log-probs under a reference policy (its own routing), as constants."""
+    out = forward(model, batch.tokens_BT, batch.positions_BT, batch.segment_ids_BT, with_mtp=False)
+    logp = token_logprobs(model.logits(out.hidden_BTD), batch.tokens_BT)
+    return jax.lax.stop_gradient(logp)
+
+
+def teacher_logits(model: Transformer, batch: TrajectoryBatch) -> jax.Array:
+    """The same policy on the hinted contexts: the distillation teacher (stop-gradient)."""
+    out = forward(
+        model,
+        batch.teacher_tokens_BT,
+        batch.teacher_positions_BT,
+        batch.teacher_segment_ids_BT,
+        with_mtp=False,
+    )
+    return jax.lax.stop_gradient(model.logits(out.hidden_BTD))
+
+
+def rl_loss(
+    model: Transformer,
+    batch: TrajectoryBatch,
+    cfg: RLObjectiveConfig,
+    ref_logprobs_BT: jax.Array | None = None,
+    ref_logits_BTV: jax.Array | None = None,
+) -> tuple[jax.Array, Metrics]:
+    """Loss and metrics of one RL step; differentiate with respect to the model's parameters."""
+    logits, metrics = trainer_logits(model, batch, replay=cfg.router_replay)
+    teacher = None
+    if batch.teacher_tokens_BT is not None and cfg.distill_coef > 0:
+        teacher = teacher_logits(model, batch)
+    loss, objective_metrics = policy_objective(
+        logits, batch, cfg, ref_logprobs_BT, ref_logits_BTV, teacher
+    )
+    return loss, {**metrics, **objective_metrics}

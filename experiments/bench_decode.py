@@ -1,0 +1,158 @@
+r"""Inference engine benchmark: cache memory, cached vs recomputed decode, continuous batching.
+
+All ratios compare configurations measured in the same run on the same machine:
+1. latent-cache bytes per token against a full per-head K/V cache, for the model presets;
+2. single-sequence decode tokens/s at each context length: MLA latent cache (absorbed and
+   expanded attention) against re-running the whole forward for every token;
+3. continuous batching (num_slots sequences in flight, requests joining as others finish) against
+   serving the same requests one at a time;
+4. MTP speculative decoding: acceptance rate and tokens per main-model pass.
+
+  python experiments/bench_decode.py [--contexts=256,1024] [--decode_steps=32] [--requests=32]
+"""
+
+import dataclasses
+import time
+
+from absl import app, flags
+
+_CONTEXTS = flags.DEFINE_list("contexts", ["256", "1024"], "Context lengths for decode speed.")
+_DECODE_STEPS = flags.DEFINE_integer("decode_steps", 32, "Timed tokens per decode measurement.")
+_REQUESTS = flags.DEFINE_integer("requests", 32, "Requests in the batching comparison.")
+_SLOTS = flags.DEFINE_integer("slots", 8, "Cache slots for continuous batching.")
+
+
+def _model_cfg():
+    from composer_jax import config
+
+    return dataclasses.replace(config.tiny().model, dtype="float32")
+
+
+def cache_table() -> None:
+    from composer_jax import config
+    from composer_jax.infer import cache_bytes_per_token, full_kv_bytes_per_token
+
+    print("\n== KV cache bytes per token (all layers) ==")
+    print(f"{'model':<10}{'dtype':<10}{'latent cache':>14}{'full K/V':>12}{'ratio':>8}")
+    presets = [("tiny", config.tiny().model), ("small", config.small().model)]
+    presets.append(("kimi_k2", config.kimi_k2().model))
+    for name, cfg in presets:
+        latent, full = cache_bytes_per_token(cfg), full_kv_bytes_per_token(cfg)
+        formula = f"({cfg.kv_lora_rank}+{cfg.qk_rope_head_dim})*{cfg.num_layers}*bytes"
+        print(f"{name:<10}{cfg.dtype:<10}{latent:>14,}{full:>12,}{full / latent:>7.1f}x  {formula}")
+
+
+def _time_engine_decode(model, context: int, steps: int, absorbed: bool) -> float:
+    """Tokens/s of one sequence decoding after a `context`-token prompt (compile excluded)."""
+    from composer_jax.infer import InferenceEngine, SamplingParams
+
+    engine = InferenceEngine(
+        model,
+        num_slots=1,
+        max_len=context + steps + 2,
+        prefill_buckets=(context,),
+        absorbed=absorbed,
+    )
+    params = SamplingParams(temperature=0.0, max_new_tokens=steps + 1)
+    prompt = [1 + i % 200 for i in range(context)]
+    engine.compile_all()
+    engine.submit(prompt, params)
+    engine.step()  # prefill and the first token
+    start = time.perf_counter()
+    while engine.has_work:
+        engine.step()
+    return steps / (time.perf_counter() - start)
+
+
+def _time_recompute_decode(model, context: int, steps: int) -> float:
+    from composer_jax.infer import SamplingParams, recompute_generate
+
+    prompt = [1 + i % 200 for i in range(context)]
+    max_len = context + steps + 2
+    recompute_generate(model, prompt, SamplingParams(temperature=0.0, max_new_tokens=1), max_len)
+    start = time.perf_counter()
+    recompute_generate(
+        model, prompt, SamplingParams(temperature=0.0, max_new_tokens=steps), max_len
+    )
+    return steps / (time.perf_counter() - start)
+
+
+def decode_table(model, contexts: list[int], steps: int) -> None:
+    print(f"\n== Single-sequence decode tokens/s ({steps} tokens, tiny float32, CPU) ==")
+    header = f"{'context':>8}{'recompute':>12}{'cache':>10}{'cache (expanded)':>18}{'speed-up':>10}"
+    print(header)
+    for context in contexts:
+        recompute = _time_recompute_decode(model, context, steps)
+        cached = _time_engine_decode(model, context, steps, absorbed=True)
+        expanded = _time_engine_decode(model, context, steps, absorbed=False)
+        print(
+            f"{context:>8}{recompute:>12.1f}{cached:>10.1f}{expanded:>18.1f}"
+            f"{cached / recompute:>9.1f}x"
+        )
+
+
+def batching_table(model, requests: int, slots: int) -> None:
+    import numpy as np
+
+    from composer_jax.infer import InferenceEngine, SamplingParams
+
+    rng = np.random.default_rng(0)
+    work = [
+        (
+            rng.integers(1, 250, size=int(rng.integers(8, 60))).tolist(),
+            SamplingParams(temperature=1.0, max_new_tokens=int(rng.integers(16, 64)), seed=i),
+        )
+        for i in range(requests)
+    ]
+    total = sum(p.max_new_tokens for _, p in work)
+    print(f"\n== Continuous batching: {requests} requests, {total} generated tokens ==")
+    print(f"{'mode':<28}{'seconds':>9}{'tokens/s':>10}")
+    results = {}
+    for label, num_slots in (("one at a time (1 slot)", 1), (f"continuous ({slots} slots)", slots)):
+        engine = InferenceEngine(model, num_slots=num_slots, max_len=128, prefill_buckets=(16, 64))
+        engine.compile_all()
+        start = time.perf_counter()
+        for prompt, params in work:
+            engine.submit(prompt, params)
+        engine.run()
+        seconds = time.perf_counter() - start
+        results[label] = total / seconds
+        print(f"{label:<28}{seconds:>9.2f}{total / seconds:>10.1f}")
+    one, many = results.values()
+    print(f"continuous / one-at-a-time: {many / one:.1f}x")
+
+
+def speculative_table(model) -> None:
+    import numpy as np
+
+    from composer_jax.infer import SamplingParams, speculative_generate
+
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, 250, size=16).tolist() for _ in range(8)]
+    print("\n== MTP speculative decoding (untrained tiny model: MTP head is random) ==")
+    for temperature in (0.0, 1.0):
+        params = [
+            SamplingParams(temperature=temperature, max_new_tokens=32, seed=i) for i in range(8)
+        ]
+        outs, stats = speculative_generate(model, prompts, params, max_len=64, prompt_bucket=16)
+        tokens = sum(len(c.tokens) for c in outs) - len(outs)  # first token comes from prefill
+        per_pass = tokens / max(stats.drafted, 1)
+        print(
+            f"temperature {temperature}: acceptance {stats.acceptance_rate:.3f}, "
+            f"{per_pass:.2f} tokens per verification pass"
+        )
+
+
+def main(argv):
+    del argv
+    from composer_jax.model import init_model
+
+    model = init_model(_model_cfg(), seed=0)
+    cache_table()
+    decode_table(model, [int(c) for c in _CONTEXTS.value], _DECODE_STEPS.value)
+    batching_table(model, _REQUESTS.value, _SLOTS.value)
+    speculative_table(model)
+
+
+if __name__ == "__main__":
+    app.run(main)

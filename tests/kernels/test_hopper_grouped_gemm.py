@@ -1,0 +1,103 @@
+"""Hopper wgmma grouped GEMM under Mosaic GPU interpret mode, against the jnp reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from composer_jax.quant import formats
+from composer_jax.quant.moe_gemm import quantized_expert_gemm
+from kernels_pallas import grouped_layout
+from kernels_pallas import hopper_grouped_gemm as hopper
+
+
+def _random_groups(rng, num_rows, num_groups):
+    """Ragged sizes with at least one empty group; some rows may be left past the groups."""
+    cuts = np.sort(rng.integers(0, num_rows + 1, num_groups))
+    sizes = np.diff(np.concatenate([[0], cuts])).astype(np.int32)
+    sizes[rng.integers(num_groups)] = 0
+    return jnp.asarray(sizes)
+
+
+@pytest.mark.parametrize("m, k, n, g", [(100, 128, 64, 4), (40, 64, 48, 3)])
+def test_matches_reference_in_interpret_mode(m, k, n, g):
+    rng = np.random.default_rng()  # fresh inputs on every run
+    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((g, k, n)), jnp.bfloat16)
+    sizes = _random_groups(rng, m, g)
+    out = hopper.grouped_gemm(lhs, rhs, sizes, interpret=True)
+    want = grouped_layout.grouped_gemm_reference(lhs, rhs, sizes)
+    assert out.shape == (m, n) and out.dtype == jnp.float32
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4 * np.abs(want).max(), err_msg=sizes)
+    assert (np.asarray(out)[int(sizes.sum()) :] == 0).all()
+
+
+@pytest.mark.parametrize("m, k, n, g", [(100, 64, 64, 3), (70, 96, 40, 4)])
+def test_mxfp8_kernel_matches_reference_in_interpret_mode(m, k, n, g):
+    rng = np.random.default_rng()  # fresh inputs on every run
+    scale_rows = np.exp2(rng.integers(-6, 6, (m, 1)))  # spread the E8M0 scales
+    lhs = formats.quantize_mxfp8(jnp.asarray(rng.standard_normal((m, k)) * scale_rows, jnp.float32))
+    rhs = formats.quantize_mxfp8(jnp.asarray(rng.standard_normal((g, n, k)), jnp.float32))
+    sizes = _random_groups(rng, m, g)
+    out = hopper.mxfp8_grouped_gemm(
+        lhs.values, lhs.scales, rhs.values, rhs.scales, sizes, interpret=True
+    )
+    want = grouped_layout.grouped_gemm_reference(
+        formats.dequantize(lhs), jnp.swapaxes(formats.dequantize(rhs), 1, 2), sizes
+    )
+    assert out.shape == (m, n) and out.dtype == jnp.float32
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=sizes)
+    assert (np.asarray(out)[int(sizes.sum()) :] == 0).all()
+
+
+def test_lowers_for_cuda_on_cpu():
+    def lower(fn, *specs):
+        return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+
+    sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
+    bf16 = (
+        jax.ShapeDtypeStruct((256, 256), jnp.bfloat16),
+        jax.ShapeDtypeStruct((8, 256, 128), jnp.bfloat16),
+    )
+    assert "mosaic_gpu" in lower(hopper.grouped_gemm, *bf16, sizes)
+    fp8 = (
+        jax.ShapeDtypeStruct((300, 512), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((300, 16), jnp.uint8),
+        jax.ShapeDtypeStruct((8, 256, 512), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((8, 256, 16), jnp.uint8),
+    )
+    assert "mosaic_gpu" in lower(hopper.mxfp8_grouped_gemm, *fp8, sizes)
+
+
+def test_invalid_inputs_are_named():
+    lhs, rhs = jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros((2, 64, 64), jnp.bfloat16)
+    with pytest.raises(TypeError, match="bfloat16"):
+        hopper.grouped_gemm(lhs.astype(jnp.float32), rhs, jnp.array([4, 4]))
+    with pytest.raises(ValueError, match="group_sizes"):
+        hopper.grouped_gemm(lhs, rhs, jnp.array([8]))
+    with pytest.raises(ValueError, match="block_m"):
+        hopper.grouped_gemm(lhs, rhs, jnp.array([4, 4]), block_m=32)
+    codes, scales = lhs.astype(jnp.float8_e4m3fn), jnp.zeros((8, 2), jnp.uint8)
+    rhs_codes = jnp.zeros((2, 16, 64), jnp.float8_e4m3fn)
+    rhs_scales = jnp.zeros((2, 16, 2), jnp.uint8)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        hopper.mxfp8_grouped_gemm(lhs, scales, rhs_codes, rhs_scales, jnp.array([4, 4]))
+    with pytest.raises(ValueError, match="scales must be"):
+        hopper.mxfp8_grouped_gemm(codes, scales[:, :1], rhs_codes, rhs_scales, jnp.array([4, 4]))
+
+
+@pytest.mark.slow
+def test_quantized_op_with_hopper_backend_matches_reference_backend():
+    rng = np.random.default_rng(0)
+    lhs = jnp.asarray(rng.standard_normal((40, 64)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((3, 64, 32)), jnp.bfloat16)
+    sizes, grad = jnp.array([20, 0, 12], jnp.int32), jnp.ones((40, 32), jnp.bfloat16)
+    results = []
+    for backend in ("reference", "pallas_hopper"):
+        fn = lambda x, w: quantized_expert_gemm(x, w, sizes, backend=backend)  # noqa: B023
+        out, vjp = jax.vjp(fn, lhs, rhs)
+        results.append((out, *vjp(grad)))
+    for a, b in zip(*results):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2)

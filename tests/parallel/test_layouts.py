@@ -1,0 +1,119 @@
+"""Every (replica, fsdp, cp) layout with expert parallelism computes the single-device step."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from composer_jax import config as config_lib
+from composer_jax.model import init_model
+from composer_jax.model.layers import logical_axes_of
+from composer_jax.model.transformer import forward
+from composer_jax.parallel import make_layout, use_layout
+from composer_jax.train import step as S
+from tests.train.test_step import _packed_batch
+
+LAYOUTS = [(1, 8, 1), (2, 4, 1), (1, 4, 2), (2, 2, 2)]
+
+
+def _model_cfg(dtype):
+    return dataclasses.replace(
+        config_lib.tiny().model,
+        hidden_size=32,
+        num_heads=2,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_layers=3,
+        num_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=2,
+        num_mtp_layers=1,
+        dtype=dtype,
+    )
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return _packed_batch(np.random.default_rng(0), B=8, T=16)
+
+
+def _loss_grads_logits(cfg, layout, batch):
+    """Loss, parameter gradients, main logits and MTP hidden states of one step."""
+    m = init_model(cfg, seed=5)
+    graphdef, params, buffers = S.split_model(m)
+    train_cfg = config_lib.TrainConfig()
+
+    def f(params, buffers, batch):
+        model = nnx.merge(graphdef, params, buffers)
+        with use_layout(layout):
+            loss, _ = S.pretrain_loss(model, batch, train_cfg)
+            out = forward(model, batch["tokens"], batch["positions"], batch["segment_ids"])
+        return loss, (model.logits(out.hidden_BTD), out.mtp_hidden_DBTD)
+
+    grad_fn = jax.value_and_grad(f, has_aux=True)
+    if layout is None:
+        (loss, (logits, mtp)), grads = jax.jit(grad_fn)(params, buffers, batch)
+    else:
+        param_sh = layout.tree_shardings(logical_axes_of(params), params)
+        buffer_sh = layout.tree_shardings(logical_axes_of(buffers), buffers)
+        batch_sh = {k: layout.batch_sharding() for k in batch}
+        args = jax.device_put((params, buffers, batch), (param_sh, buffer_sh, batch_sh))
+        (loss, (logits, mtp)), grads = jax.jit(grad_fn)(*args)
+        sharded = [g for g in jax.tree.leaves(args[0]) if not g.sharding.is_fully_replicated]
+        assert sharded, "the layout sharded no parameter"
+    to_np = lambda t: jax.tree.map(lambda a: np.asarray(a, np.float64), t)
+    return float(loss), to_np(grads), to_np(logits), to_np(mtp)
+
+
+def _rel(a, b):
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+@pytest.fixture(scope="module")
+def single_device(batch):
+    cache = {}
+
+    def get(dtype):
+        if dtype not in cache:
+            cache[dtype] = _loss_grads_logits(_model_cfg(dtype), None, batch)
+        return cache[dtype]
+
+    return get
+
+
+CASES = [
+    pytest.param("float32", 1e-5, layout, id="float32-{}x{}x{}".format(*layout))
+    for layout in LAYOUTS
+] + [
+    pytest.param(
+        "bfloat16",
+        2e-2,
+        layout,
+        id="bfloat16-{}x{}x{}".format(*layout),
+        marks=() if layout == (2, 2, 2) else pytest.mark.slow,
+    )
+    for layout in LAYOUTS
+]
+
+
+@pytest.mark.parametrize("dtype, tol, shape", CASES)
+def test_layout_matches_single_device(batch, single_device, dtype, tol, shape):
+    """Loss, every gradient, logits and MTP states equal one device's (relative error < tol)."""
+    replica, fsdp, cp = shape
+    want_loss, want_grads, want_logits, want_mtp = single_device(dtype)
+    layout = make_layout(config_lib.MeshConfig(replica=replica, fsdp=fsdp, cp=cp))
+    assert layout.ep_size == fsdp * cp
+    loss, grads, logits, mtp = _loss_grads_logits(_model_cfg(dtype), layout, batch)
+    assert abs(loss - want_loss) / abs(want_loss) < tol
+    errors = jax.tree.map(_rel, grads, want_grads)
+    assert max(jax.tree.leaves(errors)) < tol, errors
+    assert _rel(logits, want_logits) < tol
+    assert _rel(mtp, want_mtp) < tol
