@@ -15,12 +15,25 @@ def _per_device_bytes(x) -> int:
     return math.prod(shard) * np.dtype(x.dtype).itemsize
 
 
+def path_name(path) -> str:
+    """'moe_layers.mlp.gate' for a pytree key path (NNX variable wrappers skipped)."""
+    parts = []
+    for entry in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(entry, attr):
+                value = str(getattr(entry, attr))
+                if value != "value":
+                    parts.append(value)
+                break
+    return ".".join(parts)
+
+
 def sharding_table(abstract_tree) -> str:
     """One row per array: path, global shape, partition spec, bytes held by each device."""
     rows = []
     total = 0
     for path, x in jax.tree_util.tree_leaves_with_path(abstract_tree):
-        name = jax.tree_util.keystr(path).replace("']['", ".").strip("[']").replace(".value", "")
+        name = path_name(path)
         per_device = _per_device_bytes(x)
         total += per_device
         spec = str(tuple(x.sharding.spec)) if hasattr(x.sharding, "spec") else str(x.sharding)

@@ -29,6 +29,7 @@ from composer_jax import optim
 from composer_jax.model.layers import logical_axes_of
 from composer_jax.model.transformer import Transformer, param_rngs
 from composer_jax.parallel import Layout, make_layout
+from composer_jax.parallel.packing import balanced_row_order
 from composer_jax.parallel.report import sharding_table
 from composer_jax.train.checkpoint import Checkpointer, CheckpointError
 from composer_jax.train.metrics import MetricsWriter
@@ -410,9 +411,19 @@ def _eval_batches(cfg, corpora: _Corpora, layout: Layout) -> list[dict]:
 
 
 def _global_batch(local: dict, layout: Layout) -> dict:
-    """Assembles each process's rows into one global array sharded over (replica, fsdp) x cp."""
+    """Assembles each process's rows into one global array sharded over (replica, fsdp) x cp.
+
+    Rows are first reordered so that this process's data-parallel ranks get equal attention work
+    (packed rows hold equal tokens but documents of different lengths).
+    """
     sharding = layout.batch_sharding()
+    data_parallel = layout.mesh.shape["replica"] * layout.mesh.shape["fsdp"]
+    local_ranks = max(data_parallel // jax.process_count(), 1)
+    rows = np.asarray(local["segment_ids"]).shape[0]
+    order = np.arange(rows)
+    if local_ranks > 1 and rows % local_ranks == 0:
+        order = balanced_row_order(np.asarray(local["segment_ids"]), local_ranks)
     return {
-        k: jax.make_array_from_process_local_data(sharding, np.asarray(local[k], np.int32))
+        k: jax.make_array_from_process_local_data(sharding, np.asarray(local[k], np.int32)[order])
         for k in ("tokens", "segment_ids", "positions")
     }
