@@ -14,7 +14,7 @@ import typing
 from typing import Any
 
 EXPERT_PRECISIONS = ("bf16", "mxfp8", "nvfp4_fwd_mxfp8_bwd")
-EXPERT_BACKENDS = ("reference", "xla", "pallas_hopper", "pallas_blackwell")
+EXPERT_BACKENDS = ("reference", "pallas_hopper", "pallas_blackwell")
 
 
 class ConfigError(ValueError):
@@ -94,15 +94,16 @@ class MeshConfig:
     """Physical mesh axis sizes; -1 on one axis means 'all remaining devices'.
 
     `ep` names the axes whose devices form one expert-parallel group (experts are split over
-    them; the other axes shard each expert's matrices). `ep_dispatch` is how tokens travel to
-    their experts: "auto" (ragged all-to-all where supported, else padded), "padded", "ragged".
+    them; the other axes shard each expert's matrices). `ep_quantize` is the precision of tokens
+    on their way to the experts: "mxfp8" (DeepSeek-V3 style; results come back in the compute
+    dtype), "none", or "auto" (mxfp8 on GPU, none elsewhere).
     """
 
     replica: int = 1
     fsdp: int = -1
     cp: int = 1
     ep: tuple[str, ...] = ("fsdp", "cp")
-    ep_dispatch: str = "auto"
+    ep_quantize: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -458,9 +459,14 @@ def validate(cfg: ExperimentConfig, num_devices: int | None = None) -> None:
         _check(axis in ("replica", "fsdp", "cp"), "mesh.ep", f"unknown mesh axis {axis!r}")
     _check(len(set(cfg.mesh.ep)) == len(cfg.mesh.ep), "mesh.ep", "repeats an axis")
     _check(
-        cfg.mesh.ep_dispatch in ("auto", "padded", "ragged"),
-        "mesh.ep_dispatch",
-        f"must be auto, padded or ragged, got {cfg.mesh.ep_dispatch!r}",
+        cfg.mesh.ep_quantize in ("auto", "mxfp8", "none"),
+        "mesh.ep_quantize",
+        f"must be auto, mxfp8 or none, got {cfg.mesh.ep_quantize!r}",
+    )
+    _check(
+        cfg.mesh.ep_quantize == "none" or cfg.model.hidden_size % 32 == 0,
+        "mesh.ep_quantize",
+        f"MXFP8 dispatch needs model.hidden_size divisible by 32, got {cfg.model.hidden_size}",
     )
     if num_devices is not None:
         shape = mesh_shape(cfg.mesh, num_devices)

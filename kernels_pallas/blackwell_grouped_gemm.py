@@ -5,7 +5,7 @@ Operands are quantized codes plus block-scale bytes, both contracted along K:
   NVFP4: float4_e2m1fn codes, E4M3 scales per 16 values.
 The RHS is stored K-major per group, [G, N, K], as the FP4 tensor cores require. The result is
 float32 sum_k codes * scales; the NVFP4 per-token / per-column FP32 factors are applied by the
-caller (`grouped_gemm` does it after the kernel, fused by XLA).
+caller (the MoE op, as an XLA-fused multiply after the kernel).
 
 Pipeline per output tile (grid over M tiles x N tiles; every M tile lies in one group thanks to
 the 128-aligned row layout of `grouped_layout`): warpgroup 0 is warp-specialised, warp 0 issuing
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas import grouped_layout
+from kernels_pallas import grouped_layout, mgpu_compat
 
 TILE_M = 128  # the block-scaled MMA's M, and the row count of one scale tile
 # value dtype -> (scale dtype, values per scale)
@@ -34,31 +34,6 @@ FORMATS = {
     jnp.dtype(jnp.float8_e4m3fn): (jnp.float8_e8m0fnu, 32),
     jnp.dtype(jnp.float4_e2m1fn): (jnp.float8_e4m3fn, 16),
 }
-
-
-def swizzle_scales(scales_RC: jax.Array) -> jax.Array:
-    """(rows, cols) scale matrix -> the (rows/128, cols/4, 32, 16) tiles the tensor cores read.
-
-    Within a 128x4 tile, row 32*j + i and column c land at [i, 4*j + c]: the four 32-row slices
-    sit side by side, each row holding its four consecutive K-block scales.
-    """
-    rows, cols = scales_RC.shape[-2:]
-    if rows % 128 or cols % 4:
-        raise ValueError(f"scale matrix {scales_RC.shape} must be a multiple of (128, 4)")
-    lead = scales_RC.shape[:-2]
-    tiles = scales_RC.reshape(lead + (rows // 128, 4, 32, cols // 4, 4))
-    n = len(lead)
-    order = tuple(range(n)) + tuple(n + a for a in (0, 3, 2, 1, 4))
-    return tiles.transpose(order).reshape(lead + (rows // 128, cols // 4, 32, 16))
-
-
-def unswizzle_scales(tiles: jax.Array) -> jax.Array:
-    """Inverse of `swizzle_scales`."""
-    lead, (row_tiles, col_tiles) = tiles.shape[:-4], tiles.shape[-4:-2]
-    n = len(lead)
-    blocks = tiles.reshape(lead + (row_tiles, col_tiles, 32, 4, 4))
-    order = tuple(range(n)) + tuple(n + a for a in (0, 3, 2, 1, 4))
-    return blocks.transpose(order).reshape(lead + (row_tiles * 128, col_tiles * 4))
 
 
 def _decode_scales(scale_bytes: jax.Array, scale_dtype) -> jax.Array:
@@ -110,13 +85,6 @@ def _operand_transforms(dtype, block_k: int):
     bits = jnp.finfo(dtype).bits
     swizzle = plgpu.find_swizzle(block_k * bits)
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
-
-
-def _warp_map(body):
-    """Runs `body(warp_id)` once per warp (plgpu.warp_map where available)."""
-    if hasattr(plgpu, "warp_map"):
-        return plgpu.warp_map(body)
-    return pl.core_map(plgpu.WarpMesh(axis_name="warp"))(lambda: body(jax.lax.axis_index("warp")))
 
 
 def _aligned_kernel(tile_ends, lhs, lhs_sc, rhs, rhs_sc, *, block_n, block_k, stages):
@@ -181,7 +149,7 @@ def _aligned_kernel(tile_ends, lhs, lhs_sc, rhs, rhs_sc, *, block_n, block_k, st
                         plgpu.tcgen05_mma(
                             acc_tmem,
                             a_smem.at[slot],
-                            b_smem.at[slot].transpose((1, 0)),
+                            mgpu_compat.transposed(b_smem.at[slot]),
                             consumed.at[slot],
                             a_scale=a_sc_tmem,
                             b_scale=b_sc_tmem,
@@ -196,7 +164,7 @@ def _aligned_kernel(tile_ends, lhs, lhs_sc, rhs, rhs_sc, *, block_n, block_k, st
 
                     jax.lax.fori_loop(0, k_iters, step, None)
 
-            _warp_map(per_warp)
+            mgpu_compat.warp_map(per_warp)
 
         @pl.when(jax.lax.axis_index("wg") == 1)
         def _store():
@@ -240,8 +208,6 @@ def grouped_gemm(
     rhs_GNK: jax.Array,
     rhs_scales: jax.Array,
     group_sizes_G: jax.Array,
-    row_factors_M: jax.Array | None = None,
-    column_factors_GN: jax.Array | None = None,
     *,
     block_n: int = 128,
     block_k: int = 128,
@@ -249,8 +215,8 @@ def grouped_gemm(
 ) -> jax.Array:
     """float32 block-scaled grouped GEMM on Blackwell tensor cores.
 
-    Rows of group g multiply rhs[g]^T; rows past the groups are zero. Optional FP32 factors per
-    row (NVFP4 per-token decode scale) and per (group, column) scale the result.
+    Rows of group g multiply rhs[g]^T; rows past the groups are zero. K and N are zero-padded to
+    the tiles here; the NVFP4 FP32 factors are the caller's.
     """
     _check(lhs_MK, lhs_scales, rhs_GNK, rhs_scales, group_sizes_G, block_n, block_k)
     scale_dtype, block = FORMATS[jnp.dtype(lhs_MK.dtype)]
@@ -262,8 +228,8 @@ def grouped_gemm(
     dest, aligned_sizes, padded_rows = grouped_layout.aligned_destinations(group_sizes_G, m, TILE_M)
     lhs = grouped_layout.to_aligned_rows(lhs_MK, dest, padded_rows)
     lhs_sc = grouped_layout.to_aligned_rows(lhs_scales, dest, padded_rows)
-    lhs_sc = jax.lax.bitcast_convert_type(swizzle_scales(lhs_sc), scale_dtype)
-    rhs_sc = jax.lax.bitcast_convert_type(swizzle_scales(rhs_scales), scale_dtype)
+    lhs_sc = jax.lax.bitcast_convert_type(grouped_layout.swizzle_scales(lhs_sc), scale_dtype)
+    rhs_sc = jax.lax.bitcast_convert_type(grouped_layout.swizzle_scales(rhs_scales), scale_dtype)
     out = _aligned_kernel(
         jnp.cumsum(aligned_sizes) // TILE_M,
         lhs,
@@ -274,9 +240,4 @@ def grouped_gemm(
         block_k=block_k,
         stages=stages,
     )
-    out = grouped_layout.from_aligned_rows(out, dest)[:, :n]
-    if row_factors_M is not None:
-        out = out * row_factors_M.reshape(m, 1)
-    if column_factors_GN is not None:
-        out = out * column_factors_GN[grouped_layout.expert_of_row(group_sizes_G, m)]
-    return out
+    return grouped_layout.from_aligned_rows(out, dest)[:, :n]

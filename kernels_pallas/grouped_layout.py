@@ -1,8 +1,9 @@
-"""Group-aligned row layout for grouped GEMMs, and the pure-jnp reference product.
+"""Memory layouts for grouped GEMMs (pure jnp), and the reference grouped product.
 
-Kernels tile the token axis; a tile must not straddle two experts (nor, for token-axis scale
-blocks, may a scale block). Each expert's rows are therefore moved to a start that is a multiple
-of `align`, zero rows filling the gaps; rows past sum(group_sizes) are dropped.
+Rows: kernels tile the token axis; a tile must not straddle two experts (nor, for token-axis
+scale blocks, may a scale block). Each expert's rows are therefore moved to a start that is a
+multiple of `align`, zero rows filling the gaps; rows past sum(group_sizes) are dropped.
+Scales: the swizzled tiles of block scales that Blackwell's block-scaled MMAs read.
 """
 
 from __future__ import annotations
@@ -58,3 +59,28 @@ def grouped_gemm_reference(lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G)
     return jax.lax.ragged_dot(
         lhs_MK, rhs_GKN, group_sizes_G.astype(jnp.int32), preferred_element_type=jnp.float32
     )
+
+
+def swizzle_scales(scales_RC: jax.Array) -> jax.Array:
+    """(rows, cols) scale matrix -> the (rows/128, cols/4, 32, 16) tiles the tensor cores read.
+
+    Within a 128x4 tile, row 32*j + i and column c land at [i, 4*j + c]: the four 32-row slices
+    sit side by side, each row holding its four consecutive K-block scales.
+    """
+    rows, cols = scales_RC.shape[-2:]
+    if rows % 128 or cols % 4:
+        raise ValueError(f"scale matrix {scales_RC.shape} must be a multiple of (128, 4)")
+    lead = scales_RC.shape[:-2]
+    tiles = scales_RC.reshape(lead + (rows // 128, 4, 32, cols // 4, 4))
+    n = len(lead)
+    order = tuple(range(n)) + tuple(n + a for a in (0, 3, 2, 1, 4))
+    return tiles.transpose(order).reshape(lead + (rows // 128, cols // 4, 32, 16))
+
+
+def unswizzle_scales(tiles: jax.Array) -> jax.Array:
+    """Inverse of `swizzle_scales`."""
+    lead, (row_tiles, col_tiles) = tiles.shape[:-4], tiles.shape[-4:-2]
+    n = len(lead)
+    blocks = tiles.reshape(lead + (row_tiles, col_tiles, 32, 4, 4))
+    order = tuple(range(n)) + tuple(n + a for a in (0, 3, 2, 1, 4))
+    return blocks.transpose(order).reshape(lead + (row_tiles * 128, col_tiles * 4))

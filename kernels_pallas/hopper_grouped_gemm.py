@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas import grouped_layout
+from kernels_pallas import grouped_layout, mgpu_compat
 
 MX_BLOCK = 32
 
@@ -141,7 +141,7 @@ def _aligned_mxfp8_grouped_gemm(
 
         def step(_, lhs_smem, rhs_smem, lhs_sc_smem, rhs_sc_smem, acc):
             def block_product(partial_ref):
-                plgpu.wgmma(partial_ref, lhs_smem, rhs_smem.transpose((1, 0)))
+                plgpu.wgmma(partial_ref, lhs_smem, mgpu_compat.transposed(rhs_smem))
                 return partial_ref[...]
 
             partial = pl.run_scoped(block_product, plgpu.ACC((block_m, block_n)))

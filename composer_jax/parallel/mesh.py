@@ -34,7 +34,14 @@ class Layout:
 
     mesh: Mesh
     ep_axes: tuple[str, ...] = ("fsdp", "cp")
-    ep_dispatch: str = "auto"
+    ep_quantize: str = "auto"
+
+    @property
+    def quantize_dispatch(self) -> bool:
+        """Whether tokens travel to their experts in MXFP8 ("auto": on GPUs only)."""
+        if self.ep_quantize == "auto":
+            return self.mesh.devices.flat[0].platform == "gpu"
+        return self.ep_quantize == "mxfp8"
 
     @property
     def ep_size(self) -> int:
@@ -108,7 +115,7 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
 
 
 def make_layout(cfg: MeshConfig, devices=None) -> Layout:
-    return Layout(make_mesh(cfg, devices), tuple(cfg.ep), cfg.ep_dispatch)
+    return Layout(make_mesh(cfg, devices), tuple(cfg.ep), cfg.ep_quantize)
 
 
 _CURRENT: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("layout", default=None)

@@ -16,6 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The Blackwell tensor cores' block-scale tile layout, for storage next to packed codes.
+from kernels_pallas.grouped_layout import swizzle_scales as swizzle_scales
+from kernels_pallas.grouped_layout import unswizzle_scales as unswizzle_scales
+
 MX_BLOCK = 32
 NVFP4_BLOCK = 16
 E4M3_MAX = 448.0

@@ -25,7 +25,7 @@ from composer_jax.quant import formats
 from kernels_pallas import grouped_layout
 
 PRECISIONS = ("mxfp8", "nvfp4_fwd_mxfp8_bwd")
-BACKENDS = ("reference", "xla", "pallas_hopper", "pallas_blackwell")
+BACKENDS = ("reference", "pallas_hopper", "pallas_blackwell")
 # Platforms each kernel backend runs on (None: any); the Hopper kernel is interpreted on CPU.
 _BACKEND_PLATFORMS = {
     "reference": None,
@@ -155,10 +155,6 @@ def check_backend(backend: str) -> None:
     """Raise a clear error when `backend` cannot run on the default JAX platform."""
     if backend not in BACKENDS:
         raise ValueError(f"expert_backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "xla":
-        raise NotImplementedError(
-            "expert_backend='xla' (jax.nn.scaled_matmul) is not implemented yet; use 'reference'"
-        )
     platforms = _BACKEND_PLATFORMS[backend]
     platform = jax.default_backend()
     if platforms is not None and platform not in platforms:

@@ -42,6 +42,13 @@ def test_lowers_for_cuda(fmt, m, k, n, g):
     assert "mosaic_gpu" in _lower(blackwell.grouped_gemm, *_specs(fmt, m, k, n, g))
 
 
+def test_lowers_through_the_jax_0_11_warp_map_spelling(monkeypatch):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    monkeypatch.delattr(plgpu, "warp_map", raising=False)  # JAX 0.11 has only core_map
+    assert "mosaic_gpu" in _lower(blackwell.grouped_gemm, *_specs("mxfp8", 136, 128, 128, 2))
+
+
 def test_lowers_with_other_tiles_and_padding():
     kernel = functools.partial(blackwell.grouped_gemm, block_n=128, block_k=256, stages=3)
     assert "mosaic_gpu" in _lower(kernel, *_specs("nvfp4", 200, 96, 200, 3))
@@ -85,14 +92,14 @@ def test_invalid_inputs_are_named():
 
 def test_scale_swizzle_layout():
     scales = jnp.arange(2 * 256 * 8, dtype=jnp.int32).reshape(2, 256, 8)
-    tiles = blackwell.swizzle_scales(scales)
+    tiles = grouped_layout.swizzle_scales(scales)
     assert tiles.shape == (2, 2, 2, 32, 16)
     # Row 128 + 32*j + i, column 4*c + t sits at [1, c, i, 4*j + t].
     g, j, i, c, t = 1, 2, 5, 1, 3
     assert tiles[g, 1, c, i, 4 * j + t] == scales[g, 128 + 32 * j + i, 4 * c + t]
-    np.testing.assert_array_equal(blackwell.unswizzle_scales(tiles), scales)
+    np.testing.assert_array_equal(grouped_layout.unswizzle_scales(tiles), scales)
     with pytest.raises(ValueError, match="multiple"):
-        blackwell.swizzle_scales(jnp.zeros((100, 8)))
+        grouped_layout.swizzle_scales(jnp.zeros((100, 8)))
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

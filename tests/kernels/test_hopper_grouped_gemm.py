@@ -88,7 +88,6 @@ def test_invalid_inputs_are_named():
         hopper.mxfp8_grouped_gemm(codes, scales[:, :1], rhs_codes, rhs_scales, jnp.array([4, 4]))
 
 
-@pytest.mark.slow
 def test_quantized_op_with_hopper_backend_matches_reference_backend():
     rng = np.random.default_rng(0)
     lhs = jnp.asarray(rng.standard_normal((40, 64)), jnp.bfloat16)

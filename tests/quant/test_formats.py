@@ -84,6 +84,16 @@ def test_e4m3_subnormals_round_once():
     np.testing.assert_array_equal(out[1:6], np.array([1, 2, 2, 0, 1], np.float32) * 2.0**-9)
 
 
+def test_float32_subnormal_inputs_decode_finite_and_tiny():
+    # XLA:CPU flushes f32 subnormals (these blocks then quantize like zero blocks); other
+    # platforms may keep them. Either way: no NaN/Inf and an error below the smallest normal.
+    x = jnp.zeros((2, 32), jnp.float32).at[0, 0].set(1e-40).at[0, 1].set(-3e-39)
+    x = x.at[1, :16].set(1e-39)
+    for q in (F.quantize_mxfp8(x), F.quantize_nvfp4(x)):
+        out = np.asarray(F.dequantize(q))
+        assert np.isfinite(out).all() and np.abs(out - np.asarray(x)).max() < 2.0**-126
+
+
 def _mx_reference(x: np.ndarray, mode: str) -> np.ndarray:
     """numpy MXFP8 along the last axis, rounding once (ml_dtypes casts f32 -> e4m3 directly)."""
     blocks = x.reshape(x.shape[:-1] + (-1, 32)).astype(np.float64)
@@ -205,3 +215,13 @@ def test_fp4_pack_roundtrip():
     )
     one = F.pack_fp4(jnp.asarray([0.5, -6.0], jnp.float4_e2m1fn))
     assert int(one[0]) == 0x1 | (0xF << 4)
+
+
+def test_nvfp4_storage_packed_codes_and_swizzled_scales():
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((128, 64)), jnp.float32)
+    q = F.quantize_nvfp4(x)
+    tiles = F.swizzle_scales(q.scales)  # [128, 4] E4M3 bytes -> one (1, 1, 32, 16) tile
+    assert tiles.shape == (1, 1, 32, 16) and tiles.dtype == jnp.uint8
+    assert tiles[0, 0, 7, 4 * 2 + 1] == q.scales[2 * 32 + 7, 1]
+    np.testing.assert_array_equal(F.unswizzle_scales(tiles), q.scales)
+    assert F.pack_fp4(q.values).nbytes == 128 * 64 // 2
