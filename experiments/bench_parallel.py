@@ -12,7 +12,6 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import dataclasses  # noqa: E402
-import functools  # noqa: E402
 import time  # noqa: E402
 
 from absl import app, flags  # noqa: E402
@@ -29,7 +28,7 @@ def measure(preset: str, shape, seq_len: int, batch: int) -> dict:
     from composer_jax import config as config_lib
     from composer_jax.parallel import make_layout
     from composer_jax.parallel.report import bytes_per_device, collective_bytes
-    from composer_jax.train import loop, step
+    from composer_jax.train import loop
 
     replica, fsdp, cp = shape
     cfg = config_lib.PRESETS[preset]()
@@ -41,19 +40,7 @@ def measure(preset: str, shape, seq_len: int, batch: int) -> dict:
         (batch, seq_len), jax.numpy.int32, sharding=layout.batch_sharding()
     )
     batch_spec = {"tokens": tokens, "segment_ids": tokens, "positions": tokens}
-    fn = jax.jit(
-        functools.partial(
-            step.train_step,
-            setup.graphdef,
-            setup.optimizer,
-            cfg.model,
-            cfg.train,
-            setup.schedule,
-            layout,
-        ),
-        in_shardings=(setup.shardings, layout.batch_sharding()),
-        out_shardings=(setup.shardings, None),
-    )
+    fn = setup.jit_train_step(donate=False)
     t0 = time.perf_counter()
     compiled = fn.trace(state, batch_spec).lower().compile()
     seconds = time.perf_counter() - t0

@@ -138,6 +138,24 @@ class TrainSetup:
         """A fresh, sharded train state (parameters initialised on device, never on host)."""
         return jax.jit(self._init_fn, out_shardings=self.shardings)()
 
+    def jit_train_step(self, donate: bool = True):
+        """`train_step` jitted with the state's and the batch's shardings (state donated)."""
+        step = functools.partial(
+            train_step,
+            self.graphdef,
+            self.optimizer,
+            self.cfg.model,
+            self.cfg.train,
+            self.schedule,
+            self.layout,
+        )
+        return jax.jit(
+            step,
+            in_shardings=(self.shardings, self.layout.batch_sharding()),
+            out_shardings=(self.shardings, NamedSharding(self.layout.mesh, P())),
+            donate_argnums=0 if donate else (),
+        )
+
     def _init_fn(self):
         model = Transformer(self.cfg.model, param_rngs(self.cfg.seed))
         return init_train_state(model, self.optimizer)
@@ -275,20 +293,7 @@ def run_pretraining(cfg: config_lib.ExperimentConfig, progress: bool = True) -> 
         state, data_position = ckpt.restore(resume_step, setup.abstract_state)
         print(f"Resumed from {ckpt.directory}/{resume_step}", flush=True)
 
-    step_fn = jax.jit(
-        functools.partial(
-            train_step,
-            setup.graphdef,
-            setup.optimizer,
-            cfg.model,
-            cfg.train,
-            setup.schedule,
-            layout,
-        ),
-        in_shardings=(setup.shardings, layout.batch_sharding()),
-        out_shardings=(setup.shardings, NamedSharding(layout.mesh, P())),
-        donate_argnums=0,
-    )
+    step_fn = setup.jit_train_step()
     eval_fn = jax.jit(functools.partial(eval_step, setup.graphdef, layout))
 
     corpora = _Corpora(cfg)

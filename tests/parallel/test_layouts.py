@@ -1,7 +1,5 @@
 """Every (replica, fsdp, cp) layout with expert parallelism computes the single-device step."""
 
-import dataclasses
-import functools
 
 import jax
 import numpy as np
@@ -15,31 +13,14 @@ from composer_jax.model.transformer import forward
 from composer_jax.parallel import make_layout, report, use_layout
 from composer_jax.train import loop
 from composer_jax.train import step as S
+from tests.train.helpers import small_model_config
 from tests.train.test_step import _packed_batch
 
 LAYOUTS = [(1, 8, 1), (2, 4, 1), (1, 4, 2), (2, 2, 2)]
 
 
 def _model_cfg(dtype):
-    return dataclasses.replace(
-        config_lib.tiny().model,
-        hidden_size=32,
-        num_heads=2,
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=8,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_layers=3,
-        num_experts=8,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=2,
-        num_mtp_layers=1,
-        dtype=dtype,
-    )
+    return small_model_config(num_layers=3, n_group=2, topk_group=2, dtype=dtype)
 
 
 @pytest.fixture(scope="module")
@@ -133,19 +114,7 @@ def test_train_step_state_is_sharded_not_replicated():
     layout = setup.layout
     tokens = jax.ShapeDtypeStruct((8, 16), np.int32, sharding=layout.batch_sharding())
     batch_spec = {"tokens": tokens, "segment_ids": tokens, "positions": tokens}
-    step_fn = jax.jit(
-        functools.partial(
-            S.train_step,
-            setup.graphdef,
-            setup.optimizer,
-            cfg.model,
-            cfg.train,
-            setup.schedule,
-            layout,
-        ),
-        in_shardings=(setup.shardings, layout.batch_sharding()),
-        out_shardings=(setup.shardings, None),
-    )
+    step_fn = setup.jit_train_step(donate=False)
     compiled = step_fn.trace(setup.abstract_state, batch_spec).lower().compile()
     full_state = sum(
         int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(setup.abstract_state)

@@ -20,11 +20,9 @@ def make_corpus(root: str, num_files: int = 40) -> str:
     return root
 
 
-def tiny_experiment(
-    workdir: str, corpus: str, steps: int = 8, **train_overrides
-) -> config_lib.ExperimentConfig:
-    model = dataclasses.replace(
-        config_lib.tiny().model,
+def small_model_config(**overrides) -> config_lib.ModelConfig:
+    """The smallest model with every feature on (q_lora, MTP, 8 experts, shared expert)."""
+    fields = dict(
         hidden_size=32,
         num_heads=2,
         q_lora_rank=16,
@@ -37,6 +35,13 @@ def tiny_experiment(
         num_experts=8,
         num_experts_per_tok=2,
     )
+    return dataclasses.replace(config_lib.tiny().model, **{**fields, **overrides})
+
+
+def tiny_experiment(
+    workdir: str, corpus: str, steps: int = 8, **train_overrides
+) -> config_lib.ExperimentConfig:
+    model = small_model_config()
     train = config_lib.TrainConfig(
         phases=(
             config_lib.PhaseConfig("main", 0.5, seq_len=32, batch_size=8),

@@ -14,25 +14,11 @@ from composer_jax.model import init_model
 from composer_jax.parallel import make_layout
 from composer_jax.train import step as S
 from composer_jax.train.loop import state_shardings
+from tests.train.helpers import small_model_config
 
 
 def _model_cfg(**kw):
-    return dataclasses.replace(
-        config_lib.tiny().model,
-        hidden_size=32,
-        num_heads=2,
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=8,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        dtype="float32",
-        **kw,
-    )
+    return small_model_config(num_experts=4, dtype="float32", **kw)
 
 
 def _packed_batch(rng, B=8, T=24, vocab=259):
