@@ -96,7 +96,10 @@ class MeshConfig:
     `ep` names the axes whose devices form one expert-parallel group (experts are split over
     them; the other axes shard each expert's matrices). `ep_quantize` is the precision of tokens
     on their way to the experts: "mxfp8" (DeepSeek-V3 style; results come back in the compute
-    dtype), "none", or "auto" (mxfp8 on GPU, none elsewhere).
+    dtype), "none", or "auto" (mxfp8 on GPU, none elsewhere). `ep_dispatch` is the exchange:
+    "ragged" (ragged all-to-all: only real rows travel; GPU), "padded" (all-to-all of worst-case
+    buffers; any backend), "ragged_emulated" (ragged bookkeeping over all-gathers, for CPU tests),
+    or "auto" (ragged on GPU, padded elsewhere).
     """
 
     replica: int = 1
@@ -104,6 +107,7 @@ class MeshConfig:
     cp: int = 1
     ep: tuple[str, ...] = ("fsdp", "cp")
     ep_quantize: str = "auto"
+    ep_dispatch: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -462,6 +466,11 @@ def validate(cfg: ExperimentConfig, num_devices: int | None = None) -> None:
         cfg.mesh.ep_quantize in ("auto", "mxfp8", "none"),
         "mesh.ep_quantize",
         f"must be auto, mxfp8 or none, got {cfg.mesh.ep_quantize!r}",
+    )
+    _check(
+        cfg.mesh.ep_dispatch in ("auto", "ragged", "padded", "ragged_emulated"),
+        "mesh.ep_dispatch",
+        f"must be auto, ragged, padded or ragged_emulated, got {cfg.mesh.ep_dispatch!r}",
     )
     _check(
         cfg.mesh.ep_quantize == "none" or cfg.model.hidden_size % 32 == 0,

@@ -1,8 +1,10 @@
 r"""Per-device state bytes and per-step collective bytes of each (replica, fsdp, cp) layout.
 
 Compiles (does not run) the train step of the tiny and small presets on 8 simulated devices and
-reads the compiled HLO: params / optimizer bytes held by each device, and bytes produced per
-device by all-gather, reduce-scatter, all-reduce and all-to-all in one step.
+reads the compiled HLO: dense-parameter, expert-parameter and Adam bytes held by each device, and
+bytes produced per device by all-gather, reduce-scatter, all-reduce and all-to-all in one step.
+Dense state shards over fsdp*cp (the last column stays constant when it shrinks linearly); expert
+state shards over all 8 devices in every layout (EP group x expert-FSDP on the other axes).
 
   python experiments/bench_parallel.py [--presets=tiny,small] [--seq_len=256]
 """
@@ -45,8 +47,10 @@ def measure(preset: str, shape, seq_len: int, batch: int) -> dict:
     compiled = fn.trace(state, batch_spec).lower().compile()
     seconds = time.perf_counter() - t0
     comms = collective_bytes(compiled.as_text())
+    experts = {k: state.params["moe_layers"]["mlp"][k] for k in ("gate", "up", "down")}
     return {
         "params": bytes_per_device(state.params),
+        "experts": bytes_per_device(experts),
         "opt": bytes_per_device(state.opt_state),
         "comms": comms,
         "compile_s": seconds,
@@ -68,10 +72,12 @@ def main(argv):
             r = measure(preset, shape, _SEQ.value, _BATCH.value)
             mib = lambda b: b / 2**20  # noqa: E731
             dense_shards = shape[1] * shape[2]
+            dense = r["params"] - r["experts"]
             print(
-                f"{str(shape):>15} {mib(r['params']):>9.2f} {mib(r['opt']):>9.2f} "
+                f"{str(shape):>15} {mib(dense):>8.2f} {mib(r['experts']):>8.2f} "
+                f"{mib(r['opt']):>8.2f} "
                 + " ".join(f"{mib(r['comms'].get(k, 0)):>14.2f}" for k in kinds)
-                + f" {mib(r['params']) * dense_shards:>16.2f}",
+                + f" {mib(dense) * dense_shards:>16.2f}",
                 flush=True,
             )
 

@@ -1,18 +1,21 @@
 """Dropless expert parallelism: tokens travel to the devices that hold their experts and back.
 
-Inside `jax.shard_map`, each device routes its own tokens, packs every (token, expert) slot into a
-buffer per destination device of the expert-parallel group, exchanges the buffers with one
-all-to-all, runs its local experts with the grouped GEMM, and sends the results back the same
-way. This padded exchange reserves room for every local slot per destination, so no token is ever
-dropped whatever the routing, at the price of (group size)x buffer memory; it runs on every
-backend, XLA:CPU included. Tokens can travel in MXFP8 (results always return in the compute
-dtype, as in DeepSeek-V3).
+Inside `jax.shard_map`, each device routes its own tokens, sorts every (token, expert) slot by the
+group member that holds the expert, exchanges them, runs its local experts with the grouped GEMM,
+and sends the results back the same way. Two exchanges, both dropless whatever the routing:
+- "ragged" (`lax.ragged_all_to_all`, GPU): only real rows travel; the receive buffer is sized for
+  the worst case. "ragged_emulated" moves the same rows with all-gathers so its bookkeeping runs
+  (slowly) on CPU tests.
+- "padded" (`lax.all_to_all`, every backend, XLA:CPU included): a [group, slots] buffer per
+  device, (group size)x the bytes on the wire.
+Tokens can travel in MXFP8 (results always return in the compute dtype, as in DeepSeek-V3).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +60,125 @@ def _exchange_mxfp8_bwd(axes, _, cotangent):
 _exchange_mxfp8.defvjp(_exchange_mxfp8_fwd, _exchange_mxfp8_bwd)
 
 
+class _Plan(NamedTuple):
+    """One ragged exchange, seen from one group member (each field [G] int32)."""
+
+    input_offsets: jax.Array  # where my rows for member j start in my buffer
+    send_sizes: jax.Array  # how many rows I send to member j
+    output_offsets: jax.Array  # where they land in member j's buffer
+    recv_sizes: jax.Array  # how many rows member j sends me
+
+
+def _ragged_all_to_all(x, plan: _Plan, out_rows: int, axes, emulate: bool, fill=0):
+    """`lax.ragged_all_to_all`, or the same data movement built from all-gathers (`emulate`):
+    slow, but it runs on XLA:CPU, so the bookkeeping around the real thing is tested there."""
+    out = jnp.full((out_rows,) + x.shape[1:], fill, x.dtype)
+    if not emulate:
+        return jax.lax.ragged_all_to_all(
+            x,
+            out,
+            plan.input_offsets,
+            plan.send_sizes,
+            plan.output_offsets,
+            plan.recv_sizes,
+            axis_name=axes,
+        )
+    me = jax.lax.axis_index(axes)
+    rows = x.shape[0]
+    senders_x = jax.lax.all_gather(x, axes)  # [G, rows, ...]
+    starts = jax.lax.all_gather(plan.input_offsets, axes)[:, me]
+    sizes = jax.lax.all_gather(plan.send_sizes, axes)[:, me]
+    targets = jax.lax.all_gather(plan.output_offsets, axes)[:, me]
+    r = jnp.arange(rows)
+    source = jnp.clip(starts[:, None] + r, 0, rows - 1)
+    destination = jnp.where(r < sizes[:, None], targets[:, None] + r, out_rows)
+    moved = senders_x[jnp.arange(senders_x.shape[0])[:, None], source]
+    return out.at[destination.reshape(-1)].set(moved.reshape((-1,) + x.shape[1:]), mode="drop")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _ragged_move(x, forward, reverse, in_rows, out_rows, axes, emulate, quantize):
+    """Rows to their destinations by `forward`; the gradient returns by `reverse`. With
+    `quantize`, the payload travels as MXFP8 (gradient straight-through, unquantized)."""
+    move = functools.partial(
+        _ragged_all_to_all, plan=forward, out_rows=out_rows, axes=axes, emulate=emulate
+    )
+    if not quantize:
+        return move(x)
+    q = formats.quantize_mxfp8(x, axis=-1)
+    values = move(jax.lax.bitcast_convert_type(q.values, jnp.uint8))
+    received = formats.MXFP8Tensor(
+        jax.lax.bitcast_convert_type(values, jnp.float8_e4m3fn), move(q.scales), q.axis
+    )
+    return formats.dequantize(received).astype(x.dtype)
+
+
+def _ragged_move_fwd(x, forward, reverse, in_rows, out_rows, axes, emulate, quantize):
+    out = _ragged_move(x, forward, reverse, in_rows, out_rows, axes, emulate, quantize)
+    return out, (forward, reverse)
+
+
+def _ragged_move_bwd(in_rows, out_rows, axes, emulate, quantize, plans, cotangent):
+    _, reverse = plans
+    grad = _ragged_all_to_all(cotangent, reverse, in_rows, axes, emulate)
+    return grad, None, None
+
+
+_ragged_move.defvjp(_ragged_move_fwd, _ragged_move_bwd)
+
+
+def _padded_dispatch(rows, local_expert, destination, rank, counts, layout, experts_here):
+    """Every member gets a [G, slots] buffer slot per possible row: static, wasteful, universal."""
+    axes, group = layout.ep_axes, layout.ep_size
+    slots, d = rows.shape
+    send_x = jnp.zeros((group, slots, d), rows.dtype).at[destination, rank].set(rows)
+    send_e = (
+        jnp.full((group, slots), experts_here, jnp.int32).at[destination, rank].set(local_expert)
+    )
+    exchange = _exchange_mxfp8 if layout.quantize_dispatch else _exchange
+    received_x = exchange(send_x, axes).reshape(group * slots, d)
+    received_e = _exchange(send_e, axes).reshape(group * slots)
+
+    def send_back(results):
+        return _exchange(results.reshape(group, slots, d), axes)[destination, rank]
+
+    return received_x, received_e, send_back
+
+
+def _ragged_dispatch(rows, local_expert, destination, rank, counts, layout, experts_here):
+    """Only real rows travel (`ragged_all_to_all`); buffers stay sized for the worst case."""
+    axes, group = layout.ep_axes, layout.ep_size
+    emulate = layout.dispatch_mode == "ragged_emulated"
+    slots = rows.shape[0]
+    starts = jnp.cumsum(counts) - counts
+    me = jax.lax.axis_index(axes)
+    sent_by = jax.lax.all_gather(counts, axes)  # [sender, receiver]
+    earlier = jnp.arange(group)[:, None] < me
+    forward = _Plan(
+        input_offsets=starts.astype(jnp.int32),
+        send_sizes=counts.astype(jnp.int32),
+        output_offsets=jnp.sum(jnp.where(earlier, sent_by, 0), axis=0).astype(jnp.int32),
+        recv_sizes=_exchange(counts, axes).astype(jnp.int32),
+    )
+    reverse = _Plan(
+        input_offsets=(jnp.cumsum(forward.recv_sizes) - forward.recv_sizes).astype(jnp.int32),
+        send_sizes=forward.recv_sizes,
+        output_offsets=_exchange(forward.input_offsets, axes),
+        recv_sizes=forward.send_sizes,
+    )
+    capacity = group * slots
+    move = functools.partial(_ragged_move, axes=axes, emulate=emulate)
+    received_x = move(rows, forward, reverse, slots, capacity, quantize=layout.quantize_dispatch)
+    received_e = _ragged_all_to_all(
+        local_expert, forward, capacity, axes, emulate, fill=experts_here
+    )
+
+    def send_back(results):
+        return move(results, reverse, forward, capacity, slots, quantize=False)
+
+    return received_x, received_e, send_back
+
+
 def routed_experts(
     x_BTD: jax.Array,
     indices_BTK: jax.Array,
@@ -68,10 +190,9 @@ def routed_experts(
     local_experts: LocalExperts,
 ) -> jax.Array:
     """Weighted sum over each token's experts, with experts split across `layout.ep_axes`."""
-    axes = layout.ep_axes
     group = layout.ep_size
     token_spec = P(BATCH_AXES, "cp")
-    expert_spec = P(axes)
+    expert_spec = P(layout.ep_axes)
 
     def body(x, indices, weights, gate, up, down):
         b, t, d = x.shape
@@ -86,18 +207,19 @@ def routed_experts(
         starts = jnp.cumsum(counts) - counts
         rank = jnp.arange(slots) - starts[sorted_destination]
 
-        rows = x.reshape(b * t, d)[order // k]
-        send_x = jnp.zeros((group, slots, d), x.dtype).at[sorted_destination, rank].set(rows)
-        send_e = jnp.full((group, slots), experts_here, jnp.int32)
-        send_e = send_e.at[sorted_destination, rank].set(expert[order] % experts_here)
-
-        dispatch = _exchange_mxfp8 if layout.quantize_dispatch else _exchange
-        received_x = dispatch(send_x, axes).reshape(group * slots, d)
-        received_e = _exchange(send_e, axes).reshape(group * slots)
+        rows = x.reshape(b * t, d)[order // k]  # grouped by destination member
+        dispatch = _padded_dispatch if layout.dispatch_mode == "padded" else _ragged_dispatch
+        received_x, received_e, send_back = dispatch(
+            rows,
+            expert[order] % experts_here,
+            sorted_destination,
+            rank,
+            counts,
+            layout,
+            experts_here,
+        )
         results = local_experts(received_x, received_e, gate, up, down)
-        returned = _exchange(results.reshape(group, slots, d), axes)
-
-        out_sorted = returned[sorted_destination, rank]
+        out_sorted = send_back(results)
         out_slots = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(b, t, k, d)
         mixed = jnp.einsum("btkd,btk->btd", out_slots.astype(jnp.float32), weights)
         return mixed.astype(x.dtype)

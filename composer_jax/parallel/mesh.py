@@ -35,6 +35,14 @@ class Layout:
     mesh: Mesh
     ep_axes: tuple[str, ...] = ("fsdp", "cp")
     ep_quantize: str = "auto"
+    ep_dispatch: str = "auto"
+
+    @property
+    def dispatch_mode(self) -> str:
+        """The token exchange for EP ("auto": ragged on GPUs, padded elsewhere)."""
+        if self.ep_dispatch == "auto":
+            return "ragged" if self.mesh.devices.flat[0].platform == "gpu" else "padded"
+        return self.ep_dispatch
 
     @property
     def quantize_dispatch(self) -> bool:
@@ -115,7 +123,7 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
 
 
 def make_layout(cfg: MeshConfig, devices=None) -> Layout:
-    return Layout(make_mesh(cfg, devices), tuple(cfg.ep), cfg.ep_quantize)
+    return Layout(make_mesh(cfg, devices), tuple(cfg.ep), cfg.ep_quantize, cfg.ep_dispatch)
 
 
 _CURRENT: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("layout", default=None)
