@@ -20,6 +20,17 @@ _CONTEXTS = flags.DEFINE_list("contexts", ["256", "1024"], "Context lengths for 
 _DECODE_STEPS = flags.DEFINE_integer("decode_steps", 32, "Timed tokens per decode measurement.")
 _REQUESTS = flags.DEFINE_integer("requests", 32, "Requests in the batching comparison.")
 _SLOTS = flags.DEFINE_integer("slots", 8, "Cache slots for continuous batching.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repeats per measurement; the best counts.")
+
+
+def _best_seconds(run) -> float:
+    """Fastest of `--repeats` timed calls: the machine may be shared, noise only slows down."""
+    times = []
+    for _ in range(_REPEATS.value):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def _model_cfg():
@@ -56,12 +67,15 @@ def _time_engine_decode(model, context: int, steps: int, absorbed: bool) -> floa
     params = SamplingParams(temperature=0.0, max_new_tokens=steps + 1)
     prompt = [1 + i % 200 for i in range(context)]
     engine.compile_all()
-    engine.submit(prompt, params)
-    engine.step()  # prefill and the first token
-    start = time.perf_counter()
-    while engine.has_work:
-        engine.step()
-    return steps / (time.perf_counter() - start)
+    best = float("inf")
+    for _ in range(_REPEATS.value):
+        engine.submit(prompt, params)
+        engine.step()  # prefill and the first token, not timed
+        start = time.perf_counter()
+        while engine.has_work:
+            engine.step()
+        best = min(best, time.perf_counter() - start)
+    return steps / best
 
 
 def _time_recompute_decode(model, context: int, steps: int) -> float:
@@ -79,7 +93,7 @@ def _time_recompute_decode(model, context: int, steps: int) -> float:
 
 def decode_table(model, contexts: list[int], steps: int) -> None:
     print(f"\n== Single-sequence decode tokens/s ({steps} tokens, tiny float32, CPU) ==")
-    header = f"{'context':>8}{'recompute':>12}{'cache':>10}{'cache (expanded)':>18}{'speed-up':>10}"
+    header = f"{'context':>8}{'recompute':>12}{'cache':>10}{'cache (expanded)':>18}{'cache / recompute':>19}"
     print(header)
     for context in contexts:
         recompute = _time_recompute_decode(model, context, steps)
@@ -87,7 +101,7 @@ def decode_table(model, contexts: list[int], steps: int) -> None:
         expanded = _time_engine_decode(model, context, steps, absorbed=False)
         print(
             f"{context:>8}{recompute:>12.1f}{cached:>10.1f}{expanded:>18.1f}"
-            f"{cached / recompute:>9.1f}x"
+            f"{cached / recompute:>18.1f}x"
         )
 
 
@@ -111,11 +125,13 @@ def batching_table(model, requests: int, slots: int) -> None:
     for label, num_slots in (("one at a time (1 slot)", 1), (f"continuous ({slots} slots)", slots)):
         engine = InferenceEngine(model, num_slots=num_slots, max_len=128, prefill_buckets=(16, 64))
         engine.compile_all()
-        start = time.perf_counter()
-        for prompt, params in work:
-            engine.submit(prompt, params)
-        engine.run()
-        seconds = time.perf_counter() - start
+
+        def serve():
+            for prompt, params in work:
+                engine.submit(prompt, params)
+            engine.run()
+
+        seconds = _best_seconds(serve)
         results[label] = total / seconds
         print(f"{label:<28}{seconds:>9.2f}{total / seconds:>10.1f}")
     one, many = results.values()

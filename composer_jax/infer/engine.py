@@ -51,6 +51,22 @@ class Completion:
     prompt_experts: list[np.ndarray] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "max_len"
 
+    def record(self, token: int, logprob: float, raw: float, version: int, experts_LK) -> None:
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        self.raw_logprobs.append(raw)
+        self.versions.append(version)
+        self.experts.append(np.asarray(experts_LK))
+
+
+def finish_reason(tokens: list[int], params: SamplingParams) -> str | None:
+    """ "stop" when `tokens` end with a stop sequence, "length" at the token budget, else None."""
+    if any(len(tokens) >= len(s) and tokens[-len(s) :] == list(s) for s in params.stop_sequences):
+        return "stop"
+    if len(tokens) >= params.max_new_tokens:
+        return "length"
+    return None
+
 
 @dataclasses.dataclass
 class _Slot:
@@ -92,14 +108,14 @@ def _generate_step(
 class InferenceEngine:
     """Continuous-batching sampler over a fixed pool of cache slots.
 
-    `mesh`: place the cache with its slots split over every mesh axis and the weights replicated
+    `mesh`: place the cache with its slots split over every mesh axis (num_slots must divide by
+    the device count) and the weights replicated
     (or by `param_shardings`, a pytree of shardings matching the model state).
     `trace_context`: entered around every jitted call, e.g. `lambda: use_layout(layout)` so the
     model's MoE takes its expert-parallel path while the step is traced.
     `prefill_buckets` / `prefill_batch_sizes`: the chunk lengths and row counts prefill pads to
     (default row counts: powers of two up to num_slots); each pair compiles once.
     `absorbed`: decode and prefill in latent space (`absorbed_attend`) instead of expanding K/V.
-    `cache_layers_extra`: cache layers after the main stack (the speculative decoder's MTP layer).
     """
 
     def __init__(
@@ -114,7 +130,6 @@ class InferenceEngine:
         mesh: Mesh | None = None,
         param_shardings=None,
         trace_context: Callable[[], ContextManager] | None = None,
-        cache_layers_extra: int = 0,
     ):
         self.cfg = model.cfg
         self.num_slots, self.max_len = num_slots, max_len
@@ -128,7 +143,7 @@ class InferenceEngine:
         self._trace_context = trace_context or contextlib.nullcontext
         self.graphdef, state = nnx.split(model)
         self.state = self._place_params(state)
-        cache = init_cache(self.cfg, self.cfg.num_layers + cache_layers_extra, num_slots, max_len)
+        cache = init_cache(self.cfg, self.cfg.num_layers, num_slots, max_len)
         if mesh is not None:
             slots_spec = NamedSharding(mesh, P(None, tuple(mesh.axis_names)))
             cache = jax.device_put(cache, slots_spec)
@@ -138,6 +153,7 @@ class InferenceEngine:
         self._queue: collections.deque[_Slot] = collections.deque()
         self._slots: list[_Slot | None] = [None] * num_slots
         self._next_id = 0
+        self._finished: list[int] = []  # requests finished since the last `step` returned
 
     # ------------------------------------------------------------------ public API
 
@@ -197,11 +213,6 @@ class InferenceEngine:
                 self._run_padding(rows, bucket)
         self._run_padding(self.num_slots, 1)
 
-    def _run_padding(self, rows: int, length: int) -> None:
-        zeros = np.zeros((rows, length), np.int32)
-        slot_ids = np.full((rows,), self.num_slots, np.int32)
-        self._run(zeros, zeros, zeros.astype(bool), slot_ids, zeros[:, 0], [None] * rows)
-
     @property
     def has_work(self) -> bool:
         running = any(s is not None and not s.parked for s in self._slots)
@@ -210,10 +221,10 @@ class InferenceEngine:
     def step(self) -> list[int]:
         """Admits queued requests, prefills, decodes one token per running slot. Returns the ids
         of requests that finished during this step."""
-        finished: list[int] = []
         self._admit()
-        finished += self._prefill()
-        finished += self._decode()
+        self._prefill()
+        self._decode()
+        finished, self._finished = self._finished, []
         return finished
 
     def run(self) -> dict[int, Completion]:
@@ -248,6 +259,11 @@ class InferenceEngine:
             shardings = jax.tree.map(lambda _: NamedSharding(self.mesh, P()), state)
         return jax.device_put(state, shardings)
 
+    def _run_padding(self, rows: int, length: int) -> None:
+        zeros = np.zeros((rows, length), np.int32)
+        slot_ids = np.full((rows,), self.num_slots, np.int32)
+        self._run(zeros, zeros, zeros.astype(bool), slot_ids, zeros[:, 0], [None] * rows)
+
     def _admit(self) -> None:
         for index in range(self.num_slots):
             if not self._queue:
@@ -273,21 +289,20 @@ class InferenceEngine:
             )
         return jax.device_get(drawn), np.asarray(experts)
 
-    def _prefill(self) -> list[int]:
+    def _prefill(self) -> None:
         """Feeds every slot's pending tokens in bucketed chunks until all feeds are consumed."""
-        finished: list[int] = []
         while True:
             todo = [i for i, s in enumerate(self._slots) if s is not None and s.feed]
             if not todo:
-                return finished
+                return
             by_bucket: dict[int, list[int]] = collections.defaultdict(list)
             for index in todo:
                 n = min(len(self._slots[index].feed), self.buckets[-1])
                 by_bucket[next(b for b in self.buckets if b >= n)].append(index)
             for bucket, group in by_bucket.items():
-                finished += self._prefill_batch(bucket, group)
+                self._prefill_batch(bucket, group)
 
-    def _prefill_batch(self, bucket: int, group: list[int]) -> list[int]:
+    def _prefill_batch(self, bucket: int, group: list[int]) -> None:
         B = next(b for b in self.batch_sizes if b >= len(group))
         tokens = np.zeros((B, bucket), np.int32)
         positions = np.zeros((B, bucket), np.int32)
@@ -303,7 +318,6 @@ class InferenceEngine:
             valid[row, : len(piece)] = True
             slot_ids[row], last[row] = index, len(piece) - 1
         drawn, experts = self._run(tokens, positions, valid, slot_ids, last, row_slots)
-        finished = []
         for row, index in enumerate(group):
             slot = self._slots[index]
             n = int(valid[row].sum())
@@ -315,14 +329,13 @@ class InferenceEngine:
             completion.prompt_experts.extend(experts[:, row, skip:n].transpose(1, 0, 2))
             if not slot.feed and slot.emit:
                 slot.emit = False
-                finished += self._emit(index, drawn, row, experts[:, row, n - 1])
-        return finished
+                self._emit(index, drawn, row, experts[:, row, n - 1])
 
-    def _decode(self) -> list[int]:
+    def _decode(self) -> None:
         N = self.num_slots
         rows = [i for i, s in enumerate(self._slots) if s is not None and not s.parked]
         if not rows:
-            return []
+            return
         tokens = np.zeros((N, 1), np.int32)
         positions = np.zeros((N, 1), np.int32)
         valid = np.zeros((N, 1), bool)
@@ -335,37 +348,31 @@ class InferenceEngine:
         drawn, experts = self._run(
             tokens, positions, valid, np.arange(N, dtype=np.int32), np.zeros(N, np.int32), row_slots
         )
-        finished = []
         for index in rows:
             self._slots[index].length += 1
-            finished += self._emit(index, drawn, index, experts[:, index, 0])
-        return finished
+            self._emit(index, drawn, index, experts[:, index, 0])
 
-    def _emit(self, index: int, drawn: Sampled, row: int, experts_LK: np.ndarray) -> list[int]:
+    def _emit(self, index: int, drawn: Sampled, row: int, experts_LK: np.ndarray) -> None:
         """Appends a sampled token to its request; finishes (frees or parks) the slot if done."""
         slot = self._slots[index]
         completion = self.completions[slot.request_id]
         token = int(drawn.token_B[row])
-        completion.tokens.append(token)
-        completion.logprobs.append(float(drawn.logprob_B[row]))
-        completion.raw_logprobs.append(float(drawn.raw_logprob_B[row]))
-        completion.versions.append(self.version)
-        completion.experts.append(experts_LK)
+        completion.record(
+            token,
+            float(drawn.logprob_B[row]),
+            float(drawn.raw_logprob_B[row]),
+            self.version,
+            experts_LK,
+        )
         slot.context.append(token)
-        out = completion.tokens
-        if any(
-            len(out) >= len(s) and out[-len(s) :] == list(s) for s in slot.params.stop_sequences
-        ):
-            reason = "stop"
-        elif len(out) >= slot.params.max_new_tokens:
-            reason = "length"
-        elif len(slot.context) >= self.max_len:
+        reason = finish_reason(completion.tokens, slot.params)
+        if reason is None and len(slot.context) >= self.max_len:
             reason = "max_len"
-        else:
-            return []
+        if reason is None:
+            return
         completion.finish_reason = reason
+        self._finished.append(slot.request_id)
         if slot.params.keep_cache:
             slot.parked = True
         else:
             self._slots[index] = None
-        return [slot.request_id]

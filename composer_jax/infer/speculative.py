@@ -27,9 +27,9 @@ from flax import nnx
 
 from composer_jax.infer import sampling
 from composer_jax.infer.cache import LatentCache, init_cache
-from composer_jax.infer.engine import Completion
+from composer_jax.infer.engine import Completion, finish_reason
 from composer_jax.infer.forward import forward_chunk, mtp_chunk
-from composer_jax.infer.sampling import SamplingParams
+from composer_jax.infer.sampling import Sampled, SamplingParams
 from composer_jax.model.transformer import Transformer
 
 
@@ -201,19 +201,12 @@ def speculative_generate(
     )
     completions = [Completion(i, list(p), 0) for i, p in enumerate(prompts)]
     drawn, experts = jax.device_get((drawn, experts))
-    active = np.ones((B,), bool)
-    for row in range(B):
-        _append(
-            completions[row],
-            params[row],
-            version,
-            active,
-            row,
-            drawn.token_B[row],
-            drawn.logprob_B[row],
-            drawn.raw_logprob_B[row],
-            experts[:, row],
-        )
+    active = np.asarray(
+        [
+            not _record(completions[row], params[row], version, drawn, experts[:, row], row)
+            for row in range(B)
+        ]
+    )
     stats = SpeculativeStats()
     while active.any():
         too_long = np.asarray(s.position_B) + 2 > max_len
@@ -229,35 +222,24 @@ def speculative_generate(
         stats.steps += 1
         stats.drafted += int(active.sum())
         stats.accepted += int((out.accepted_B & active).sum())
-        for row in np.flatnonzero(active):
-            for i in range(1 + int(out.accepted_B[row])):
-                if active[row]:
-                    _append(
-                        completions[row],
-                        params[row],
-                        version,
-                        active,
-                        row,
-                        out.tokens_B2[row, i],
-                        out.logprobs_B2[row, i],
-                        out.raw_logprobs_B2[row, i],
-                        out.experts_LB2K[:, row, i],
-                    )
+        for i in range(2):  # x_{n+1} for every row, then the bonus token where accepted
+            emitted = Sampled(out.tokens_B2[:, i], out.logprobs_B2[:, i], out.raw_logprobs_B2[:, i])
+            for row in np.flatnonzero(active & (out.accepted_B | (i == 0))):
+                experts_LK = out.experts_LB2K[:, row, i]
+                active[row] = not _record(
+                    completions[row], params[row], version, emitted, experts_LK, row
+                )
     return completions, stats
 
 
-def _append(completion, params, version, active, row, token, logprob, raw, experts_LK) -> None:
-    """Records one token; clears `active[row]` when the request is done."""
-    completion.tokens.append(int(token))
-    completion.logprobs.append(float(logprob))
-    completion.raw_logprobs.append(float(raw))
-    completion.versions.append(version)
-    completion.experts.append(np.asarray(experts_LK))
-    out = completion.tokens
-    if any(len(out) >= len(s) and out[-len(s) :] == list(s) for s in params.stop_sequences):
-        completion.finish_reason = "stop"
-    elif len(out) >= params.max_new_tokens:
-        completion.finish_reason = "length"
-    else:
-        return
-    active[row] = False
+def _record(completion, params, version, drawn: Sampled, experts_LK, row: int) -> bool:
+    """Appends row `row` of `drawn` to its completion; True when the request is done."""
+    completion.record(
+        int(drawn.token_B[row]),
+        float(drawn.logprob_B[row]),
+        float(drawn.raw_logprob_B[row]),
+        version,
+        experts_LK,
+    )
+    completion.finish_reason = finish_reason(completion.tokens, params)
+    return completion.finish_reason is not None

@@ -6,12 +6,15 @@ import dataclasses
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from composer_jax.config import MeshConfig
 from composer_jax.infer import InferenceEngine, SamplingParams, recompute_generate
+from composer_jax.infer.engine import _generate_step
+from composer_jax.model.layers import logical_axes_of
 from composer_jax.model.transformer import init_model
-from composer_jax.parallel.mesh import make_mesh
+from composer_jax.parallel import mesh as mesh_lib
 
 MAX_LEN = 48
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
@@ -45,6 +48,7 @@ def test_continuous_batching_matches_one_at_a_time(tiny_model):
     batched = _engine(tiny_model)
     ids = [batched.submit(p, s) for p, s in requests]
     batched.run()
+    compiled = _generate_step._cache_size()
     alone = _engine(tiny_model)
     cfg = tiny_model.cfg
     for rid, (prompt, params) in zip(ids, requests):
@@ -60,6 +64,7 @@ def test_continuous_batching_matches_one_at_a_time(tiny_model):
         np.testing.assert_array_equal(experts, np.stack(want.experts))
         assert np.stack(got.prompt_experts).shape[0] == len(prompt)
         np.testing.assert_array_equal(got.prompt_experts[-1], got.experts[0])
+    assert _generate_step._cache_size() == compiled  # bucketed shapes: no compile per request
 
 
 def test_stop_sequence_ends_generation(tiny_model):
@@ -69,9 +74,12 @@ def test_stop_sequence_ends_generation(tiny_model):
     stop = tuple(free[3:5])
     end = next(i + 2 for i in range(len(free) - 1) if tuple(free[i : i + 2]) == stop)
     params = dataclasses.replace(GREEDY, max_new_tokens=8, stop_sequences=((999,), stop))
-    got = engine.generate([prompt], params)[0]
-    assert got.tokens == free[:end] and got.finish_reason == "stop"
-    assert not engine.has_work
+    rid = engine.submit(prompt, params)
+    finished = []
+    while engine.has_work:
+        finished += engine.step()
+    got = engine.completions[rid]
+    assert got.tokens == free[:end] and got.finish_reason == "stop" and finished == [rid]
 
 
 def test_multi_turn_continuation_reuses_cache(tiny_model):
@@ -106,8 +114,10 @@ def test_in_flight_weight_swap(tiny_model):
         engine.step()
     before = [len(engine.completions[i].tokens) for i in ids]
     assert all(0 < n < params.max_new_tokens for n in before)
+    compiled = _generate_step._cache_size()
     engine.update_weights(nnx.split(new_model)[1], version=1)
     engine.run()
+    assert _generate_step._cache_size() == compiled  # the swap does not recompile
     for rid, prompt, n in zip(ids, prompts, before):
         got = engine.completions[rid]
         assert got.versions == [0] * n + [1] * (params.max_new_tokens - n)
@@ -130,15 +140,35 @@ def test_weight_swap_keeping_stale_cache(tiny_model):
     assert engine.completions[rid].versions == [0] * n + [7] * (GREEDY.max_new_tokens - n)
 
 
+@pytest.mark.slow  # the expert-parallel test below covers slot-sharded caches in the fast suite
 def test_sharded_engine_matches_recompute(tiny_model):
     """Eight cache slots split over an 8-device mesh, weights replicated: the data-parallel
     layout (expert-parallel dispatch is not exercised here)."""
-    mesh = make_mesh(MeshConfig(), jax.devices()[:8])
-    engine = _engine(tiny_model, num_slots=8, mesh=mesh)
-    prompts = [_prompt(tiny_model, 2 + i, seed=20 + i) for i in range(8)]
+    mesh = mesh_lib.make_mesh(MeshConfig(), jax.devices()[:8])
+    _check_eight_slots(tiny_model, _engine(tiny_model, num_slots=8, mesh=mesh))
+
+
+def test_expert_parallel_engine_matches_recompute(tiny_model):
+    """Weights sharded by the training layout's rule tables and the MoE traced under the layout,
+    so it dispatches tokens to experts sharded over 8 devices (EP=8)."""
+    layout = mesh_lib.make_layout(MeshConfig(), jax.devices()[:8])
+    assert layout.ep_size == 8
+    state = nnx.split(tiny_model)[1]
+    engine = _engine(
+        tiny_model,
+        num_slots=8,
+        mesh=layout.mesh,
+        param_shardings=layout.tree_shardings(logical_axes_of(state), state),
+        trace_context=lambda: mesh_lib.use_layout(layout),
+    )
+    _check_eight_slots(tiny_model, engine)
+
+
+def _check_eight_slots(model, engine):
+    prompts = [_prompt(model, 2 + i, seed=20 + i) for i in range(8)]
     params = dataclasses.replace(GREEDY, max_new_tokens=4)
     for prompt, got in zip(prompts, engine.generate(prompts, params)):
-        want, _, raw = recompute_generate(tiny_model, prompt, params, MAX_LEN)
+        want, _, raw = recompute_generate(model, prompt, params, MAX_LEN)
         assert got.tokens == want
         np.testing.assert_allclose(got.raw_logprobs, raw, atol=1e-4)
 
@@ -150,3 +180,13 @@ def test_compile_all_leaves_cache_untouched(tiny_model):
     engine.compile_all()
     for a, b in zip(engine.cache, before):
         np.testing.assert_array_equal(np.asarray(a), b + 1.0)
+
+
+def test_sequence_stops_at_max_len(tiny_model):
+    """A 40-token prompt (five prefill chunks) stops when the cache row is full."""
+    prompt = _prompt(tiny_model, 40, seed=8)
+    params = dataclasses.replace(GREEDY, max_new_tokens=20)
+    got = _engine(tiny_model).generate([prompt], params)[0]
+    want, _, _ = recompute_generate(tiny_model, prompt, params, MAX_LEN)
+    assert got.finish_reason == "max_len" and len(got.tokens) == MAX_LEN - 40
+    assert got.tokens == want

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
-from composer_jax.infer import InferenceEngine, SamplingParams
+from composer_jax.infer import InferenceEngine, SamplingParams, recompute_generate
 from composer_jax.infer.speculative import speculative_generate
-from composer_jax.model.transformer import compute_logits
-from tests.infer.conftest import DRAWS, PROMPT, VOCAB, chi_square_p_value, joint_probs
+from composer_jax.model.transformer import compute_logits, init_model
+from tests.infer.conftest import (
+    DRAWS,
+    PROMPT,
+    VOCAB,
+    chi_square_p_value,
+    joint_probs,
+    model_config,
+)
 
 
 def test_greedy_speculative_equals_plain_decoding(tiny_model):
@@ -52,3 +60,32 @@ def test_speculative_sampling_keeps_the_distribution(small_vocab_model):
     expected = np.log(probs[tokens[:, 0], tokens[:, 1]])
     got = np.asarray([c.logprobs[:2] for c in spec]).sum(-1)
     np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+def _bigram_with_exact_mtp(model):
+    """Zeroes every residual-branch output so the main model predicts from the current token's
+    embedding alone, and makes the MTP layer pass the next token's embedding through: its draft
+    is then exactly the main model's next prediction."""
+    zero = lambda p: p.set_value(jnp.zeros_like(p[...]))  # noqa: E731
+    for stack in (model.dense_layers, model.moe_layers, model.mtp[0].block):
+        zero(stack.attn.o_proj)
+        zero(stack.mlp.down)
+        if getattr(stack.mlp, "shared", None) is not None:
+            zero(stack.mlp.shared.down)
+    d = model.cfg.hidden_size
+    model.mtp[0].proj.set_value(jnp.concatenate([jnp.zeros((d, d)), jnp.eye(d)]))
+    return model
+
+
+def test_exact_draft_is_always_accepted():
+    """With a draft equal to the main model, every draft is accepted (two tokens per pass) and
+    the output still equals plain decoding."""
+    model = _bigram_with_exact_mtp(init_model(model_config(), seed=4))
+    prompts = [[5, 6, 7], [9, 10, 11, 12], [1]]  # three rows: shares the greedy test's compile
+    params = SamplingParams(temperature=0.0, max_new_tokens=9)
+    spec, stats = speculative_generate(model, prompts, [params] * 3, max_len=48, prompt_bucket=16)
+    assert stats.acceptance_rate == 1.0 and stats.steps == 4
+    for prompt, got in zip(prompts, spec):
+        want, _, raw = recompute_generate(model, prompt, params, max_len=48)
+        assert got.tokens == want
+        np.testing.assert_allclose(got.raw_logprobs, raw, atol=1e-4)
