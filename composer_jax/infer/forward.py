@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from composer_jax.infer.cache import LatentCache, cached_attention
-from composer_jax.model.moe import MoE
 from composer_jax.model.transformer import Block, Transformer
 
 
@@ -30,12 +29,8 @@ def _block(layer: Block, x_BTD, positions_BT, valid_BT, c_kv_BSR, k_rope_BSK, ab
     attn_out, c_kv_BSR, k_rope_BSK = cached_attention(
         layer.attn, layer.attn_norm(x_BTD), positions_BT, valid_BT, c_kv_BSR, k_rope_BSK, absorbed
     )
-    x_BTD = x_BTD + attn_out
-    h_BTD = layer.mlp_norm(x_BTD)
-    if isinstance(layer.mlp, MoE):
-        out, routing, _ = layer.mlp(h_BTD, valid_BT)
-        return x_BTD + out, routing.indices_BTK, c_kv_BSR, k_rope_BSK
-    return x_BTD + layer.mlp(h_BTD), None, c_kv_BSR, k_rope_BSK
+    x_BTD, indices, _ = layer.feed_forward(x_BTD + attn_out, valid_BT)
+    return x_BTD, indices, c_kv_BSR, k_rope_BSK
 
 
 def _run_stack(stack: nnx.Module, x_BTD, positions_BT, valid_BT, c_kv_LBSR, k_rope_LBSK, absorbed):
@@ -115,10 +110,7 @@ def mtp_chunk(
     layer = m.mtp[0]
     mtp_layer = slice(m.cfg.num_layers, m.cfg.num_layers + 1)
     c_kv, k_rope = _gather_rows(cache, mtp_layer, slot_ids_B)
-    mixed = jnp.concatenate(
-        [layer.hidden_norm(hidden_BTD), layer.embed_norm(m.embed_tokens(next_tokens_BT))], axis=-1
-    )
-    x = mixed @ layer.proj[...].astype(hidden_BTD.dtype)
+    x = layer.mix(hidden_BTD, m.embed_tokens(next_tokens_BT))
     x, _, c, k = _block(layer.block, x, positions_BT, valid_BT, c_kv[0], k_rope[0], absorbed)
     cache = _scatter_rows(cache, mtp_layer, slot_ids_B, c[None], k[None])
     return layer.out_norm(x), cache

@@ -38,9 +38,13 @@ class Block(nnx.Module):
 
     def __call__(self, x, positions, segment_ids, forced_indices=None):
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        return self.feed_forward(x, segment_ids > 0, forced_indices)
+
+    def feed_forward(self, x, valid, forced_indices=None):
+        """The block's second half (norm, MLP or MoE, residual): (x, expert indices, stats)."""
         h = self.mlp_norm(x)
         if isinstance(self.mlp, MoE):
-            out, routing, stats = self.mlp(h, segment_ids > 0, forced_indices)
+            out, routing, stats = self.mlp(h, valid, forced_indices)
             return x + out, routing.indices_BTK, stats
         return x + self.mlp(h), None, None
 
@@ -58,10 +62,13 @@ class MTPLayer(nnx.Module):
         self.block = Block(cfg, use_moe=False, rngs=rngs)
         self.out_norm = RMSNorm(d, cfg.rms_norm_eps, "embed", pdt)
 
-    def __call__(self, h, next_embed, positions, segment_ids):
+    def mix(self, h, next_embed):
+        """The depth's input: both normed, concatenated and projected back to the model width."""
         mixed = jnp.concatenate([self.hidden_norm(h), self.embed_norm(next_embed)], axis=-1)
-        x = mixed @ self.proj[...].astype(h.dtype)
-        x, _, _ = self.block(x, positions, segment_ids)
+        return mixed @ self.proj[...].astype(h.dtype)
+
+    def __call__(self, h, next_embed, positions, segment_ids):
+        x, _, _ = self.block(self.mix(h, next_embed), positions, segment_ids)
         return x
 
 
