@@ -6,6 +6,11 @@ nothing allocated); step time is measured on the same widths at `--time_layers` 
 all-gather baseline does 8x the Newton-Schulz work and the full depth takes minutes per step on a
 couple of CPU cores. Also prints where the collectives sit in the scheduled HLO.
 
+Bytes are what each collective produces per device. A matrix block of L bytes sharded k ways costs
+the all-gather k * L (every device then runs Newton-Schulz on the whole matrix) and the two
+all-to-alls 2 * L (each device orthogonalises 1/k of the batch): k / 2 times fewer bytes, the same
+at k = 2, where the all-to-all still halves the Newton-Schulz work.
+
   python experiments/bench_muon.py [--layout=1,8,1] [--time_layers=2] [--steps=3]
 """
 
@@ -27,7 +32,11 @@ _TIME_LAYERS = flags.DEFINE_integer("time_layers", 2, "Depth of the timed model 
 _STEPS = flags.DEFINE_integer("steps", 3, "Timed optimizer steps (after one warm-up).")
 _HLO_DIR = flags.DEFINE_string("hlo_dir", "", "If set, write each compiled HLO there.")
 
-_COLLECTIVE = re.compile(r"\b(all-gather|all-to-all|all-reduce|reduce-scatter|collective-permute)")
+_COLLECTIVE = re.compile(
+    r"\s(all-gather|all-to-all|all-reduce|reduce-scatter|collective-permute)(-start|-done)?\("
+)
+# Matmuls in XLA:CPU's scheduled entry computation: plain dots and YNNPACK / oneDNN fusions.
+_MATMUL = re.compile(r"\sdot\(|%ynn_fusion|onednn\$matmul")
 
 
 def _setup(model_cfg, layout, relayout: str):
@@ -83,32 +92,23 @@ def _compile(tx, abstract):
 
 
 def schedule_summary(hlo: str) -> str:
-    """Order of collectives and matmuls in the scheduled entry computation (D = dot, C = coll)."""
-    lines = hlo.split("ENTRY", 1)[1].splitlines()
+    """Order of collectives and matmuls in the scheduled entry computation, run-length coded."""
     marks = []
-    for line in lines:
-        if " dot(" in line or "custom-call" in line and "matmul" in line:
-            marks.append("D")
-        elif "fusion(" in line and "dot" in line.split("calls=")[-1]:
-            marks.append("D")
-        else:
-            m = _COLLECTIVE.search(line.split("=", 1)[-1]) if "=" in line else None
-            if m:
-                kind = "start" if "-start" in line else "done" if "-done" in line else "sync"
-                marks.append(f"C:{m.group(1)}:{kind}")
-    runs, prev, count = [], None, 0
+    for line in hlo.split("ENTRY", 1)[1].splitlines():
+        coll = _COLLECTIVE.search(line)
+        if coll:
+            marks.append(coll.group(1) + (coll.group(2) or ""))
+        elif _MATMUL.search(line):
+            marks.append("matmul")
+    runs: list[list] = []
     for mark in marks:
-        key = "D" if mark == "D" else mark
-        if key == prev:
-            count += 1
+        if runs and runs[-1][0] == mark:
+            runs[-1][1] += 1
         else:
-            if prev is not None:
-                runs.append(f"{prev} x{count}")
-            prev, count = key, 1
-    if prev is not None:
-        runs.append(f"{prev} x{count}")
-    asyncs = sum("start" in m for m in marks)
-    return f"{len(marks)} ops, {asyncs} async collective starts; order: " + " | ".join(runs)
+            runs.append([mark, 1])
+    starts = sum(m.endswith("-start") for m in marks)
+    order = " | ".join(f"{m} x{n}" for m, n in runs)
+    return f"{starts} async collective starts; order: {order}"
 
 
 def main(_):

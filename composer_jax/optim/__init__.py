@@ -9,15 +9,19 @@ from composer_jax.optim.muon import (
     scale_by_muon,
     split_table,
 )
+from composer_jax.optim.qk_clip import clip_factors, mla_max_logits, qk_clip
 from composer_jax.optim.sharding import shard_like_params
 
 __all__ = [
+    "clip_factors",
     "learning_rate_schedule",
     "make_optimizer",
     "matrix_layout",
+    "mla_max_logits",
     "muon",
     "newton_schulz",
     "orthogonalize",
+    "qk_clip",
     "scale_by_muon",
     "shard_like_params",
     "split_table",

@@ -18,7 +18,7 @@ def learning_rate_schedule(
     phase_lengths: Sequence[int] = (),
     phase_scales: Sequence[float] = (),
 ) -> optax.Schedule:
-    """Warmup then cosine to min_lr_ratio * peak over the whole run, times the current phase's scale."""
+    """Warmup, then cosine to min_lr_ratio * peak over the whole run, times the phase's scale."""
     decay = max(total_steps - cfg.warmup_steps, 1)
     cosine = optax.warmup_cosine_decay_schedule(
         init_value=0.0,

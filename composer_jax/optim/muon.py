@@ -125,8 +125,7 @@ def split_table(params, logical_axes, shardings=None) -> str:
     counts = {"muon": 0, "adamw": 0}
     for (path, x), axes, sh in zip(paths, axes_list, sh_list):
         layout = matrix_layout(axes, x.shape)
-        name = jax.tree_util.keystr(path).replace("']['", ".").replace(".value", "")
-        name = name.strip("[']")
+        name = _path_name(path)
         if layout is None:
             optim, how = "adamw", "-"
         else:
@@ -145,6 +144,16 @@ def split_table(params, logical_axes, shardings=None) -> str:
         f"adamw: {counts['adamw']:,} params"
     )
     return "\n".join(lines)
+
+
+def _path_name(path) -> str:
+    """ "moe_layers.attn.q_b_proj", "mtp.0.proj": dict keys and indices, without nnx's ".value"."""
+    parts = []
+    for entry in path:
+        part = getattr(entry, "key", getattr(entry, "idx", getattr(entry, "name", entry)))
+        if part != "value":
+            parts.append(str(part))
+    return ".".join(parts)
 
 
 def _is_sh(x) -> bool:
@@ -183,15 +192,14 @@ def _mesh_axes(entry) -> tuple[str, ...]:
 class _Member:
     index: int  # position among the tree's leaves
     layout: MatrixLayout
-    shape: tuple[int, ...]  # of the transposed [batch..., rows, cols] array
-    spec: P | None  # of the transposed array
+    spec: P | None  # of the transposed [batch..., rows, cols] array
 
 
 def _pad_rows(x: jax.Array, multiple: int) -> jax.Array:
     """Pads the batch to a multiple by repeating matrices (the copies are dropped afterwards).
 
-    Repeats rather than zeros: XLA:CPU folds an all-zero chunk into a constant and then rejects
-    the tuple all-to-all it builds from it (HLO verifier: "operands with different shapes").
+    Repeats rather than zeros: with zero padding, XLA:CPU's HLO verifier rejected the tuple
+    all-to-all it built from the padded batch ("operands with different shapes", mesh (2, 4, 1)).
     """
     n = x.shape[0]
     extra = -n % multiple
@@ -296,10 +304,12 @@ def orthogonalize(
         row_axes = _mesh_axes(spec[-2]) if spec is not None else ()
         col_axes = _mesh_axes(spec[-1]) if spec is not None else ()
         key = (xt.shape[-2], xt.shape[-1], row_axes, col_axes)
-        groups.setdefault(key, []).append(_Member(i, layout, xt.shape, spec))
+        groups.setdefault(key, []).append(_Member(i, layout, spec))
         inputs[i] = xt
 
     order = [m for members in groups.values() for m in members]
+    if not order:
+        return tree
     mesh = next((sh.mesh for sh in sh_list if sh is not None), None)
 
     def run(*blocks):

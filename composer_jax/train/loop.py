@@ -60,15 +60,8 @@ def state_shardings(abstract_state: TrainState, layout: Layout) -> TrainState:
         logical_axes_of(abstract_state.buffers), abstract_state.buffers
     )
     replicated = NamedSharding(layout.mesh, P())
-    params_def = jax.tree.structure(abstract_state.params)
-
-    def like_params(subtree):
-        if jax.tree.structure(subtree) == params_def:
-            return param_sh
-        return jax.tree.map(lambda _: replicated, subtree)
-
-    opt_sh = jax.tree.map(
-        like_params, abstract_state.opt_state, is_leaf=lambda t: jax.tree.structure(t) == params_def
+    opt_sh = optim.shard_like_params(
+        abstract_state.opt_state, abstract_state.params, param_sh, replicated
     )
     return TrainState(replicated, param_sh, buffer_sh, opt_sh)
 
@@ -167,9 +160,12 @@ def make_train_setup(cfg: config_lib.ExperimentConfig, layout: Layout | None = N
     schedule = optim.learning_rate_schedule(
         cfg.optim, cfg.steps, [e - s for s, e in bounds], [p.lr_scale for p in cfg.train.phases]
     )
-    optimizer = optim.make_optimizer(cfg.optim, schedule)
     model = nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0)))
-    graphdef, _, _ = split_model(model)
+    graphdef, abstract_params, _ = split_model(model)
+    axes = logical_axes_of(abstract_params)
+    optimizer = optim.make_optimizer(
+        cfg.optim, schedule, axes, layout.tree_shardings(axes, abstract_params)
+    )
     shapes = jax.eval_shape(
         lambda: init_train_state(Transformer(cfg.model, nnx.Rngs(0)), optimizer)
     )

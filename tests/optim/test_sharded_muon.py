@@ -90,3 +90,38 @@ def test_optimizer_state_shardings_follow_the_parameters():
     assert all(sh == shardings["embed"] for sh in by_name["embed"])
     assert all(sh == replicated for sh in by_name[None])  # counters
     assert shardings["q_b_proj"].spec != P()
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_shard_like_params_on_the_model_train_state(name):
+    """On the real (abstract) nnx train state, every parameter-shaped optimizer leaf gets its
+    parameter's sharding: Adam moments as before, and Muon's masked momentum too."""
+    from flax import nnx
+
+    from composer_jax import config
+    from composer_jax.model.layers import logical_axes_of
+    from composer_jax.model.transformer import Transformer
+    from composer_jax.train.step import init_train_state, split_model
+
+    model_cfg = config.tiny().model
+    layout = make_layout(MeshConfig(1, 8, 1))
+    model = nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0)))
+    _, params, _ = split_model(model)
+    axes = logical_axes_of(params)
+    param_sh = layout.tree_shardings(axes, params)
+    cfg = dataclasses.replace(OptimizerConfig(), name=name)
+    tx = make_optimizer(cfg, optax.constant_schedule(1e-3), axes, param_sh, verbose=False)
+    state = jax.eval_shape(lambda: init_train_state(Transformer(model_cfg, nnx.Rngs(0)), tx))
+    replicated = NamedSharding(layout.mesh, P())
+    opt_sh = shard_like_params(state.opt_state, state.params, param_sh, replicated)
+    by_shape = {}
+    for x, sh in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(opt_sh)):
+        by_shape.setdefault(x.shape, set()).add(sh.spec)
+    param_specs = {}
+    for x, sh in zip(jax.tree.leaves(params), jax.tree.leaves(param_sh)):
+        param_specs.setdefault(x.shape, set()).add(sh.spec)
+    moments = [s for s in by_shape if s != ()]
+    assert len(moments) > 20
+    for shape in moments:
+        assert by_shape[shape] <= param_specs[shape], shape
+    assert by_shape[()] == {P()}

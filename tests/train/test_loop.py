@@ -145,3 +145,15 @@ def test_mismatched_checkpoint_is_reported(tmp_path, corpus):
     wider = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, kv_lora_rank=8), steps=6)
     with pytest.raises(CheckpointError, match="kv_a"):
         run_pretraining(wider, progress=False)
+
+
+def test_muon_run_trains_and_resumes(tmp_path, corpus):
+    """`--config.optim.name=muon` trains on the sharded layout, and its sharded optimizer state
+    survives a checkpoint round trip."""
+    cfg = tiny_experiment(str(tmp_path / "muon"), corpus, steps=3)
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, name="muon"))
+    first = run_pretraining(cfg, progress=False)
+    assert first.final_step == 3 and first.eval_nll_end < first.eval_nll_start
+    resumed = run_pretraining(dataclasses.replace(cfg, steps=4), progress=False)
+    assert resumed.final_step == 4
+    assert sorted(_losses(tmp_path / "muon")) == [1, 2, 3, 4]
