@@ -1,9 +1,11 @@
-"""RL objective: trajectory batches, group advantages, KL, length penalty, distillation, replay."""
+"""RL: trajectory batches, group advantages, KL, length penalty, distillation, router replay; the
+group ledger and the compressed-delta weight sync of the actor loop."""
 
 from composer_jax.rl.advantages import group_advantages, per_sample_sum, to_tokens
 from composer_jax.rl.batch import SegmentKind, Sequence, TrajectoryBatch, pack_trajectories
 from composer_jax.rl.config import RLObjectiveConfig, validate_rl_objective
 from composer_jax.rl.kl import exact_kl, kl_estimate
+from composer_jax.rl.ledger import Group, GroupLedger, LedgerError
 from composer_jax.rl.length_penalty import (
     LENGTH_FEATURES,
     length_features,
@@ -19,8 +21,33 @@ from composer_jax.rl.loss import (
     trainable_mask,
 )
 from composer_jax.rl.policy import reference_logprobs, rl_loss, teacher_logits, trainer_logits
+from composer_jax.rl.weight_sync import (
+    CorruptShardError,
+    LocalDirStore,
+    MissingVersionError,
+    PublishInfo,
+    Store,
+    TensorStoreKvStore,
+    WeightPublisher,
+    WeightSubscriber,
+    WeightSyncError,
+    open_store,
+)
 
 __all__ = [
+    "CorruptShardError",
+    "Group",
+    "GroupLedger",
+    "LedgerError",
+    "LocalDirStore",
+    "MissingVersionError",
+    "PublishInfo",
+    "Store",
+    "TensorStoreKvStore",
+    "WeightPublisher",
+    "WeightSubscriber",
+    "WeightSyncError",
+    "open_store",
     "LENGTH_FEATURES",
     "RLObjectiveConfig",
     "SegmentKind",

@@ -1,0 +1,301 @@
+"""Durable ledger of finished RL groups: a restarted job resumes without re-running rollouts and
+trains every group exactly once.
+
+Every record is one file made visible by an atomic rename (written to a temporary name, fsynced,
+renamed, directory fsynced), so a crash at any point leaves each record either complete or absent:
+  groups/<group id>.npz              a finished group: its arrays plus a JSON metadata member
+  consumed/trained-<step>.json       the groups trainer step <step> consumed
+  consumed/dropped-<n>.json          groups dropped as too stale
+Leftover temporary files are removed when the ledger is opened. Pure numpy: no JAX, so it can
+live with the environments on CPU-only hosts.
+
+Exactly-once with the trainer's checkpoints: call `mark_trained(ids, step)` when step `step` has
+been applied; after restoring checkpoint step s, call `rewind(s)` so groups consumed by steps that
+the restored model never saw become pending again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import threading
+import zipfile
+from typing import Any
+
+import numpy as np
+
+_META = "__meta__"
+_TMP = ".tmp-"
+_ID = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+class LedgerError(RuntimeError):
+    """An operation would break exactly-once accounting (unknown, duplicate or reused group)."""
+
+
+@dataclasses.dataclass
+class Group:
+    """A finished group of samples of one prompt, ready to train on.
+
+    `policy_versions` holds the policy version of every generated token (any shape); a group is as
+    stale as its oldest token. `arrays` holds the rest of the training data (tokens, masks,
+    sampler log-probs...), nested dicts allowed; `metadata` must be JSON-serialisable.
+    """
+
+    group_id: str
+    prompt_id: str
+    policy_versions: np.ndarray
+    advantages: np.ndarray
+    rewards: np.ndarray
+    arrays: dict[str, Any] = dataclasses.field(default_factory=dict)
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def min_version(self) -> int:
+        return int(np.min(self.policy_versions))
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
+    flat = {}
+    for key, value in tree.items():
+        if "/" in key:
+            raise LedgerError(f"array name {key!r} must not contain '/'")
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}/"))
+        else:
+            flat[f"{prefix}{key}"] = np.asarray(value)
+    return flat
+
+
+def _unflatten(flat: dict[str, np.ndarray]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for name, value in flat.items():
+        *parents, leaf = name.split("/")
+        node = tree
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    return tree
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: str, write) -> None:
+    """Calls `write(file)` on a temporary file, then renames it to `path` durably."""
+    directory, name = os.path.split(path)
+    tmp = os.path.join(directory, f"{_TMP}{name}.{os.getpid()}.{threading.get_ident()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    _fsync_dir(directory)
+
+
+class GroupLedger:
+    """Finished groups on disk with who consumed them; reopening gives the last consistent view."""
+
+    def __init__(self, directory: str):
+        self.directory = os.path.abspath(directory)
+        self._groups_dir = os.path.join(self.directory, "groups")
+        self._consumed_dir = os.path.join(self.directory, "consumed")
+        os.makedirs(self._groups_dir, exist_ok=True)
+        os.makedirs(self._consumed_dir, exist_ok=True)
+        self._lock = threading.Lock()
+        self._index: dict[str, dict] = {}  # group id -> metadata (versions summary, add order)
+        self._trained: dict[str, int] = {}  # group id -> trainer step
+        self._steps: dict[int, list[str]] = {}
+        self._dropped: dict[str, int] = {}  # group id -> version it was dropped at
+        self._drop_records = 0
+        self.corrupt: list[str] = []  # group files that could not be read (moved aside)
+        self._load()
+
+    # ------------------------------------------------------------------------------ reopening
+    def _load(self) -> None:
+        for d in (self._groups_dir, self._consumed_dir):
+            for name in os.listdir(d):
+                if name.startswith(_TMP):  # a write that never completed
+                    os.remove(os.path.join(d, name))
+        for name in sorted(os.listdir(self._groups_dir)):
+            if not name.endswith(".npz"):
+                continue
+            path = os.path.join(self._groups_dir, name)
+            try:
+                with np.load(path, allow_pickle=False) as z:  # reads the metadata member only
+                    meta = json.loads(z[_META].tobytes())
+            except (zipfile.BadZipFile, KeyError, ValueError, OSError, EOFError):
+                os.replace(path, path + ".corrupt")
+                self.corrupt.append(name[: -len(".npz")])
+                continue
+            self._index[meta["group_id"]] = meta
+        for name in sorted(os.listdir(self._consumed_dir)):
+            with open(os.path.join(self._consumed_dir, name)) as f:
+                record = json.load(f)
+            if name.startswith("trained-"):
+                self._steps[record["step"]] = record["group_ids"]
+                for gid in record["group_ids"]:
+                    self._trained[gid] = record["step"]
+            elif name.startswith("dropped-"):
+                self._drop_records += 1
+                for gid in record["group_ids"]:
+                    self._dropped[gid] = record["current_version"]
+
+    # -------------------------------------------------------------------------------- writing
+    def add(self, group: Group) -> None:
+        """Persists a finished group; visible (and pending) once this returns."""
+        if not _ID.match(group.group_id):
+            raise LedgerError(f"group id {group.group_id!r} must match {_ID.pattern}")
+        arrays = _flatten(group.arrays)
+        for reserved in ("policy_versions", "advantages", "rewards", _META):
+            if reserved in arrays:
+                raise LedgerError(f"array name {reserved!r} is reserved")
+        meta = {
+            "group_id": group.group_id,
+            "prompt_id": group.prompt_id,
+            "min_version": group.min_version,
+            "max_version": int(np.max(group.policy_versions)),
+            "metadata": group.metadata,
+        }
+        arrays.update(
+            policy_versions=np.asarray(group.policy_versions),
+            advantages=np.asarray(group.advantages),
+            rewards=np.asarray(group.rewards),
+        )
+        with self._lock:
+            if group.group_id in self._index:
+                raise LedgerError(f"group {group.group_id} is already in the ledger")
+            meta["order"] = len(self._index)
+            payload = json.dumps(meta).encode()
+            arrays[_META] = np.frombuffer(payload, np.uint8)
+            path = os.path.join(self._groups_dir, f"{group.group_id}.npz")
+            _atomic_write(path, lambda f: np.savez(f, **arrays))
+            self._index[group.group_id] = meta
+
+    def mark_trained(self, group_ids: list[str], step: int) -> None:
+        """Records, atomically, that trainer step `step` consumed `group_ids`.
+
+        Repeating the same call (e.g. after a crash) is a no-op; consuming a group twice, an
+        unknown or a dropped group, or reusing a step for other groups raises LedgerError.
+        """
+        group_ids = list(group_ids)
+        with self._lock:
+            if step in self._steps:
+                if sorted(self._steps[step]) == sorted(group_ids):
+                    return
+                raise LedgerError(f"step {step} is already recorded with other groups")
+            if len(set(group_ids)) != len(group_ids):
+                raise LedgerError(f"step {step}: a group is listed twice")
+            for gid in group_ids:
+                if gid not in self._index:
+                    raise LedgerError(f"step {step}: unknown group {gid}")
+                if gid in self._trained:
+                    raise LedgerError(
+                        f"group {gid} was already trained at step {self._trained[gid]}"
+                    )
+                if gid in self._dropped:
+                    raise LedgerError(f"group {gid} was dropped as stale")
+            record = json.dumps({"step": step, "group_ids": group_ids}).encode()
+            path = os.path.join(self._consumed_dir, f"trained-{step:012d}.json")
+            _atomic_write(path, lambda f: f.write(record))
+            self._steps[step] = group_ids
+            self._trained.update(dict.fromkeys(group_ids, step))
+
+    def rewind(self, step: int) -> list[str]:
+        """After restoring checkpoint `step`: groups consumed by later steps become pending again.
+
+        Idempotent, so a crash in the middle is repaired by calling it again. Returns their ids.
+        """
+        with self._lock:
+            returned = []
+            for later in sorted(s for s in self._steps if s > step):
+                os.remove(os.path.join(self._consumed_dir, f"trained-{later:012d}.json"))
+                for gid in self._steps.pop(later):
+                    del self._trained[gid]
+                    returned.append(gid)
+            _fsync_dir(self._consumed_dir)
+            return returned
+
+    def drop_stale(self, current_version: int, max_staleness: int) -> list[str]:
+        """Drops (for good) pending groups whose oldest token lags more than `max_staleness`."""
+        with self._lock:
+            stale = [
+                gid
+                for gid in self._pending_ids()
+                if current_version - self._index[gid]["min_version"] > max_staleness
+            ]
+            if not stale:
+                return []
+            record = {
+                "current_version": current_version,
+                "max_staleness": max_staleness,
+                "group_ids": stale,
+            }
+            data = json.dumps(record).encode()
+            path = os.path.join(self._consumed_dir, f"dropped-{self._drop_records:06d}.json")
+            _atomic_write(path, lambda f: f.write(data))
+            self._drop_records += 1
+            self._dropped.update(dict.fromkeys(stale, current_version))
+            return stale
+
+    # -------------------------------------------------------------------------------- reading
+    def _pending_ids(self) -> list[str]:
+        ids = [g for g in self._index if g not in self._trained and g not in self._dropped]
+        return sorted(ids, key=lambda g: self._index[g]["order"])
+
+    def pending(self) -> list[str]:
+        """Ids of groups neither trained nor dropped, in the order they were added."""
+        with self._lock:
+            return self._pending_ids()
+
+    def __contains__(self, group_id: str) -> bool:
+        return group_id in self._index
+
+    def trained_step(self, group_id: str) -> int | None:
+        return self._trained.get(group_id)
+
+    def staleness(self, group_id: str, current_version: int) -> int:
+        """How many versions the group's oldest token lags `current_version`."""
+        return current_version - self._index[group_id]["min_version"]
+
+    def load(self, group_id: str) -> Group:
+        """The full group; zip CRCs catch a corrupted file (LedgerError)."""
+        path = os.path.join(self._groups_dir, f"{group_id}.npz")
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                flat = {name: z[name] for name in z.files}
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+            raise LedgerError(f"group {group_id}: cannot read {path}: {e}") from None
+        meta = json.loads(flat.pop(_META).tobytes())
+        return Group(
+            group_id=meta["group_id"],
+            prompt_id=meta["prompt_id"],
+            policy_versions=flat.pop("policy_versions"),
+            advantages=flat.pop("advantages"),
+            rewards=flat.pop("rewards"),
+            arrays=_unflatten(flat),
+            metadata=meta["metadata"],
+        )
+
+    def stats(self) -> dict[str, int]:
+        """Counts for metrics: groups added, trained, dropped as stale, pending, corrupt."""
+        with self._lock:
+            return {
+                "added": len(self._index),
+                "trained": len(self._trained),
+                "dropped_stale": len(self._dropped),
+                "pending": len(self._pending_ids()),
+                "corrupt": len(self.corrupt),
+            }
