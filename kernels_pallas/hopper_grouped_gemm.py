@@ -68,25 +68,36 @@ def _aligned_grouped_gemm(
 
         acc = pl.run_scoped(accumulate, plgpu.ACC((block_m, block_n)))
 
-        def store(out_smem):
-            out_smem[...] = acc
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(
-                out_smem, out_gmem.at[pl.ds(mi * block_m, block_m), pl.ds(ni * block_n, block_n)]
-            )
-            plgpu.wait_smem_to_gmem(0)
+        _store_tile(acc, out_gmem, mi, ni, block_m, block_n)
 
-        pl.run_scoped(store, plgpu.SMEM((block_m, block_n), jnp.float32))
+    kernel = _tile_kernel(body, padded_rows, n, grid_m, grid_n, interpret)
+    return kernel(tile_ends_G, lhs_PK, rhs_GKN)
 
-    kernel = plgpu.kernel(
+
+def _store_tile(acc, out_gmem, mi, ni, block_m: int, block_n: int) -> None:
+    """Writes one float32 output tile through shared memory with a TMA copy."""
+
+    def store(out_smem):
+        out_smem[...] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            out_smem, out_gmem.at[pl.ds(mi * block_m, block_m), pl.ds(ni * block_n, block_n)]
+        )
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(store, plgpu.SMEM((block_m, block_n), jnp.float32))
+
+
+def _tile_kernel(body, rows: int, n: int, grid_m: int, grid_n: int, interpret: bool):
+    """A warpgroup-semantics kernel with one program per (m tile, n tile) of a [rows, n] output."""
+    return plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((padded_rows, n), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((rows, n), jnp.float32),
         grid=(grid_m, grid_n),
         grid_names=("m", "n"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    return kernel(tile_ends_G, lhs_PK, rhs_GKN)
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "interpret"))
@@ -166,24 +177,9 @@ def _aligned_mxfp8_grouped_gemm(
             init_carry=zeros,
         )(lhs_gmem, rhs_gmem.at[group], lhs_sc_gmem, rhs_sc_gmem.at[group])
 
-        def store(out_smem):
-            out_smem[...] = acc
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(
-                out_smem, out_gmem.at[pl.ds(mi * block_m, block_m), pl.ds(ni * block_n, block_n)]
-            )
-            plgpu.wait_smem_to_gmem(0)
+        _store_tile(acc, out_gmem, mi, ni, block_m, block_n)
 
-        pl.run_scoped(store, plgpu.SMEM((block_m, block_n), jnp.float32))
-
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((padded_rows, n), jnp.float32),
-        grid=(grid_m, grid_n),
-        grid_names=("m", "n"),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )
+    kernel = _tile_kernel(body, padded_rows, n, grid_m, grid_n, interpret)
     return kernel(tile_ends_G, lhs_PK, lhs_scales_BP, rhs_GNK, rhs_scales_GBN)
 
 

@@ -17,10 +17,8 @@ import jax.numpy as jnp
 
 from composer_jax.config import ModelConfig
 from composer_jax.model import rope
-from composer_jax.model.attention import MLA
+from composer_jax.model.attention import MLA, attention_probs
 from composer_jax.model.layers import dtype_of
-
-_MASKED = -1e30
 
 
 class LatentCache(NamedTuple):
@@ -66,9 +64,7 @@ def absorbed_attend(
     scores = jnp.einsum(
         "bthr,bsr->bhts", q_latent_BTHR, c_kv_BSR, preferred_element_type=jnp.float32
     ) + jnp.einsum("bthk,bsk->bhts", q_rope_BTHK, k_rope_BSK, preferred_element_type=jnp.float32)
-    scores = scores * rope.softmax_scale(cfg)
-    scores = jnp.where(mask_BTS[:, None], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    probs = attention_probs(scores, mask_BTS, cfg, dt)
     out_latent_BTHR = jnp.einsum("bhts,bsr->bthr", probs, c_kv_BSR)
     out_BTHV = jnp.einsum("bthr,rhv->bthv", out_latent_BTHR, w_uv_RHV)
     return jnp.einsum("bthv,hvd->btd", out_BTHV, attn.o_proj[...].astype(dt))

@@ -88,9 +88,7 @@ class MLA(nnx.Module):
         scores = jnp.einsum(
             "bthk,bshk->bhts", q_nope, k_nope, preferred_element_type=jnp.float32
         ) + jnp.einsum("bthk,bsk->bhts", q_rope, k_rope_BSK, preferred_element_type=jnp.float32)
-        scores = scores * rope.softmax_scale(cfg)
-        scores = jnp.where(mask_BTS[:, None], scores, _MASKED)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        probs = attention_probs(scores, mask_BTS, cfg, dt)
         out = jnp.einsum("bhts,bshk->bthk", probs, v)
         return jnp.einsum("bthk,hkd->btd", out, self.o_proj[...].astype(dt))
 
@@ -108,6 +106,14 @@ class MLA(nnx.Module):
         key_positions = constrain(positions_BT, ("batch", None))
         mask = attention_mask(segment_ids_BT, positions_BT, key_segments, key_positions)
         return self.attend(q_nope, q_rope, c_kv, k_rope, mask)
+
+
+def attention_probs(
+    scores_BHTS: jax.Array, mask_BTS: jax.Array, cfg: ModelConfig, dtype
+) -> jax.Array:
+    """Scaled (YaRN mscale included), masked, float32 softmax, cast to the compute dtype."""
+    scores = jnp.where(mask_BTS[:, None], scores_BHTS * rope.softmax_scale(cfg), _MASKED)
+    return jax.nn.softmax(scores, axis=-1).astype(dtype)
 
 
 def attention_mask(
