@@ -63,9 +63,9 @@ def main(argv):
     for preset in _PRESETS.value:
         print(f"\n{preset}: batch {_BATCH.value} x seq {_SEQ.value}, 8 devices (MiB per device)")
         header = (
-            f"{'layout (r,f,c)':>15} {'params':>9} {'adam':>9} "
+            f"{'layout (r,f,c)':>15} {'dense':>8} {'experts':>8} {'adam':>8} "
             + " ".join(f"{k:>14}" for k in kinds)
-            + f" {'params x shards':>16}"
+            + f" {'dense x fsdp*cp':>16}"
         )
         print(header)
         for shape in LAYOUTS:
