@@ -140,13 +140,18 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PhaseConfig:
-    """One stage of training; phases run in order and split `ExperimentConfig.steps` by fraction."""
+    """One stage of training; phases run in order and split `ExperimentConfig.steps` by fraction.
+
+    `data`: "corpus" (packed source files, every token a target) or "builtin_tasks" (SFT on the
+    built-in coding tasks: prompt -> the agent's oracle turn, loss on the turn only).
+    """
 
     name: str = "main"
     fraction: float = 1.0
     seq_len: int = 128
     batch_size: int = 8
     lr_scale: float = 1.0
+    data: str = "corpus"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -455,6 +460,11 @@ def validate(cfg: ExperimentConfig, num_devices: int | None = None) -> None:
         _check(p.fraction > 0, f"train.phases[{i}].fraction", "must be positive")
         _check(p.seq_len > 1, f"train.phases[{i}].seq_len", "must be > 1")
         _check(p.batch_size > 0, f"train.phases[{i}].batch_size", "must be positive")
+        _check(
+            p.data in ("corpus", "builtin_tasks"),
+            f"train.phases[{i}].data",
+            f"must be 'corpus' or 'builtin_tasks', got {p.data!r}",
+        )
     _check(t.mtp_loss in ("distill", "ce"), "train.mtp_loss", f"unknown MTP loss {t.mtp_loss!r}")
     for name in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "eval_batches"):
         _check(getattr(t, name) > 0, f"train.{name}", "must be positive")

@@ -13,14 +13,22 @@ from composer_jax.config import (
 
 
 def tiny() -> ExperimentConfig:
-    """Runs in minutes on a laptop CPU: 3 phases (main, long context, short SFT-length)."""
+    """Runs in minutes on a laptop CPU: 3 phases (main on the stdlib, long context, SFT on the
+    built-in coding tasks)."""
     return ExperimentConfig(
         model=ModelConfig(),
         train=TrainConfig(
             phases=(
                 PhaseConfig("main", fraction=0.7, seq_len=128, batch_size=8),
                 PhaseConfig("long_context", fraction=0.2, seq_len=256, batch_size=4, lr_scale=0.5),
-                PhaseConfig("sft", fraction=0.1, seq_len=64, batch_size=16, lr_scale=0.25),
+                PhaseConfig(
+                    "sft",
+                    fraction=0.1,
+                    seq_len=576,
+                    batch_size=4,
+                    lr_scale=0.25,
+                    data="builtin_tasks",
+                ),
             ),
             eval_every=50,
             checkpoint_every=50,

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from composer_jax import config as config_lib
 from composer_jax import data as data_lib
 from composer_jax import optim
+from composer_jax.data.sft import builtin_task_examples, make_sft_iterator
 from composer_jax.model.layers import logical_axes_of
 from composer_jax.model.transformer import Transformer, param_rngs
 from composer_jax.parallel import Layout, make_layout
@@ -90,6 +91,10 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
+# Distinct built-in tasks behind an SFT phase (generated once per run, in well under a second).
+SFT_EXAMPLES = 2000
+
+
 class _Corpora:
     """Train/eval corpora and the tokenizer, built once per run."""
 
@@ -99,6 +104,15 @@ class _Corpora:
         kwargs = dict(extensions=tuple(cfg.data.extensions), eval_fraction=cfg.data.eval_fraction)
         self.train = data_lib.CodeCorpus(root, split="train", **kwargs)
         self.eval = data_lib.CodeCorpus(root, split="eval", **kwargs)
+        self._sft_examples = None
+        self._seed = cfg.seed
+
+    @property
+    def sft_examples(self) -> list[tuple[str, str]]:
+        """Built-in coding tasks as (prompt, oracle turn), made on first use."""
+        if self._sft_examples is None:
+            self._sft_examples = builtin_task_examples(SFT_EXAMPLES, seed=self._seed)
+        return self._sft_examples
 
 
 def _phase_bounds(cfg) -> list[tuple[int, int]]:
@@ -385,15 +399,16 @@ def _save(
 
 def _make_iterator(cfg, corpora: _Corpora, phase_index: int):
     phase = cfg.train.phases[phase_index]
-    return data_lib.make_pretrain_iterator(
-        corpora.train,
-        corpora.tokenizer,
+    kwargs = dict(
         seq_len=phase.seq_len,
         batch_size=phase.batch_size // jax.process_count(),
         seed=cfg.seed * 1000 + phase_index,
         shard_index=jax.process_index(),
         shard_count=jax.process_count(),
     )
+    if phase.data == "builtin_tasks":
+        return make_sft_iterator(corpora.sft_examples, corpora.tokenizer, **kwargs)
+    return data_lib.make_pretrain_iterator(corpora.train, corpora.tokenizer, **kwargs)
 
 
 def _eval_batches(cfg, corpora: _Corpora, layout: Layout) -> list[dict]:
@@ -424,7 +439,9 @@ def _global_batch(local: dict, layout: Layout) -> dict:
     order = np.arange(rows)
     if local_ranks > 1 and rows % local_ranks == 0:
         order = balanced_row_order(np.asarray(local["segment_ids"]), local_ranks)
+    if "loss_mask" not in local:  # Pretraining rows: every target counts.
+        local = dict(local, loss_mask=np.ones_like(np.asarray(local["tokens"])))
     return {
         k: jax.make_array_from_process_local_data(sharding, np.asarray(local[k], np.int32)[order])
-        for k in ("tokens", "segment_ids", "positions")
+        for k in ("tokens", "segment_ids", "positions", "loss_mask")
     }

@@ -2,8 +2,9 @@
 
 Everything here is a pure function of (TrainState, batch); `make_train_step` adds the jit with
 explicit shardings. Batches are dicts of [B, T] int32 arrays: tokens, segment_ids (0 = padding),
-positions (restart at 0 per packed document). Targets are derived here: token t+1 is a target of
-position t only inside the same document.
+positions (restart at 0 per packed document), and optionally loss_mask (1 on tokens to
+learn). Targets are derived here: token t+1 is a target of position t only inside the same
+document.
 """
 
 from __future__ import annotations
@@ -51,6 +52,15 @@ def shift_targets(
     return targets, same_doc & in_range & (segment_ids_BT > 0)
 
 
+def batch_targets(batch: Batch, shift: int) -> tuple[jax.Array, jax.Array]:
+    """`shift_targets`, further limited to target tokens that the batch's optional `loss_mask`
+    marks (SFT trains on completions only)."""
+    targets, mask = shift_targets(batch["tokens"], batch["segment_ids"], shift)
+    if "loss_mask" in batch:
+        mask = mask & (jnp.roll(batch["loss_mask"], -shift, axis=1) > 0)
+    return targets, mask
+
+
 def token_cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     log_z = jax.nn.logsumexp(logits_BTV, axis=-1)
     picked = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
@@ -65,10 +75,9 @@ def pretrain_loss(
     m: Transformer, batch: Batch, cfg: TrainConfig
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Cross-entropy of the main head plus `mtp_weight` x mean MTP loss over depths."""
-    tokens, segments = batch["tokens"], batch["segment_ids"]
-    out = forward(m, tokens, batch["positions"], segments)
+    out = forward(m, batch["tokens"], batch["positions"], batch["segment_ids"])
     logits = m.logits(out.hidden_BTD)
-    targets, mask = shift_targets(tokens, segments, 1)
+    targets, mask = batch_targets(batch, 1)
     ce = _masked_mean(token_cross_entropy(logits, targets), mask)
     metrics = {
         "ce": ce,
@@ -82,7 +91,7 @@ def pretrain_loss(
         for depth_index, h in enumerate(out.mtp_hidden_DBTD):
             depth = depth_index + 1
             student_logits = m.head(h)
-            mtp_targets, mtp_mask = shift_targets(tokens, segments, 1 + depth)
+            mtp_targets, mtp_mask = batch_targets(batch, 1 + depth)
             if cfg.mtp_loss == "ce":
                 per_token = token_cross_entropy(student_logits, mtp_targets)
             else:  # KL(main head at t+depth || MTP head at t): both predict token t+1+depth.

@@ -135,3 +135,27 @@ def test_expert_bias_moves_towards_balance():
     want = cfg.router_bias_update_rate * np.sign(load.mean(-1, keepdims=True) - load)
     np.testing.assert_allclose(bias, want, atol=1e-7)
     assert np.any(bias > 0) and np.any(bias < 0)
+
+
+def test_loss_mask_limits_the_targets():
+    """With a loss mask (SFT), only the marked target tokens enter the cross-entropy."""
+    cfg = _model_cfg(num_mtp_layers=0)
+    m = init_model(cfg, seed=1)
+    batch = _packed_batch(np.random.default_rng(6))
+    rng = np.random.default_rng(7)
+    batch["loss_mask"] = (rng.uniform(size=batch["tokens"].shape) < 0.5).astype(np.int32)
+    _, metrics = S.pretrain_loss(
+        m, {k: jnp.asarray(v) for k, v in batch.items()}, config_lib.TrainConfig()
+    )
+    out = m(*(jnp.asarray(batch[k]) for k in ("tokens", "positions", "segment_ids")))
+    logp = _log_softmax(np.asarray(m.logits(out.hidden_BTD), np.float64))
+    tokens, seg, mask = batch["tokens"], batch["segment_ids"], batch["loss_mask"]
+    B, T = tokens.shape
+    terms = [
+        -logp[b, t, tokens[b, t + 1]]
+        for b in range(B)
+        for t in range(T - 1)
+        if seg[b, t] > 0 and seg[b, t + 1] == seg[b, t] and mask[b, t + 1]
+    ]
+    np.testing.assert_allclose(metrics["ce"], np.mean(terms), rtol=1e-5)
+    assert metrics["tokens"] == len(terms)
