@@ -1,5 +1,6 @@
 """RL: trajectory batches, group advantages, KL, length penalty, distillation, router replay; the
-group ledger and the compressed-delta weight sync of the actor loop."""
+rollout collection (engine + environments -> packed groups), the group ledger and the
+compressed-delta weight sync of the actor loop."""
 
 from composer_jax.rl.advantages import group_advantages, per_sample_sum, to_tokens
 from composer_jax.rl.batch import SegmentKind, Sequence, TrajectoryBatch, pack_trajectories
@@ -21,6 +22,7 @@ from composer_jax.rl.loss import (
     trainable_mask,
 )
 from composer_jax.rl.policy import reference_logprobs, rl_loss, teacher_logits, trainer_logits
+from composer_jax.rl.rollout import collect_batch, collect_group
 from composer_jax.rl.weight_sync import (
     CorruptShardError,
     LocalDirStore,
@@ -53,6 +55,8 @@ __all__ = [
     "SegmentKind",
     "Sequence",
     "TrajectoryBatch",
+    "collect_batch",
+    "collect_group",
     "distillation_token_kl",
     "exact_kl",
     "group_advantages",

@@ -1,0 +1,236 @@
+"""Synchronous multi-turn rollouts: the inference engine plays episodes, the result is packed.
+
+Each episode is one request that keeps its cache slot between turns: the policy writes a turn
+(generation stops at a closing marker of the protocol), the environment runs it, and the tool
+output is appended with `continue_request`, so only new tokens are prefilled. An episode becomes
+one `Sequence`: policy tokens are trainable with the sampler's log-probs, versions and routed
+experts; prompt and tool output are context. Episodes of every group in a wave run side by side,
+as many as the engine has slots (a parked episode holds its slot until it ends).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from composer_jax.data import ByteTokenizer
+from composer_jax.envs import EnvConfig, Episode, Task, protocol
+from composer_jax.infer import Completion, InferenceEngine, SamplingParams
+from composer_jax.rl.batch import SegmentKind, Sequence, TrajectoryBatch, pack_trajectories
+
+# A turn ends after a tool call (the environment must answer it) or the final message.
+TURN_END_MARKERS = (protocol.CALL_CLOSE, protocol.FINAL_CLOSE)
+_SPANS = (
+    (protocol.THINK_OPEN, protocol.THINK_CLOSE, SegmentKind.THINKING),
+    (protocol.CALL_OPEN, protocol.CALL_CLOSE, SegmentKind.TOOL_CALL),
+    (protocol.FINAL_OPEN, protocol.FINAL_CLOSE, SegmentKind.FINAL_MESSAGE),
+)
+
+
+def turn_stop_sequences(tokenizer: ByteTokenizer) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(t) for t in tokenizer.encode(m)) for m in TURN_END_MARKERS)
+
+
+def text_kinds(text: str) -> np.ndarray:
+    """SegmentKind per character of an agent turn. Untagged text counts as thinking, as the
+    environment's counts do; an unclosed tag runs to the end."""
+    kinds = np.full(len(text), SegmentKind.THINKING, np.int32)
+    pos = 0
+    while pos < len(text):
+        found = [(text.find(o, pos), o, c, k) for o, c, k in _SPANS]
+        found = [f for f in found if f[0] >= 0]
+        if not found:
+            break
+        start, _, close, kind = min(found)
+        end = text.find(close, start)
+        end = len(text) if end < 0 else end + len(close)
+        kinds[start:end] = kind
+        pos = end
+    return kinds
+
+
+def token_kinds(tokens: list[int], tokenizer: ByteTokenizer) -> np.ndarray:
+    """Kinds of generated tokens: each token takes the kind of the first character it decodes to
+    (a token that decodes to nothing takes the kind of the text at its place)."""
+    pieces = [tokenizer.decode([t]) for t in tokens]
+    kinds = text_kinds("".join(pieces))
+    starts = np.cumsum([0] + [len(p) for p in pieces[:-1]])
+    if len(kinds) == 0:
+        return np.full(len(tokens), SegmentKind.THINKING, np.int32)
+    return kinds[np.minimum(starts, len(kinds) - 1)].astype(np.int32)
+
+
+@dataclasses.dataclass
+class _Trace:
+    """One episode's growing sequence, in the engine's token order."""
+
+    episode: Episode
+    params: SamplingParams
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    kinds: list[int] = dataclasses.field(default_factory=list)
+    policy: list[bool] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    routes: list[np.ndarray] = dataclasses.field(default_factory=list)  # [moe_layers, k] each
+    request_id: int = -1
+    done: bool = False
+    truncated: bool = False
+    reward: float = 0.0
+    counts: dict = dataclasses.field(default_factory=dict)
+
+    def add_context(self, tokens, kind: SegmentKind) -> None:
+        self.tokens += [int(t) for t in tokens]
+        self.kinds += [int(kind)] * len(tokens)
+        self.policy += [False] * len(tokens)
+        self.logprobs += [0.0] * len(tokens)
+        self.versions += [0] * len(tokens)
+
+    def add_turn(self, completion: Completion, tokenizer: ByteTokenizer) -> None:
+        """Generated tokens, and the routes of the positions prefilled for this turn. The engine
+        reports token i's experts at the position that produced it (i - 1); the turn's last token
+        is routed when the next turn prefills it, so it appears in that turn's prompt_experts."""
+        self.routes += [np.asarray(e) for e in completion.prompt_experts]
+        self.routes += [np.asarray(e) for e in completion.experts[1:]]
+        self.tokens += completion.tokens
+        self.kinds += token_kinds(completion.tokens, tokenizer).tolist()
+        self.policy += [True] * len(completion.tokens)
+        self.logprobs += completion.logprobs
+        self.versions += completion.versions
+
+    def to_sequence(self, sample_index: int, num_moe_layers: int, k: int) -> Sequence:
+        """Positions never routed (the last token, which predicts nothing) get experts 0..k-1,
+        as the packer gives padding."""
+        filler = np.broadcast_to(np.arange(k, dtype=np.int32), (num_moe_layers, k))
+        routes = self.routes + [filler] * (len(self.tokens) - len(self.routes))
+        return Sequence(
+            sample_index=sample_index,
+            tokens=np.asarray(self.tokens, np.int32),
+            kinds=np.asarray(self.kinds, np.int32),
+            policy_mask=np.asarray(self.policy, bool),
+            sampler_logprobs=np.asarray(self.logprobs, np.float32),
+            policy_versions=np.asarray(self.versions, np.int32),
+            router_indices=np.stack(routes, axis=1).astype(np.int32),
+        )
+
+
+def _play(
+    engine: InferenceEngine,
+    tasks: list[Task],
+    sampling: SamplingParams,
+    max_turns: int,
+    tokenizer: ByteTokenizer,
+    env_config: EnvConfig,
+    first_seed: int,
+) -> list[_Trace]:
+    """Plays one episode per task side by side, turn by turn, and closes them."""
+    if len(tasks) > engine.num_slots:
+        raise ValueError(f"{len(tasks)} episodes need as many engine slots ({engine.num_slots})")
+    config = dataclasses.replace(env_config, max_turns=max_turns)  # the last turn is graded
+    base = dataclasses.replace(sampling, stop_sequences=turn_stop_sequences(tokenizer))
+    traces = []
+    try:
+        for i, task in enumerate(tasks):
+            seed = first_seed + i  # distinct samples within a group
+            params = dataclasses.replace(base, seed=seed, keep_cache=True)
+            traces.append(_Trace(Episode(task, config), params))
+        for trace in traces:
+            prompt = tokenizer.encode(trace.episode.prompt).tolist()
+            trace.add_context(prompt, SegmentKind.PROMPT)
+            trace.request_id = engine.submit(prompt, trace.params)
+        while True:
+            engine.run()
+            for trace in (t for t in traces if not t.done):
+                completion = engine.completions.pop(trace.request_id)
+                trace.add_turn(completion, tokenizer)
+                result = trace.episode.step(tokenizer.decode(completion.tokens))
+                trace.counts, trace.reward = result.counts, result.reward
+                appended = tokenizer.encode(f"\n{result.observation}\n").tolist()
+                full = completion.finish_reason == "max_len"
+                if full or len(trace.tokens) + len(appended) + 1 >= engine.max_len:
+                    trace.truncated = not result.done  # no room for another turn: reward 0
+                if result.done or trace.truncated:
+                    trace.done = True
+                    engine.release(trace.request_id)
+                    continue
+                trace.add_context(appended, SegmentKind.TOOL_OUTPUT)
+                trace.request_id = engine.continue_request(trace.request_id, appended, trace.params)
+            if all(t.done for t in traces):
+                return traces
+    finally:
+        for trace in traces:
+            trace.episode.close()
+
+
+def collect_group(
+    engine: InferenceEngine,
+    task: Task,
+    group_size: int,
+    sampling: SamplingParams,
+    max_turns: int,
+    tokenizer: ByteTokenizer,
+    env_config: EnvConfig = EnvConfig(),
+    first_sample: int = 0,
+) -> tuple[list[Sequence], dict[str, np.ndarray]]:
+    """`group_size` episodes of one task. Returns their sequences (sample indices from
+    `first_sample`) and per-sample arrays: "reward" (the episode's), "num_tool_calls",
+    "num_turns", "truncated"."""
+    traces = _play(
+        engine, [task] * group_size, sampling, max_turns, tokenizer, env_config, sampling.seed
+    )
+    return _sequences(engine, traces, first_sample)
+
+
+def _sequences(engine, traces, first_sample):
+    cfg = engine.cfg
+    sequences = [
+        t.to_sequence(first_sample + i, cfg.num_moe_layers, cfg.num_experts_per_tok)
+        for i, t in enumerate(traces)
+    ]
+    stats = {
+        "reward": np.array([t.reward for t in traces], np.float32),
+        "num_tool_calls": np.array([t.counts.get("tool_calls", 0) for t in traces], np.float32),
+        "num_turns": np.array([t.counts.get("turns", 0) for t in traces], np.float32),
+        "truncated": np.array([t.truncated for t in traces], bool),
+    }
+    return sequences, stats
+
+
+def collect_batch(
+    engine: InferenceEngine,
+    tasks: list[Task],
+    group_size: int,
+    sampling: SamplingParams,
+    max_turns: int,
+    tokenizer: ByteTokenizer,
+    seq_len: int | None = None,
+    num_rows: int | None = None,
+    env_config: EnvConfig = EnvConfig(),
+) -> tuple[TrajectoryBatch, dict[str, np.ndarray]]:
+    """One group per task, packed into rows of `seq_len` (default: the engine's max_len). Groups
+    run in waves of as many as fit in the engine's slots. Returns the batch (reward component
+    "task") and the per-sample stats of `collect_group`."""
+    if not 0 < group_size <= engine.num_slots:
+        raise ValueError(f"group_size {group_size} must be in [1, {engine.num_slots}]")
+    per_wave = engine.num_slots // group_size
+    sequences, stats = [], []
+    for start in range(0, len(tasks), per_wave):
+        wave = [t for t in tasks[start : start + per_wave] for _ in range(group_size)]
+        first = start * group_size
+        traces = _play(
+            engine, wave, sampling, max_turns, tokenizer, env_config, sampling.seed + first
+        )
+        wave_sequences, wave_stats = _sequences(engine, traces, first)
+        sequences += wave_sequences
+        stats.append(wave_stats)
+    stats = {name: np.concatenate([s[name] for s in stats]) for name in stats[0]}
+    batch = pack_trajectories(
+        sequences,
+        group_id=np.repeat(np.arange(len(tasks), dtype=np.int32), group_size),
+        rewards={"task": stats["reward"]},
+        seq_len=seq_len or engine.max_len,
+        num_rows=num_rows,
+        num_tool_calls=stats["num_tool_calls"],
+        num_turns=stats["num_turns"],
+    )
+    return batch, stats
