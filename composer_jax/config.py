@@ -549,6 +549,4 @@ def phase_steps(cfg: ExperimentConfig) -> list[int]:
 
 
 # Presets live in their own module; re-exported so `config.tiny()` reads naturally.
-from composer_jax.presets import PRESETS, kimi_k2, kimi_k2_model, small, tiny  # noqa: E402
-
-__all__ = ["PRESETS", "kimi_k2", "kimi_k2_model", "small", "tiny"]
+from composer_jax.presets import PRESETS, kimi_k2, kimi_k2_model, small, tiny  # noqa: E402, F401

@@ -44,19 +44,26 @@ class _SplitIntoChunks(grain.experimental.FlatMapTransform):
         ]
 
 
-class _PackedRowFields(grain.transforms.Map):
-    """Renames grain's packing outputs; padding set here works on every grain version."""
+class PackedRowFields(grain.transforms.Map):
+    """Renames grain's packing outputs to int32 `tokens` / `segment_ids` / `positions`, and zeroes
+    the given extra per-token fields (e.g. a loss mask) on padding; padding set here works on
+    every grain version."""
 
-    def __init__(self, pad_id: int):
+    def __init__(self, pad_id: int, extra_fields: tuple[str, ...] = ()):
         self._pad_id = pad_id
+        self._extra_fields = extra_fields
 
     def map(self, row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         segment_ids = row["tokens_segment_ids"]
-        return {
-            "tokens": np.where(segment_ids == 0, self._pad_id, row["tokens"]).astype(np.int32),
-            "segment_ids": segment_ids,
-            "positions": row["tokens_positions"],
+        empty = segment_ids == 0
+        out = {
+            "tokens": np.where(empty, self._pad_id, row["tokens"]).astype(np.int32),
+            "segment_ids": segment_ids.astype(np.int32),
+            "positions": row["tokens_positions"].astype(np.int32),
         }
+        for name in self._extra_fields:
+            out[name] = np.where(empty, 0, row[name]).astype(np.int32)
+        return out
 
 
 def document_dataset(
@@ -110,7 +117,7 @@ def make_pretrain_dataset(
         num_packing_bins=num_packing_bins,
         seed=seed,
     )
-    return rows.map(_PackedRowFields(tokenizer.pad_id)).batch(batch_size, drop_remainder=True)
+    return rows.map(PackedRowFields(tokenizer.pad_id)).batch(batch_size, drop_remainder=True)
 
 
 def make_pretrain_iterator(

@@ -9,7 +9,7 @@ solution), which is what warm-starts a tiny policy before RL.
 import grain
 import numpy as np
 
-from composer_jax.data.pipeline import DEFAULT_PACKING_BINS
+from composer_jax.data.pipeline import DEFAULT_PACKING_BINS, PackedRowFields
 
 
 def builtin_task_examples(count: int, seed: int = 0, split: str = "train") -> list[tuple[str, str]]:
@@ -40,21 +40,6 @@ class _TokenizeExample(grain.transforms.Map):
         return {"tokens": tokens.astype(np.int32), "loss_mask": mask[: self._seq_len]}
 
 
-class _PackedExampleFields(grain.transforms.Map):
-    def __init__(self, pad_id: int):
-        self._pad_id = pad_id
-
-    def map(self, row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        segment_ids = row["tokens_segment_ids"]
-        empty = segment_ids == 0
-        return {
-            "tokens": np.where(empty, self._pad_id, row["tokens"]).astype(np.int32),
-            "segment_ids": segment_ids.astype(np.int32),
-            "positions": row["tokens_positions"].astype(np.int32),
-            "loss_mask": np.where(empty, 0, row["loss_mask"]).astype(np.int32),
-        }
-
-
 def make_sft_iterator(
     examples: list[tuple[str, str]],
     tokenizer,
@@ -80,5 +65,7 @@ def make_sft_iterator(
         seed=seed,
     )
     return iter(
-        rows.map(_PackedExampleFields(tokenizer.pad_id)).batch(batch_size, drop_remainder=True)
+        rows.map(PackedRowFields(tokenizer.pad_id, ("loss_mask",))).batch(
+            batch_size, drop_remainder=True
+        )
     )
