@@ -136,6 +136,9 @@ class DataConfig:
     corpus_root: str = ""  # Empty: the running interpreter's standard library.
     extensions: tuple[str, ...] = (".py",)
     eval_fraction: float = 0.02
+    # Built-in coding tasks (SFT phases, RL prompts, held-out evaluation) chain at most this many
+    # transforms (1..3): fewer make an easier family for small models.
+    task_max_ops: int = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +222,74 @@ class RLObjectiveConfig:
     router_replay: bool = True
 
 
+RL_BACKENDS = ("threads", "ray")
+ENV_WORKER_KINDS = ("process", "thread")
+STALE_POLICIES = ("drop", "reweight")
+HELDOUT_SPLITS = ("functions", "instances")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig(RLObjectiveConfig):
+    """The RL objective plus the asynchronous actor loop that feeds it (`launch/rl.py`)."""
+
+    # Roles: "threads" runs trainer, sampler, environments and evaluator in one process; "ray"
+    # runs the sampler and the environment workers as Ray actors (multi-host rollouts).
+    backend: str = "threads"
+    env_workers: str = "process"  # threads backend: environment workers as processes or threads
+    num_env_workers: int = 2
+    env_timeout_s: float = 60.0  # a step slower than this counts as a hung worker
+    # Scheduling: one epoch over `num_prompts` distinct training tasks (0: steps x groups_per_step),
+    # `group_size` samples each; a step trains on `groups_per_step` finished groups.
+    group_size: int = 4
+    groups_per_step: int = 4
+    num_prompts: int = 0
+    # A group's oldest token may lag the trained policy by at most `max_staleness` versions; older
+    # groups are dropped or have their advantages scaled by stale_decay ** (lag - max_staleness).
+    max_staleness: int = 2
+    stale_policy: str = "drop"
+    stale_decay: float = 0.5
+    # Later in the epoch, revisit the hardest prompts seen (most turns, then most thinking tokens):
+    # this fraction of the scheduled groups is drawn from them once half the prompts are used.
+    hard_prompt_fraction: float = 0.0
+    # Sampling.
+    num_slots: int = 16
+    context_len: int = 768
+    max_new_tokens: int = 256  # per turn
+    max_turns: int = 2
+    temperature: float = 1.0
+    top_p: float = 1.0
+    recompute_cache_on_update: bool = False
+    # Self-summarisation: when a generation's context reaches summary_budget tokens (0: off), the
+    # policy writes a summary and continues from system prompt + task + summary.
+    summary_budget: int = 0
+    max_summaries: int = 4
+    summary_max_tokens: int = 128
+    # Text feedback: detectors that flag turns and build the hint of the teacher context.
+    feedback_detectors: tuple[str, ...] = (
+        "unknown_tool",
+        "invalid_arguments",
+        "ignored_tool_error",
+        "style",
+    )
+    # Weight sync from trainer to sampler ("" : <workdir>/weights); deltas "xor" or "add".
+    weight_store: str = ""
+    weight_delta: str = "xor"
+    snapshot_every: int = 8
+    # Warm start: a pretraining workdir whose latest checkpoint starts RL, or, when empty, a run
+    # of the experiment's train.phases (e.g. SFT on the built-in tasks) for warm_start_steps steps
+    # at warm_start_lr (in <workdir>/warm_start).
+    warm_start: str = ""
+    warm_start_steps: int = 300
+    warm_start_lr: float = 3e-3
+    # Held-out evaluation before RL and at the end: tasks x samples each. "functions": the task
+    # family's held-out split (functions never trained on); "instances": fresh tasks of training
+    # functions (seeds used by neither the warm start nor the RL prompts).
+    heldout_split: str = "functions"
+    heldout_tasks: int = 32
+    heldout_samples: int = 2
+    heldout_temperature: float = 1.0
+
+
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
     model: ModelConfig = ModelConfig()
@@ -226,7 +297,7 @@ class ExperimentConfig:
     optim: OptimizerConfig = OptimizerConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
-    rl: RLObjectiveConfig = RLObjectiveConfig()
+    rl: RLConfig = RLConfig()
     steps: int = 200
     seed: int = 0
     workdir: str = "runs/default"
@@ -435,10 +506,57 @@ def validate_rl_objective(cfg: RLObjectiveConfig, where: str = "rl") -> None:
     _check(cfg.clip_eps_high >= 0, f"{where}.clip_eps_high", "must be >= 0")
 
 
+def validate_rl(cfg: RLConfig, where: str = "rl") -> None:
+    """The objective's checks plus the actor loop's."""
+    validate_rl_objective(cfg, where)
+    for name, allowed in (
+        ("backend", RL_BACKENDS),
+        ("env_workers", ENV_WORKER_KINDS),
+        ("stale_policy", STALE_POLICIES),
+        ("weight_delta", ("xor", "add")),
+        ("heldout_split", HELDOUT_SPLITS),
+    ):
+        value = getattr(cfg, name)
+        _check(value in allowed, f"{where}.{name}", f"{value!r} is not one of {allowed}")
+    for name in (
+        "num_env_workers",
+        "group_size",
+        "groups_per_step",
+        "num_slots",
+        "context_len",
+        "max_new_tokens",
+        "max_turns",
+        "summary_max_tokens",
+        "snapshot_every",
+        "warm_start_steps",
+        "heldout_tasks",
+        "heldout_samples",
+    ):
+        _check(getattr(cfg, name) > 0, f"{where}.{name}", "must be positive")
+    for name in ("num_prompts", "max_staleness", "summary_budget", "max_summaries"):
+        _check(getattr(cfg, name) >= 0, f"{where}.{name}", "must be >= 0")
+    _check(cfg.env_timeout_s > 0, f"{where}.env_timeout_s", "must be positive")
+    _check(0 < cfg.stale_decay <= 1, f"{where}.stale_decay", "must lie in (0, 1]")
+    _check(0 <= cfg.hard_prompt_fraction < 1, f"{where}.hard_prompt_fraction", "must lie in [0, 1)")
+    _check(cfg.temperature > 0, f"{where}.temperature", "RL samples: must be > 0")
+    _check(0 < cfg.top_p <= 1, f"{where}.top_p", "must lie in (0, 1]")
+    _check(cfg.heldout_temperature >= 0, f"{where}.heldout_temperature", "must be >= 0")
+    _check(
+        cfg.group_size <= cfg.num_slots,
+        f"{where}.group_size",
+        f"a group ({cfg.group_size}) must fit in the sampler's num_slots ({cfg.num_slots})",
+    )
+    _check(
+        cfg.summary_budget == 0 or cfg.summary_budget + cfg.summary_max_tokens < cfg.context_len,
+        f"{where}.summary_budget",
+        "summary_budget + summary_max_tokens must be below context_len",
+    )
+
+
 def validate(cfg: ExperimentConfig, num_devices: int | None = None) -> None:
     """Checks the whole experiment; with `num_devices`, also that the mesh and batches fit it."""
     validate_model(cfg.model)
-    validate_rl_objective(cfg.rl)
+    validate_rl(cfg.rl)
     _check(cfg.steps > 0, "steps", f"must be positive, got {cfg.steps}")
     o = cfg.optim
     _check(o.name in ("adamw", "muon"), "optim.name", f"unknown optimizer {o.name!r}")
@@ -469,6 +587,7 @@ def validate(cfg: ExperimentConfig, num_devices: int | None = None) -> None:
     for name in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "eval_batches"):
         _check(getattr(t, name) > 0, f"train.{name}", "must be positive")
     _check(0 < cfg.data.eval_fraction < 1, "data.eval_fraction", "must lie in (0, 1)")
+    _check(1 <= cfg.data.task_max_ops <= 3, "data.task_max_ops", "must lie in [1, 3]")
     for axis in cfg.mesh.ep:
         _check(axis in ("replica", "fsdp", "cp"), "mesh.ep", f"unknown mesh axis {axis!r}")
     _check(len(set(cfg.mesh.ep)) == len(cfg.mesh.ep), "mesh.ep", "repeats an axis")
@@ -549,4 +668,12 @@ def phase_steps(cfg: ExperimentConfig) -> list[int]:
 
 
 # Presets live in their own module; re-exported so `config.tiny()` reads naturally.
-from composer_jax.presets import PRESETS, kimi_k2, kimi_k2_model, small, tiny  # noqa: E402, F401
+from composer_jax.presets import (  # noqa: E402, F401
+    PRESETS,
+    kimi_k2,
+    kimi_k2_model,
+    rl_small,
+    rl_tiny,
+    small,
+    tiny,
+)

@@ -1,5 +1,8 @@
-"""Experiment presets: `tiny` (CPU, minutes), `small` (~100M parameters, one GPU) and `kimi_k2`
-(the 1.04T / 32B-active shape, for accounting and cluster launch)."""
+"""Experiment presets: `tiny` (CPU, minutes), `small` (~100M parameters, one GPU), `kimi_k2`
+(the 1.04T / 32B-active shape, for accounting and cluster launch), `rl_tiny` (the RL main job) and
+`rl_small`."""
+
+import dataclasses
 
 from composer_jax.config import (
     ExperimentConfig,
@@ -7,6 +10,7 @@ from composer_jax.config import (
     ModelConfig,
     OptimizerConfig,
     PhaseConfig,
+    RLConfig,
     TrainConfig,
     YarnConfig,
 )
@@ -135,4 +139,74 @@ def kimi_k2() -> ExperimentConfig:
     )
 
 
-PRESETS = {"tiny": tiny, "small": small, "kimi_k2": kimi_k2}
+def rl_tiny() -> ExperimentConfig:
+    """The main job of `launch/rl.py`: SFT warm start of the tiny model on the built-in tasks,
+    then asynchronous RL on them (constant learning rate, one epoch over the prompts)."""
+    base = tiny()
+    return dataclasses.replace(
+        base,
+        optim=OptimizerConfig(learning_rate=1e-4, warmup_steps=0, min_lr_ratio=1.0),
+        data=dataclasses.replace(base.data, task_max_ops=1),
+        train=dataclasses.replace(
+            base.train,
+            phases=(PhaseConfig("sft", 1.0, seq_len=576, batch_size=8, data="builtin_tasks"),),
+            log_every=1,
+            checkpoint_every=5,
+        ),
+        rl=RLConfig(
+            group_size=4,
+            groups_per_step=4,
+            max_staleness=2,
+            num_slots=16,
+            context_len=768,
+            max_new_tokens=192,
+            max_turns=2,
+            weight_delta="add",
+            warm_start_steps=400,
+            heldout_split="instances",
+            heldout_tasks=32,
+            heldout_samples=2,
+        ),
+        steps=30,
+        workdir="runs/rl_tiny",
+    )
+
+
+def rl_small() -> ExperimentConfig:
+    """RL on the `small` model (one GPU): RL-sized learning rate, longer contexts, more slots.
+    Warm-start it from a `small` pretraining run with --config.rl.warm_start=WORKDIR."""
+    base = small()
+    return dataclasses.replace(
+        base,
+        optim=OptimizerConfig(learning_rate=1e-5, warmup_steps=0, min_lr_ratio=1.0),
+        train=dataclasses.replace(
+            base.train,
+            phases=(PhaseConfig("sft", 1.0, seq_len=2048, batch_size=64, data="builtin_tasks"),),
+            log_every=1,
+            checkpoint_every=20,
+        ),
+        rl=RLConfig(
+            group_size=8,
+            groups_per_step=16,
+            max_staleness=4,
+            num_slots=128,
+            context_len=4096,
+            max_new_tokens=1024,
+            max_turns=8,
+            summary_budget=3072,
+            summary_max_tokens=512,
+            heldout_tasks=128,
+            heldout_samples=4,
+        ),
+        steps=500,
+        workdir="runs/rl_small",
+    )
+
+
+PRESETS = {
+    "tiny": tiny,
+    "small": small,
+    "kimi_k2": kimi_k2,
+    "rl_tiny": rl_tiny,
+    "rl_small": rl_small,
+}

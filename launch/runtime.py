@@ -23,3 +23,18 @@ def initialize() -> None:
         )
     elif os.environ.get("SLURM_NTASKS", "1") != "1" or os.environ.get("OMPI_COMM_WORLD_SIZE"):
         jax.distributed.initialize()
+
+
+def initialize_ray() -> None:
+    """Joins the Ray cluster named by RAY_ADDRESS (e.g. `ray start --head` on the head host), or
+    starts a local one; rollout workers then spread over its hosts."""
+    try:
+        import ray
+    except ImportError:
+        raise SystemExit("--config.rl.backend=ray needs Ray: pip install 'composer-jax[ray]'")
+    if not ray.is_initialized():
+        ray.init(
+            address=os.environ.get("RAY_ADDRESS") or None,
+            include_dashboard=False,
+            log_to_driver=True,
+        )

@@ -12,12 +12,14 @@ import numpy as np
 from composer_jax.data.pipeline import DEFAULT_PACKING_BINS, PackedRowFields
 
 
-def builtin_task_examples(count: int, seed: int = 0, split: str = "train") -> list[tuple[str, str]]:
+def builtin_task_examples(
+    count: int, seed: int = 0, split: str = "train", max_ops: int = 3
+) -> list[tuple[str, str]]:
     """(episode prompt, oracle first turn) for `count` generated coding tasks."""
     from composer_jax import envs
 
     examples = []
-    for task in envs.builtin_tasks(count, split=split, seed=seed):
+    for task in envs.builtin_tasks(count, split=split, seed=seed, max_ops=max_ops):
         episode = envs.Episode(task, envs.EnvConfig())
         try:
             examples.append((episode.prompt, envs.oracle_turns(task)[0]))

@@ -74,11 +74,14 @@ class FunctionSpec:
         return json.dumps([self.input_kind, [list(s) for s in self.steps]])
 
 
-def _random_spec(rng: random.Random) -> FunctionSpec:
+MAX_OPS = 3
+
+
+def _random_spec(rng: random.Random, max_ops: int = MAX_OPS) -> FunctionSpec:
     input_kind = rng.choice(("str", "list", "int"))
     steps = []
     kind = input_kind
-    for _ in range(rng.randint(1, 3)):
+    for _ in range(rng.randint(1, MAX_OPS))[:max_ops]:
         choices = [i for i, op in enumerate(_OPS) if op.kind.split("->")[0] == kind]
         index = rng.choice(choices)
         op = _OPS[index]
@@ -138,10 +141,11 @@ print({prefix!r} + json.dumps({{'tests': results}}))
 """
 
 
-def make_task(seed: int) -> Task:
-    """The task of one seed (deterministic)."""
+def make_task(seed: int, max_ops: int = MAX_OPS) -> Task:
+    """The task of one seed (deterministic). `max_ops` < 3 truncates the chain of transforms
+    (an easier family: the same seed gives the first `max_ops` transforms of the full task)."""
     rng = random.Random(seed)
-    spec = _random_spec(rng)
+    spec = _random_spec(rng, max_ops)
     inputs: list = []
     while len(inputs) < _NUM_HIDDEN_CASES + 1:
         value = _random_input(rng, spec.input_kind)
@@ -174,14 +178,19 @@ def make_task(seed: int) -> Task:
     )
 
 
-def builtin_tasks(count: int, split: str = "train", seed: int = 0) -> list[Task]:
-    """`count` tasks of one split ("train" or "held_out"), deterministic in `seed`."""
+def builtin_tasks(
+    count: int, split: str = "train", seed: int = 0, max_ops: int = MAX_OPS
+) -> list[Task]:
+    """`count` tasks of one split ("train" or "held_out"), deterministic in `seed`, chaining at
+    most `max_ops` transforms."""
     if split not in ("train", "held_out"):
         raise ValueError(f"split must be 'train' or 'held_out', got {split!r}")
+    if not 1 <= max_ops <= MAX_OPS:
+        raise ValueError(f"max_ops must lie in [1, {MAX_OPS}], got {max_ops}")
     tasks, seen = [], set()
     task_seed = seed * 1_000_003
     while len(tasks) < count:
-        task = make_task(task_seed)
+        task = make_task(task_seed, max_ops)
         task_seed += 1
         if task.split == split and task.prompt not in seen:
             seen.add(task.prompt)

@@ -102,6 +102,7 @@ class Episode:
             turn = protocol.parse_turn(model_output)
             self.counts.add_turn(turn, self.count_tokens)
             outputs = []
+            first_call = len(self.tools.log)
             for call in turn.calls[: self.config.max_calls_per_turn]:
                 self.monitor.check_call(call, self.counts.turns)
                 text, _ = self.tools.call(call.tool, call.args)
@@ -114,7 +115,7 @@ class Episode:
                 )
             observation = "\n".join(outputs)
             self.counts.tool_output_tokens += self.count_tokens(observation)
-            info = {"parse_errors": list(turn.errors)}
+            info = {"parse_errors": list(turn.errors), "calls": self.tools.log[first_call:]}
             if turn.final is not None or self.counts.turns >= self.config.max_turns:
                 self._finish()
                 info["grade"] = dataclasses.asdict(self.grade_result)

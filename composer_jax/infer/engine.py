@@ -183,6 +183,29 @@ class InferenceEngine:
         )
         return rid
 
+    def restart_request(
+        self,
+        request_id: int,
+        keep: int,
+        appended: list[int],
+        params: SamplingParams = SamplingParams(),
+    ) -> int:
+        """A parked request starts over from its first `keep` tokens plus `appended`: the cached
+        prefix is reused (self-summarisation restarts from the task prompt), later entries are
+        overwritten as the new context is prefilled. Returns the new turn's id."""
+        index = self._slot_of(request_id)
+        slot = self._slots[index]
+        if slot is None or not slot.parked:
+            raise ValueError(f"request {request_id} is not finished with keep_cache=True")
+        if not 0 < keep <= slot.length:
+            raise ValueError(f"keep={keep} must lie in [1, {slot.length}] (the cached tokens)")
+        if keep + len(appended) >= self.max_len:
+            raise ValueError(f"restart would exceed max_len={self.max_len}")
+        rid = self._new_completion(list(appended), keep)
+        context = slot.context[:keep] + list(appended)
+        self._slots[index] = _Slot(rid, params, context, keep, feed=list(appended))
+        return rid
+
     def release(self, request_id: int) -> None:
         """Frees the slot a parked request holds."""
         self._slots[self._slot_of(request_id)] = None

@@ -1,10 +1,21 @@
 """RL: trajectory batches, group advantages, KL, length penalty, distillation, router replay; the
 rollout collection (engine + environments -> packed groups), the group ledger and the
-compressed-delta weight sync of the actor loop."""
+compressed-delta weight sync; the asynchronous actor loop's roles (Coordinator, RLTrainer,
+Sampler, environment pools, Evaluator). `composer_jax.rl.run.run_rl` runs it all."""
 
 from composer_jax.rl.advantages import group_advantages, per_sample_sum, to_tokens
 from composer_jax.rl.batch import SegmentKind, Sequence, TrajectoryBatch, pack_trajectories
-from composer_jax.rl.config import RLObjectiveConfig, validate_rl_objective
+from composer_jax.rl.config import RLConfig, RLObjectiveConfig, validate_rl, validate_rl_objective
+from composer_jax.rl.coordinator import Coordinator, RolloutFailedError
+from composer_jax.rl.env_workers import (
+    EnvironmentPool,
+    EnvWorkerError,
+    ProcessEnvironmentPool,
+    RayEnvironmentPool,
+    ThreadEnvironmentPool,
+    make_environment_pool,
+)
+from composer_jax.rl.evaluator import Evaluator, HeldoutResult
 from composer_jax.rl.kl import exact_kl, kl_estimate
 from composer_jax.rl.ledger import Group, GroupLedger, LedgerError
 from composer_jax.rl.length_penalty import (
@@ -23,6 +34,9 @@ from composer_jax.rl.loss import (
 )
 from composer_jax.rl.policy import reference_logprobs, rl_loss, teacher_logits, trainer_logits
 from composer_jax.rl.rollout import collect_batch, collect_group
+from composer_jax.rl.sampler import LocalSampler, Sampler
+from composer_jax.rl.samples import SampleResult, group_sequences, groups_to_batch, make_group
+from composer_jax.rl.trainer import NonFiniteRLLossError, RLTrainer, rl_train_step
 from composer_jax.rl.weight_sync import (
     CorruptShardError,
     LocalDirStore,
@@ -37,6 +51,27 @@ from composer_jax.rl.weight_sync import (
 )
 
 __all__ = [
+    "Coordinator",
+    "EnvWorkerError",
+    "EnvironmentPool",
+    "Evaluator",
+    "HeldoutResult",
+    "LocalSampler",
+    "NonFiniteRLLossError",
+    "ProcessEnvironmentPool",
+    "RLConfig",
+    "RLTrainer",
+    "RayEnvironmentPool",
+    "RolloutFailedError",
+    "SampleResult",
+    "Sampler",
+    "ThreadEnvironmentPool",
+    "group_sequences",
+    "groups_to_batch",
+    "make_environment_pool",
+    "make_group",
+    "rl_train_step",
+    "validate_rl",
     "CorruptShardError",
     "Group",
     "GroupLedger",

@@ -48,6 +48,8 @@ class TrajectoryBatch:
     num_tool_calls_N: jax.Array  # float32
     num_turns_N: jax.Array  # float32
     router_indices_LBTK: jax.Array | None = None  # int32 experts the sampler used per MoE layer
+    # Per-sample advantage scale (a stale group re-weighted by the scheduler); None: all ones.
+    sample_weight_N: jax.Array | None = None
     # Text feedback: hinted rows [Bt, Tt] and, per student token distilled, the flat index
     # (row * Tt + column) of the same token in the hinted rows; -1 elsewhere.
     teacher_tokens_BT: jax.Array | None = None
@@ -120,6 +122,7 @@ def pack_trajectories(
     num_turns: np.ndarray | None = None,
     teacher_seq_len: int | None = None,
     num_teacher_rows: int | None = None,
+    sample_weight: np.ndarray | None = None,
 ) -> TrajectoryBatch:
     """Packs sequences into rows (first fit) and attaches per-sample arrays of length N.
 
@@ -190,5 +193,6 @@ def pack_trajectories(
         ),
         num_turns_N=np.asarray(zeros_N if num_turns is None else num_turns, np.float32),
         router_indices_LBTK=router,
+        sample_weight_N=None if sample_weight is None else np.asarray(sample_weight, np.float32),
         **teacher,
     )

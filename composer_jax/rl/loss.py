@@ -146,6 +146,8 @@ def policy_objective(
     advantages_N = group_advantages(
         rewards_N, batch.group_id_N, cfg.advantage_mode, cfg.advantage_std_eps
     )
+    if batch.sample_weight_N is not None:
+        advantages_N = advantages_N * batch.sample_weight_N
     advantages_BT = to_tokens(advantages_N, batch.sample_index_BT)
     pg_BT, is_metrics = policy_gradient_token_loss(
         logp, batch.sampler_logprobs_BT, advantages_BT, mask, cfg

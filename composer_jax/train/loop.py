@@ -106,12 +106,15 @@ class _Corpora:
         self.eval = data_lib.CodeCorpus(root, split="eval", **kwargs)
         self._sft_examples = None
         self._seed = cfg.seed
+        self._max_ops = cfg.data.task_max_ops
 
     @property
     def sft_examples(self) -> list[tuple[str, str]]:
         """Built-in coding tasks as (prompt, oracle turn), made on first use."""
         if self._sft_examples is None:
-            self._sft_examples = builtin_task_examples(SFT_EXAMPLES, seed=self._seed)
+            self._sft_examples = builtin_task_examples(
+                SFT_EXAMPLES, seed=self._seed, max_ops=self._max_ops
+            )
         return self._sft_examples
 
 

@@ -1,0 +1,579 @@
+"""The coordinator of asynchronous RL: moves samples through their lifecycle between the roles.
+
+    scheduled -> generating <-> in environment -> scored -> grouped (ledger) -> trained
+
+A rollout thread drives the sampler and the environment pool: it schedules whole groups of one
+prompt (fixed group size, one epoch over the prompts), hands every finished turn to the sample's
+environment, continues the request with the tool output, and, when every sample of a group is
+scored, persists the group in the `GroupLedger`. The trainer loop (the caller's thread) takes
+finished groups as they come, drops or re-weights those whose oldest token lags too far, trains,
+and publishes the new weights, which the sampler picks up between two decode steps.
+
+Staleness is bounded at both ends: a group is only scheduled while the trainer version it will
+meet (current version plus the untrained groups ahead of it) is within `max_staleness` of the
+sampler's version, and groups that still end up too stale are handled by `stale_policy`.
+
+Long rollouts summarise themselves: when a generation reaches `summary_budget` tokens, the policy is
+asked for a summary and continues from system prompt + task + summary, reusing the cached prompt;
+the chain of generations is one sample. Text feedback: detectors flag turns, and the sample's
+teacher context gets a hint before each flagged turn.
+
+An environment worker that crashes or hangs fails its samples' futures; they are re-queued from
+scratch and counted, and training goes on.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+import traceback
+from concurrent.futures import Future
+
+import numpy as np
+
+from composer_jax.data import ByteTokenizer
+from composer_jax.envs import EnvConfig, Task
+from composer_jax.infer import Completion, SamplingParams
+from composer_jax.rl import feedback
+from composer_jax.rl.batch import SegmentKind, Sequence
+from composer_jax.rl.config import RLConfig
+from composer_jax.rl.env_workers import EnvironmentPool, EnvWorkerError
+from composer_jax.rl.ledger import GroupLedger
+from composer_jax.rl.ray_backend import SamplerLostError
+from composer_jax.rl.rollout import token_kinds, turn_stop_sequences
+from composer_jax.rl.sampler import Sampler
+from composer_jax.rl.samples import SampleResult, make_group
+
+SUMMARY_OPEN, SUMMARY_CLOSE = "<summary>", "</summary>"
+SUMMARY_REQUEST = (
+    "\n[context budget reached: summarise the task and your progress for a fresh start]\n"
+    + SUMMARY_OPEN
+)
+
+
+class RolloutFailedError(RuntimeError):
+    """The rollout thread stopped on an error that is not an environment worker's failure."""
+
+
+@dataclasses.dataclass
+class _Sample:
+    """One sample in flight: the current generation's buffers and the finished ones."""
+
+    group: "_GroupSlot"
+    index: int
+    attempt: int = 0
+    episode_id: str = ""
+    state: str = "scheduled"  # scheduled | generating | in_env | scored
+    request_id: int = -1
+    prompt_tokens: list[int] = dataclasses.field(default_factory=list)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    kinds: list[int] = dataclasses.field(default_factory=list)
+    policy: list[bool] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    routes: list[np.ndarray] = dataclasses.field(default_factory=list)
+    flagged: list[tuple[int, int, np.ndarray]] = dataclasses.field(default_factory=list)
+    sequences: list[Sequence] = dataclasses.field(default_factory=list)
+    turns: list[feedback.TurnRecord] = dataclasses.field(default_factory=list)
+    feedback_counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    turn_span: tuple[int, int] = (0, 0)
+    turn_text: str = ""
+    summarising: bool = False
+    summaries: int = 0
+    truncated: bool = False
+    reward: float = 0.0
+    counts: dict = dataclasses.field(default_factory=dict)
+    pending: Future | None = None
+
+    def add_context(self, tokens, kind: SegmentKind) -> None:
+        self.tokens += [int(t) for t in tokens]
+        self.kinds += [int(kind)] * len(tokens)
+        self.policy += [False] * len(tokens)
+        self.logprobs += [0.0] * len(tokens)
+        self.versions += [0] * len(tokens)
+
+    def add_turn(self, c: Completion, kinds: np.ndarray) -> None:
+        # Token i's experts are reported at the position that produced it; see rollout._Trace.
+        self.routes += [np.asarray(e) for e in c.prompt_experts]
+        self.routes += [np.asarray(e) for e in c.experts[1:]]
+        self.turn_span = (len(self.tokens), len(self.tokens) + len(c.tokens))
+        self.tokens += c.tokens
+        self.kinds += [int(k) for k in kinds]
+        self.policy += [True] * len(c.tokens)
+        self.logprobs += c.logprobs
+        self.versions += c.versions
+
+    def close_generation(self, num_moe_layers: int, k: int, tokenizer: ByteTokenizer) -> None:
+        """Turns the current buffers into a Sequence (with its teacher context if flagged)."""
+        filler = np.broadcast_to(np.arange(k, dtype=np.int32), (num_moe_layers, k))
+        routes = self.routes[: len(self.tokens)]
+        routes = routes + [filler] * (len(self.tokens) - len(routes))
+        tokens = np.asarray(self.tokens, np.int32)
+        teacher_tokens = teacher_index = None
+        if self.flagged:
+            teacher_tokens, teacher_index = feedback.teacher_sequence(tokens, self.flagged)
+        self.sequences.append(
+            Sequence(
+                sample_index=self.index,
+                tokens=tokens,
+                kinds=np.asarray(self.kinds, np.int32),
+                policy_mask=np.asarray(self.policy, bool),
+                sampler_logprobs=np.asarray(self.logprobs, np.float32),
+                policy_versions=np.asarray(self.versions, np.int32),
+                router_indices=np.stack(routes, axis=1).astype(np.int32),
+                teacher_tokens=teacher_tokens,
+                teacher_target_index=teacher_index,
+            )
+        )
+
+    def reset(self) -> None:
+        """Forgets everything of a failed attempt (the sample starts over)."""
+        fresh = _Sample(self.group, self.index, self.attempt + 1)
+        self.__dict__.update(fresh.__dict__)
+
+
+@dataclasses.dataclass
+class _GroupSlot:
+    group_id: str
+    task: Task
+    samples: list[_Sample] = dataclasses.field(default_factory=list)
+    scheduled_at_version: int = 0
+
+
+@dataclasses.dataclass
+class Counters:
+    """Health and lifecycle counters (a snapshot is logged with every step)."""
+
+    groups_scheduled: int = 0
+    groups_finished: int = 0
+    samples_finished: int = 0
+    samples_requeued: int = 0
+    env_failures: int = 0
+    sampler_failures: int = 0
+    summaries: int = 0
+    truncated: int = 0
+    turns: int = 0
+    weight_updates_in_flight: int = 0
+    feedback: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+class Coordinator:
+    """Runs rollouts in a background thread and hands finished groups to the trainer loop."""
+
+    def __init__(
+        self,
+        cfg: RLConfig,
+        sampler: Sampler,
+        env_pool: EnvironmentPool,
+        ledger: GroupLedger,
+        prompts: list[tuple[str, Task]],
+        tokenizer: ByteTokenizer,
+        num_moe_layers: int,
+        experts_per_token: int,
+        env_config: EnvConfig = EnvConfig(),
+        seed: int = 0,
+    ):
+        self.cfg = cfg
+        self.sampler, self.env_pool, self.ledger = sampler, env_pool, ledger
+        self.tokenizer = tokenizer
+        self.num_moe_layers, self.k = num_moe_layers, experts_per_token
+        self.env_config = dataclasses.replace(env_config, max_turns=cfg.max_turns)
+        self.seed = seed
+        self.detectors = feedback.make_detectors(cfg.feedback_detectors)
+        self._queue: collections.deque[tuple[str, Task]] = collections.deque(
+            (gid, task) for gid, task in prompts if gid not in ledger
+        )
+        self._num_prompts = len(prompts)
+        self._hard: list[tuple[float, str, Task]] = []  # (hardness, group id, task) seen so far
+        self._revisits = 0
+        self._groups: dict[str, _GroupSlot] = {}
+        self._waiting: collections.deque[_Sample] = collections.deque()  # ready for a slot
+        self._active: list[_Sample] = []
+        self._by_request: dict[int, _Sample] = {}
+        self.counters = Counters()
+        self._lock = threading.Condition()
+        self._untrained = len(ledger.pending())  # groups scheduled or finished, not yet trained
+        self.trainer_version = 0
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        stops = turn_stop_sequences(tokenizer)
+        summary_stop = (tuple(int(t) for t in tokenizer.encode(SUMMARY_CLOSE)),)
+        self._turn_params = SamplingParams(
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            max_new_tokens=cfg.max_new_tokens,
+            stop_sequences=stops,
+            keep_cache=True,
+        )
+        self._summary_params = dataclasses.replace(
+            self._turn_params, max_new_tokens=cfg.summary_max_tokens, stop_sequences=summary_stop
+        )
+        self.first_token_time: float | None = None
+
+    # ----------------------------------------------------------------- trainer-facing API
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="rollout", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        for sample in list(self._active):
+            self.env_pool.close(sample.episode_id)
+
+    @property
+    def exhausted(self) -> bool:
+        """No prompt left to schedule and nothing in flight."""
+        with self._lock:
+            return not self._queue and not self._groups
+
+    def wait_for_groups(self, count: int, timeout_s: float | None = None) -> list[str]:
+        """Blocks until `count` groups are pending in the ledger (fewer once the epoch is over);
+        re-raises a failure of the rollout thread."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                if self._error is not None:
+                    raise RolloutFailedError("the rollout thread failed") from self._error
+                pending = self.ledger.pending()
+                if len(pending) >= count or (not self._queue and not self._groups):
+                    return pending[:count]
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"{count} groups not ready in {timeout_s} s")
+                self._lock.wait(timeout=0.5 if remaining is None else min(remaining, 0.5))
+
+    def groups_trained(self, count: int, new_version: int) -> None:
+        """The trainer consumed (or dropped) `count` groups and now holds `new_version`."""
+        with self._lock:
+            self._untrained -= count
+            self.trainer_version = new_version
+            self._lock.notify_all()
+
+    def snapshot(self) -> dict[str, float]:
+        """Counters for the metrics line."""
+        with self._lock:
+            c = self.counters
+            states = collections.Counter(s.state for s in self._active)
+            out = {
+                "groups_scheduled": c.groups_scheduled,
+                "groups_finished": c.groups_finished,
+                "samples_requeued": c.samples_requeued,
+                "env_failures": c.env_failures,
+                "sampler_failures": c.sampler_failures,
+                "summaries_total": c.summaries,
+                "truncated_total": c.truncated,
+                "weight_updates_in_flight": c.weight_updates_in_flight,
+                "samples_generating": states["generating"] + len(self._waiting),
+                "samples_in_env": states["in_env"],
+                "sampler_version": self.sampler.version or 0,
+                "revisited_prompts": self._revisits,
+            }
+            out.update({f"feedback/{name}": n for name, n in c.feedback.items()})
+        out.update({f"env/{k}": v for k, v in self.env_pool.health().items()})
+        return out
+
+    # ----------------------------------------------------------------- rollout thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._sync_weights()
+                    self._schedule()
+                    self._feed_sampler()
+                    progressed = self._advance_env()
+                    finished = self.sampler.poll() if self._by_request else []
+                    for completion in finished:
+                        self._on_completion(completion)
+                except SamplerLostError as e:
+                    self._sampler_lost(e)
+                    continue
+                if not finished and not progressed:
+                    with self._lock:
+                        idle = not self._groups and not self._queue
+                    time.sleep(0.05 if idle else 0.002)
+        except BaseException as e:  # noqa: BLE001 -- surfaced to the trainer loop
+            traceback.print_exc()
+            with self._lock:
+                self._error = e
+                self._lock.notify_all()
+
+    def _sampler_lost(self, error: Exception) -> None:
+        """Every request died with the sampler: start each active sample over."""
+        print(f"[rollout] {error}; re-queuing {len(self._active)} samples", flush=True)
+        self._by_request.clear()
+        self._waiting.clear()
+        with self._lock:
+            self.counters.sampler_failures += 1
+        for sample in list(self._active):
+            self._active.remove(sample)
+            self.env_pool.close(sample.episode_id)
+            with self._lock:
+                self.counters.samples_requeued += 1
+            sample.reset()
+            self._start_episode(sample)
+
+    def _sync_weights(self) -> None:
+        before = self.sampler.version
+        after = self.sampler.sync_weights()
+        if after != before and self._by_request:
+            self.counters.weight_updates_in_flight += 1
+
+    def _next_prompt(self) -> tuple[str, Task] | None:
+        """The next prompt; past half the epoch, a share of groups revisits the hardest ones."""
+        cfg = self.cfg
+        used = self._num_prompts - len(self._queue)
+        if (
+            cfg.hard_prompt_fraction > 0
+            and used >= self._num_prompts // 2
+            and self._hard
+            and np.random.default_rng(self.seed + used + self._revisits).random()
+            < cfg.hard_prompt_fraction
+        ):
+            self._hard.sort(key=lambda h: h[0])
+            _, gid, task = self._hard.pop()
+            self._revisits += 1
+            return f"{gid}-again{self._revisits}", task
+        return self._queue.popleft() if self._queue else None
+
+    def _schedule(self) -> None:
+        cfg = self.cfg
+        with self._lock:
+            while True:
+                in_flight = sum(len(g.samples) for g in self._groups.values())
+                if in_flight + cfg.group_size > cfg.num_slots:
+                    return
+                # The version this group will meet when trained, against the one sampling it.
+                meets = self.trainer_version + self._untrained // cfg.groups_per_step
+                if meets - (self.sampler.version or 0) > cfg.max_staleness:
+                    return
+                nxt = self._next_prompt()
+                if nxt is None:
+                    return
+                gid, task = nxt
+                group = _GroupSlot(gid, task, scheduled_at_version=self.sampler.version or 0)
+                group.samples = [_Sample(group, i) for i in range(cfg.group_size)]
+                self._groups[gid] = group
+                self._untrained += 1
+                self.counters.groups_scheduled += 1
+                for sample in group.samples:
+                    self._start_episode(sample)
+
+    def _start_episode(self, sample: _Sample) -> None:
+        sample.episode_id = f"{sample.group.group_id}-s{sample.index}-a{sample.attempt}"
+        sample.state = "scheduled"
+        sample.pending = self.env_pool.start(sample.episode_id, sample.group.task, self.env_config)
+        self._active.append(sample)
+
+    def _params_for(self, sample: _Sample, summary: bool = False) -> SamplingParams:
+        base = self._summary_params if summary else self._turn_params
+        # Distinct, reproducible randomness per sample and attempt.
+        seed = hash((self.seed, sample.group.group_id, sample.index, sample.attempt)) % (2**31)
+        return dataclasses.replace(base, seed=seed)
+
+    def _feed_sampler(self) -> None:
+        free = self.sampler.num_slots - len(self._by_request)
+        while free > 0 and self._waiting:
+            sample = self._waiting.popleft()
+            sample.request_id = self.sampler.submit(sample.prompt_tokens, self._params_for(sample))
+            self._by_request[sample.request_id] = sample
+            sample.state = "generating"
+            free -= 1
+
+    def _advance_env(self) -> bool:
+        """Handles every environment future that completed; True if any did."""
+        progressed = False
+        for sample in list(self._active):
+            future = sample.pending
+            if future is None or not future.done():
+                continue
+            progressed = True
+            sample.pending = None
+            try:
+                result = future.result()
+            except EnvWorkerError as e:
+                self._requeue(sample, e)
+                continue
+            if sample.state == "scheduled":
+                prompt = self.tokenizer.encode(result).tolist()
+                sample.prompt_tokens = prompt
+                sample.add_context(prompt, SegmentKind.PROMPT)
+                self._waiting.append(sample)
+            else:
+                self._on_step(sample, result)
+        return progressed
+
+    def _requeue(self, sample: _Sample, error: Exception) -> None:
+        """The sample's environment is gone: free its slot and start it over."""
+        with self._lock:
+            self.counters.env_failures += 1
+            self.counters.samples_requeued += 1
+        if sample.request_id in self._by_request:
+            del self._by_request[sample.request_id]
+            self.sampler.release(sample.request_id)
+        self._active.remove(sample)
+        self.env_pool.close(sample.episode_id)
+        print(f"[rollout] {sample.episode_id}: {error}; re-queued", flush=True)
+        sample.reset()
+        self._start_episode(sample)
+
+    def _on_completion(self, c: Completion) -> None:
+        sample = self._by_request.get(c.request_id)
+        if sample is None:
+            return
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        if sample.summarising:
+            self._finish_summary(sample, c)
+            return
+        sample.add_turn(c, token_kinds(c.tokens, self.tokenizer))
+        sample.turn_text = self.tokenizer.decode(c.tokens)
+        sample.state = "in_env"
+        sample.pending = self.env_pool.step(sample.episode_id, sample.turn_text)
+        sample.last_finish_reason = c.finish_reason
+
+    def _on_step(self, sample: _Sample, result) -> None:
+        cfg = self.cfg
+        self._check_feedback(sample, result)
+        sample.counts, sample.reward = result.counts, result.reward
+        if result.done:
+            self._finish(sample)
+            return
+        appended = self.tokenizer.encode(f"\n{result.observation}\n").tolist()
+        full = getattr(sample, "last_finish_reason", None) == "max_len"
+        room = self.sampler.max_len - len(sample.tokens) - len(appended) - 1
+        if cfg.summary_budget and sample.summaries < cfg.max_summaries:
+            if len(sample.tokens) + len(appended) >= cfg.summary_budget and not full:
+                self._request_summary(sample, appended)
+                return
+        if full or room < 16:
+            sample.truncated = True  # no room for another turn: reward 0
+            sample.reward = 0.0
+            self._finish(sample)
+            return
+        sample.add_context(appended, SegmentKind.TOOL_OUTPUT)
+        params = dataclasses.replace(
+            self._params_for(sample), max_new_tokens=min(cfg.max_new_tokens, room)
+        )
+        self._continue(sample, appended, params)
+
+    def _continue(self, sample: _Sample, appended: list[int], params: SamplingParams) -> None:
+        del self._by_request[sample.request_id]
+        sample.request_id = self.sampler.continue_request(sample.request_id, appended, params)
+        self._by_request[sample.request_id] = sample
+        sample.state = "generating"
+
+    def _request_summary(self, sample: _Sample, observation: list[int]) -> None:
+        """Appends the tool output and the summary request; the next turn is the summary."""
+        request = self.tokenizer.encode(SUMMARY_REQUEST).tolist()
+        appended = observation + request
+        room = self.sampler.max_len - len(sample.tokens) - len(appended) - 1
+        if room < 8:  # the budget leaves no room for a summary: the sample is truncated
+            sample.truncated = True
+            sample.reward = 0.0
+            self._finish(sample)
+            return
+        sample.add_context(observation, SegmentKind.TOOL_OUTPUT)
+        sample.add_context(request, SegmentKind.PROMPT)
+        sample.summarising = True
+        params = dataclasses.replace(
+            self._params_for(sample, summary=True),
+            max_new_tokens=min(self.cfg.summary_max_tokens, room),
+        )
+        self._continue(sample, appended, params)
+
+    def _finish_summary(self, sample: _Sample, c: Completion) -> None:
+        """Closes the generation with its summary; the next one starts from task + summary,
+        reusing the cached task prompt."""
+        sample.add_turn(c, np.full(len(c.tokens), SegmentKind.SUMMARY, np.int32))
+        summary = self.tokenizer.decode(c.tokens)
+        if not summary.endswith(SUMMARY_CLOSE):
+            summary += SUMMARY_CLOSE
+        sample.close_generation(self.num_moe_layers, self.k, self.tokenizer)
+        sample.summaries += 1
+        with self._lock:
+            self.counters.summaries += 1
+        keep = len(sample.prompt_tokens)
+        prefix_routes = sample.routes[:keep]
+        appended = self.tokenizer.encode(f"{SUMMARY_OPEN}{summary}\n").tolist()
+        for name in ("tokens", "kinds", "policy", "logprobs", "versions", "routes", "flagged"):
+            setattr(sample, name, [])
+        sample.add_context(sample.prompt_tokens, SegmentKind.PROMPT)
+        sample.add_context(appended, SegmentKind.PROMPT)  # carried over: counted once, as context
+        # The restart prefills the appended tokens, reporting the previous position's routes
+        # first (as a continuation does), so the kept prefix keeps all but its last route.
+        sample.routes = prefix_routes[: keep - 1]
+        sample.summarising = False
+        del self._by_request[sample.request_id]
+        sample.request_id = self.sampler.restart_request(
+            sample.request_id, keep, appended, self._params_for(sample)
+        )
+        self._by_request[sample.request_id] = sample
+        sample.state = "generating"
+
+    def _check_feedback(self, sample: _Sample, result) -> None:
+        if not self.detectors:
+            return
+        turn = feedback.TurnRecord(
+            index=len(sample.turns),
+            text=sample.turn_text,
+            calls=tuple(result.info.get("calls", ())),
+            observation=result.observation,
+            available_tools=tuple(self.env_config.tools),
+        )
+        previous = sample.turns[-1] if sample.turns else None
+        sample.turns.append(turn)
+        hints = feedback.check_turn(self.detectors, turn, previous)
+        if not hints:
+            return
+        hint = self.tokenizer.encode(feedback.render_hint(hints))
+        start, end = sample.turn_span
+        sample.flagged.append((start, end, np.asarray(hint, np.int32)))
+        for name, _ in hints:
+            sample.feedback_counts[name] = sample.feedback_counts.get(name, 0) + 1
+            with self._lock:
+                self.counters.feedback[name] += 1
+
+    def _finish(self, sample: _Sample) -> None:
+        if sample.request_id in self._by_request:
+            del self._by_request[sample.request_id]
+            self.sampler.release(sample.request_id)
+        self.env_pool.close(sample.episode_id)
+        self._active.remove(sample)
+        sample.close_generation(self.num_moe_layers, self.k, self.tokenizer)
+        sample.state = "scored"
+        with self._lock:
+            self.counters.samples_finished += 1
+            self.counters.turns += int(sample.counts.get("turns", 0))
+            self.counters.truncated += int(sample.truncated)
+        group = sample.group
+        if all(s.state == "scored" for s in group.samples):
+            self._finish_group(group)
+
+    def _finish_group(self, group: _GroupSlot) -> None:
+        results = [
+            SampleResult(
+                sequences=s.sequences,
+                reward=float(s.reward),
+                num_tool_calls=int(s.counts.get("tool_calls", 0)),
+                num_turns=int(s.counts.get("turns", 0)),
+                summaries=s.summaries,
+                truncated=s.truncated,
+                feedback=dict(s.feedback_counts),
+            )
+            for s in group.samples
+        ]
+        self.ledger.add(make_group(group.group_id, group.task.task_id, results))
+        hardness = max(r.num_turns for r in results) * 1e6 + max(r.thinking_tokens for r in results)
+        with self._lock:
+            del self._groups[group.group_id]
+            self.counters.groups_finished += 1
+            if self.cfg.hard_prompt_fraction > 0 and "-again" not in group.group_id:
+                self._hard.append((hardness, group.group_id, group.task))
+            self._lock.notify_all()

@@ -1,0 +1,374 @@
+"""`run_rl`: warm start, held-out evaluation, the asynchronous actor loop, curves.
+
+Everything a run writes lives in `cfg.workdir`:
+  warm_start/        the SFT run that warm-starts the policy (unless rl.warm_start names one)
+  checkpoints/       RL train state (orbax), every train.checkpoint_every steps and at the end
+  ledger/            finished groups and which step consumed them (exactly-once on restart)
+  weights/attempt-N/ the compressed-delta weight store of the N-th start of this run
+  metrics.jsonl      one line per step (reward, pass rate, staleness, tokens/s, KL, length
+                     penalty, health counters), plus `heldout_reward` before RL and at the end
+  heldout.json       the held-out evaluations; rl_curves.png the curves
+Starting again with the same workdir resumes: the train state from the last checkpoint, finished
+groups from the ledger (too-stale ones are dropped and their prompts sampled again).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import signal
+import time
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from composer_jax import config as config_lib
+from composer_jax import data as data_lib
+from composer_jax import envs
+from composer_jax.rl.coordinator import Coordinator
+from composer_jax.rl.env_workers import make_environment_pool
+from composer_jax.rl.evaluator import Evaluator, HeldoutResult
+from composer_jax.rl.ledger import GroupLedger
+from composer_jax.rl.sampler import LocalSampler
+from composer_jax.rl.samples import groups_to_batch
+from composer_jax.rl.trainer import RLTrainer
+from composer_jax.train.loop import _StopRequest, load_trained_model, run_pretraining
+from composer_jax.train.metrics import MetricsWriter, read_metrics
+from composer_jax.train.step import split_model
+
+
+@dataclasses.dataclass
+class RLResult:
+    final_step: int
+    heldout_before: HeldoutResult | None
+    heldout_after: HeldoutResult | None
+    workdir: str
+    staleness_histogram: dict[int, int]
+    interrupted: str | None = None
+
+
+def warm_start_config(cfg: config_lib.ExperimentConfig) -> config_lib.ExperimentConfig:
+    """The run of cfg.train.phases that warm-starts RL when no checkpoint is given."""
+    rl = cfg.rl
+    return dataclasses.replace(
+        cfg,
+        steps=rl.warm_start_steps,
+        workdir=os.path.join(cfg.workdir, "warm_start"),
+        optim=dataclasses.replace(
+            cfg.optim, learning_rate=rl.warm_start_lr, warmup_steps=20, min_lr_ratio=0.1
+        ),
+        train=dataclasses.replace(
+            cfg.train,
+            eval_every=rl.warm_start_steps,
+            checkpoint_every=rl.warm_start_steps,
+            log_every=max(rl.warm_start_steps // 10, 1),
+        ),
+    )
+
+
+def heldout_task_set(cfg: config_lib.ExperimentConfig) -> list[envs.Task]:
+    """The evaluation tasks (see RLConfig.heldout_split). Warm-start SFT draws task seeds from
+    cfg.seed, RL prompts from cfg.seed + 1 and held-out instances from cfg.seed + 2: the seed
+    ranges never overlap."""
+    rl, max_ops = cfg.rl, cfg.data.task_max_ops
+    if rl.heldout_split == "functions":
+        return envs.builtin_tasks(rl.heldout_tasks, "held_out", seed=cfg.seed, max_ops=max_ops)
+    return envs.builtin_tasks(rl.heldout_tasks, "train", seed=cfg.seed + 2, max_ops=max_ops)
+
+
+def _warm_start(cfg, progress: bool):
+    if cfg.rl.warm_start:
+        model, step = load_trained_model(cfg.rl.warm_start)
+        print(f"Warm start: {cfg.rl.warm_start} step {step}", flush=True)
+        return model
+    sft = warm_start_config(cfg)
+    names = ", ".join(p.name for p in sft.train.phases)
+    print(f"Warm start: {sft.steps} steps of {names} in {sft.workdir}", flush=True)
+    run_pretraining(sft, progress=progress)
+    model, _ = load_trained_model(sft.workdir)
+    return model
+
+
+def _check_model(cfg, model) -> None:
+    ours = dataclasses.replace(model.cfg, dtype=cfg.model.dtype)
+    if ours != dataclasses.replace(cfg.model, dtype=cfg.model.dtype):
+        diff = [
+            f.name
+            for f in dataclasses.fields(cfg.model)
+            if getattr(cfg.model, f.name) != getattr(model.cfg, f.name)
+        ]
+        raise config_lib.ConfigError(
+            f"model.{diff[0]}: the warm-start model has {getattr(model.cfg, diff[0])!r}, the "
+            f"config {getattr(cfg.model, diff[0])!r}"
+        )
+
+
+def _store_dir(cfg) -> str:
+    root = cfg.rl.weight_store or os.path.abspath(os.path.join(cfg.workdir, "weights"))
+    if "://" in root:
+        return f"{root.rstrip('/')}/attempt-{int(time.time())}"
+    os.makedirs(root, exist_ok=True)
+    attempt = len([d for d in os.listdir(root) if d.startswith("attempt-")])
+    return os.path.join(root, f"attempt-{attempt}")
+
+
+def _heldout(cfg, evaluator, model, path, key, progress) -> HeldoutResult:
+    stored = json.load(open(path)) if os.path.exists(path) else {}
+    if key in stored:
+        r = stored[key]
+        return HeldoutResult(np.asarray(r["per_task"]), r["pass_rate"])
+    start = time.perf_counter()
+    result = evaluator.evaluate(model)
+    print(
+        f"Held-out reward ({cfg.rl.heldout_split}) {key} RL: {result} "
+        f"[{time.perf_counter() - start:.0f} s]",
+        flush=True,
+    )
+    stored[key] = {"per_task": result.per_task.tolist(), "pass_rate": result.pass_rate}
+    with open(path, "w") as f:
+        json.dump(stored, f)
+    return result
+
+
+def _group_metrics(groups, version: int, cfg) -> dict[str, float]:
+    rewards = np.concatenate([g.rewards for g in groups])
+    lags = [version - g.min_version for g in groups]
+    tokens = [
+        int(sum(g.arrays["sequence_lengths"][g.arrays["sequence_sample"] == i]))
+        for g in groups
+        for i in range(len(g.rewards))
+    ]
+    summaries = [s for g in groups for s in g.metadata["summaries"]]
+    return {
+        "reward_mean": float(rewards.mean()),
+        "pass_rate": float((rewards >= 1.0).mean()),
+        "staleness_mean": float(np.mean(lags)),
+        "staleness_max": float(np.max(lags)),
+        "summaries_per_sample": float(np.mean(summaries)),
+        "tokens_per_chain": float(np.mean(tokens)),
+    }
+
+
+def plot_curves(metrics_path: str, out_path: str) -> None:
+    """Reward, pass rate, KL, length penalty and staleness against the step, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = [m for m in read_metrics(metrics_path) if "reward_mean" in m]
+    heldout = [m for m in read_metrics(metrics_path) if "heldout_reward" in m]
+    if not lines:
+        return
+    steps = [m["step"] for m in lines]
+    panels = (
+        ("reward_mean", "train reward"),
+        ("pass_rate", "train pass rate"),
+        ("kl_k1", "KL (k1) to reference"),
+        ("length_penalty", "length penalty"),
+        ("staleness_mean", "staleness (versions)"),
+        ("tokens_per_second", "sampled tokens / s"),
+    )
+    fig, axes = plt.subplots(2, 3, figsize=(12, 6))
+    for ax, (key, title) in zip(axes.flat, panels):
+        values = [m.get(key, np.nan) for m in lines]
+        ax.plot(steps, values, lw=1.2)
+        if key == "reward_mean" and heldout:
+            ax.scatter(
+                [m["step"] for m in heldout],
+                [m["heldout_reward"] for m in heldout],
+                color="C3",
+                zorder=3,
+                label="held-out",
+            )
+            ax.legend()
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)
+
+
+def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
+    """Trains (or resumes) the asynchronous RL run described by `cfg` in `cfg.workdir`."""
+    config_lib.validate(cfg, jax.device_count())
+    rl = cfg.rl
+    os.makedirs(cfg.workdir, exist_ok=True)
+    with open(os.path.join(cfg.workdir, "config.json"), "w") as f:
+        json.dump(config_lib.to_dict(cfg), f, indent=2)
+    tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
+    model = _warm_start(cfg, progress)
+    _check_model(cfg, model)
+    _, warm_params, warm_buffers = split_model(model)
+
+    env_config = envs.EnvConfig(max_turns=rl.max_turns)
+    heldout_tasks = heldout_task_set(cfg)
+    evaluator = Evaluator(
+        rl, heldout_tasks, tokenizer, rl.heldout_samples, rl.heldout_temperature, env_config
+    )
+    heldout_path = os.path.join(cfg.workdir, "heldout.json")
+    before = _heldout(cfg, evaluator, model, heldout_path, "before", progress)
+
+    ledger = GroupLedger(os.path.join(cfg.workdir, "ledger"))
+    store = _store_dir(cfg)
+    trainer = RLTrainer(cfg, warm_params, warm_buffers, store)
+    num_prompts = rl.num_prompts or cfg.steps * rl.groups_per_step
+    tasks = envs.builtin_tasks(
+        num_prompts, split="train", seed=cfg.seed + 1, max_ops=cfg.data.task_max_ops
+    )
+    prompts = [(f"p{i:05d}", task) for i, task in enumerate(tasks)]
+    # Steps the restored state never saw (all of them without a checkpoint) give back their groups.
+    returned = ledger.rewind(trainer.version)
+    if trainer.restored_step is not None or returned:
+        print(
+            f"Resumed RL at step {trainer.version}; {len(returned)} groups returned to "
+            f"pending, {len(ledger.pending())} pending in all",
+            flush=True,
+        )
+    # Too stale to train on: drop them and sample their prompts again.
+    stale = ledger.drop_stale(trainer.version, rl.max_staleness)
+    by_id = dict(prompts)
+    prompts += [(f"{gid}-redo{trainer.version}", by_id[gid.split("-")[0]]) for gid in stale]
+    writer = MetricsWriter(cfg.workdir, trainer.restored_step)
+    if trainer.restored_step is None:
+        writer.write(0, {"heldout_reward": before.mean, "heldout_pass_rate": before.pass_rate})
+
+    if rl.backend == "ray":
+        from composer_jax.rl.ray_backend import RaySampler
+
+        pool = make_environment_pool("ray", rl.num_env_workers, rl.env_timeout_s)
+        sampler = RaySampler(
+            cfg.model, store, rl.num_slots, rl.context_len, rl.recompute_cache_on_update
+        )
+    else:
+        pool = make_environment_pool(rl.env_workers, rl.num_env_workers, rl.env_timeout_s)
+        sampler = LocalSampler(
+            model,
+            store,
+            num_slots=rl.num_slots,
+            max_len=rl.context_len,
+            recompute_cache=rl.recompute_cache_on_update,
+        )
+    trainer.publish().result()
+    sampler.sync_weights(wait_for=trainer.version)
+    coordinator = Coordinator(
+        rl,
+        sampler,
+        pool,
+        ledger,
+        prompts,
+        tokenizer,
+        cfg.model.num_moe_layers,
+        cfg.model.num_experts_per_tok,
+        env_config,
+        seed=cfg.seed,
+    )
+    coordinator.trainer_version = trainer.version
+    histogram: collections.Counter = collections.Counter()
+    interrupted = None
+    bar = tqdm(
+        total=cfg.steps, initial=trainer.version, desc="rl", disable=not progress, unit="step"
+    )
+    last_time, last_tokens = time.perf_counter(), 0
+    try:
+        with _StopRequest() as stop:
+            coordinator.start()
+            while trainer.version < cfg.steps:
+                if stop.signal:
+                    interrupted = stop.signal
+                    break
+                waited = time.perf_counter()
+                ids = coordinator.wait_for_groups(rl.groups_per_step)
+                waited = time.perf_counter() - waited
+                if not ids:
+                    print("The prompt epoch is exhausted before cfg.steps.", flush=True)
+                    break
+                version = trainer.version
+                dropped = []
+                if rl.stale_policy == "drop":
+                    dropped = ledger.drop_stale(version, rl.max_staleness)
+                    if dropped:
+                        coordinator.groups_trained(len(dropped), version)
+                        ids = [i for i in ids if i not in dropped]
+                        if not ids:
+                            continue
+                groups = [ledger.load(i) for i in ids]
+                lags = [version - g.min_version for g in groups]
+                weights = [rl.stale_decay ** max(lag - rl.max_staleness, 0) for lag in lags]
+                histogram.update(lags)
+                batch = groups_to_batch(
+                    groups,
+                    rl.context_len,
+                    row_multiple=trainer.data_parallel,
+                    weights=weights,
+                    min_rows=rl.groups_per_step * rl.group_size,  # one shape for most steps
+                )
+                trained = time.perf_counter()
+                metrics = trainer.step(batch)
+                trained = time.perf_counter() - trained
+                ledger.mark_trained(ids, trainer.version)
+                coordinator.groups_trained(len(ids), trainer.version)
+                now = time.perf_counter()
+                generated = sampler.stats()["generated_tokens"]
+                record = {
+                    **metrics,
+                    **_group_metrics(groups, version, rl),
+                    **coordinator.snapshot(),
+                    **{f"ledger/{k}": v for k, v in ledger.stats().items()},
+                    "groups_dropped_stale": len(dropped),
+                    "tokens_per_second": (generated - last_tokens) / max(now - last_time, 1e-9),
+                    "seconds_per_step": now - last_time,
+                    "wait_seconds": waited,  # the trainer idle, waiting for finished groups
+                    "train_seconds": trained,
+                }
+                last_time, last_tokens = now, generated
+                if trainer.last_publish is not None and trainer.last_publish.done():
+                    info = trainer.last_publish.result()
+                    if not info.skipped:
+                        record["weight_sync_ratio"] = info.ratio
+                writer.write(trainer.version, record)
+                bar.update(1)
+                bar.set_postfix(
+                    reward=f"{record['reward_mean']:.2f}",
+                    passed=f"{record['pass_rate']:.2f}",
+                    stale=f"{record['staleness_mean']:.1f}",
+                    tok_s=f"{record['tokens_per_second']:.0f}",
+                    kl=f"{record.get('kl_k1', 0.0):.4f}",
+                    len_pen=f"{record.get('length_penalty', 0.0):.4f}",
+                )
+                if trainer.version % cfg.train.checkpoint_every == 0:
+                    trainer.save({"step": trainer.version})
+    finally:
+        bar.close()
+        coordinator.stop()
+        pool.shutdown()
+    if trainer.checkpointer.latest_step() != trainer.version and trainer.version > 0:
+        trainer.save({"step": trainer.version})
+    after = None
+    if interrupted is None:
+        after = _heldout(cfg, evaluator, trainer.model(), heldout_path, "after", progress)
+        writer.write(
+            trainer.version, {"heldout_reward": after.mean, "heldout_pass_rate": after.pass_rate}
+        )
+        diff, half = after.improvement_over(before)
+        print(
+            f"Held-out reward: before {before}\n                 after  {after}\n"
+            f"                 paired difference {diff:+.3f} +- {half:.3f} (95% CI)",
+            flush=True,
+        )
+    writer.close()
+    trainer.close()
+    plot_curves(writer.path, os.path.join(cfg.workdir, "rl_curves.png"))
+    print(f"Staleness of trained groups (versions: groups): {dict(sorted(histogram.items()))}")
+    return RLResult(
+        trainer.version, before, after, cfg.workdir, dict(histogram), interrupted=interrupted
+    )
+
+
+def exit_code(result: RLResult) -> int:
+    """The shell's convention for a run stopped by a signal."""
+    return 128 + int(getattr(signal, result.interrupted)) if result.interrupted else 0

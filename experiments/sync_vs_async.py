@@ -1,0 +1,117 @@
+r"""Synchronous vs asynchronous RL on the same workload: throughput ratio and staleness histogram.
+
+Both runs start from the same warm-start checkpoint and use the same prompts, group size, batch,
+sampling and seed; only the scheduling differs:
+  sync   max_staleness=0: the sampler waits for each new policy, the trainer for each batch
+  async  max_staleness=K: generation runs ahead while the trainer trains; weights are updated
+         in flight and groups more than K versions stale are dropped
+Throughput is trained samples per second over steps 2..N (step 1 includes compilation). The
+trainer's and sampler's XLA computations each use one thread (`--xla_cpu_multi_thread_eigen=false`),
+as they would each own an accelerator on a cluster; pass --multi_thread to let them share cores.
+
+  python experiments/sync_vs_async.py --steps=12 [--warm_start=runs/rl_tiny/warm_start]
+"""
+
+import os
+import sys
+
+from absl import app, flags
+
+_STEPS = flags.DEFINE_integer("steps", 12, "RL steps per run.")
+_STALENESS = flags.DEFINE_integer("max_staleness", 2, "Bound of the asynchronous run.")
+_WARM = flags.DEFINE_string("warm_start", "", "A warm-start run (default: a short SFT here).")
+_OUT = flags.DEFINE_string("out", "runs/sync_vs_async", "Output folder.")
+_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 160, "Tokens per turn.")
+_MULTI = flags.DEFINE_bool("multi_thread", False, "Let XLA use every core per computation.")
+
+
+def _run(base, name: str, max_staleness: int, warm: str):
+    import dataclasses
+
+    from composer_jax.rl.run import run_rl
+
+    rl = dataclasses.replace(base.rl, max_staleness=max_staleness, warm_start=warm)
+    cfg = dataclasses.replace(base, rl=rl, workdir=os.path.join(_OUT.value, name))
+    return run_rl(cfg, progress=True)
+
+
+def main(argv):
+    del argv
+    import dataclasses
+    import shutil
+
+    import numpy as np
+
+    from composer_jax import config as config_lib
+    from composer_jax.rl.run import warm_start_config
+    from composer_jax.train.metrics import read_metrics
+
+    base = config_lib.rl_tiny()
+    base = dataclasses.replace(
+        base,
+        steps=_STEPS.value,
+        rl=dataclasses.replace(
+            base.rl,
+            max_turns=1,
+            max_new_tokens=_NEW_TOKENS.value,
+            heldout_tasks=2,
+            heldout_samples=1,
+        ),
+    )
+    warm = _WARM.value
+    if not warm:
+        warm_cfg = warm_start_config(dataclasses.replace(base, workdir=_OUT.value))
+        warm = warm_cfg.workdir
+        if not os.path.exists(os.path.join(warm, "checkpoints")):
+            from composer_jax.train import run_pretraining
+
+            run_pretraining(warm_cfg)
+    results = {}
+    for name, staleness in (("sync", 0), ("async", _STALENESS.value)):
+        shutil.rmtree(os.path.join(_OUT.value, name), ignore_errors=True)
+        result = _run(base, name, staleness, warm)
+        lines = [
+            m
+            for m in read_metrics(os.path.join(_OUT.value, name, "metrics.jsonl"))
+            if "reward_mean" in m and m["step"] >= 2
+        ]
+        seconds = sum(m["seconds_per_step"] for m in lines)
+        samples = len(lines) * base.rl.groups_per_step * base.rl.group_size
+        results[name] = dict(
+            seconds=seconds,
+            samples_per_s=samples / seconds,
+            train=np.mean([m["train_seconds"] for m in lines]),
+            wait=np.mean([m["wait_seconds"] for m in lines]),
+            staleness=np.mean([m["staleness_mean"] for m in lines]),
+            dropped=sum(m["groups_dropped_stale"] for m in lines),
+            histogram=result.staleness_histogram,
+            reward=np.mean([m["reward_mean"] for m in lines]),
+        )
+    print(f"\n{_STEPS.value} steps x {base.rl.groups_per_step * base.rl.group_size} samples")
+    header = "mode   | s (steps 2+) | samples/s | train s/step | wait s/step | staleness | dropped"
+    print(header)
+    print("-" * len(header))
+    for name, r in results.items():
+        print(
+            f"{name:6} | {r['seconds']:12.1f} | {r['samples_per_s']:9.2f} | {r['train']:12.2f} |"
+            f" {r['wait']:11.2f} | {r['staleness']:9.2f} | {r['dropped']:7d}"
+        )
+    ratio = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
+    gen = results["sync"]["wait"]
+    print(
+        f"\nsync: generation {gen:.2f} s/step vs training {results['sync']['train']:.2f} s/step "
+        f"(ratio {gen / max(results['sync']['train'], 1e-9):.2f})"
+    )
+    print(f"async / sync throughput: {ratio:.2f}x")
+    print(
+        f"async staleness histogram (versions: groups): {dict(sorted(results['async']['histogram'].items()))}"
+    )
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    if "--multi_thread" not in sys.argv:
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
+        ).strip()
+    app.run(main)
