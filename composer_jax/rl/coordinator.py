@@ -29,6 +29,7 @@ import dataclasses
 import threading
 import time
 import traceback
+import zlib
 from concurrent.futures import Future
 
 import numpy as np
@@ -80,6 +81,7 @@ class _Sample:
     feedback_counts: dict[str, int] = dataclasses.field(default_factory=dict)
     turn_span: tuple[int, int] = (0, 0)
     turn_text: str = ""
+    finish_reason: str | None = None  # of the last turn
     summarising: bool = False
     summaries: int = 0
     truncated: bool = False
@@ -374,7 +376,8 @@ class Coordinator:
     def _params_for(self, sample: _Sample, summary: bool = False) -> SamplingParams:
         base = self._summary_params if summary else self._turn_params
         # Distinct, reproducible randomness per sample and attempt.
-        seed = hash((self.seed, sample.group.group_id, sample.index, sample.attempt)) % (2**31)
+        key = f"{self.seed}/{sample.group.group_id}/{sample.index}/{sample.attempt}"
+        seed = zlib.crc32(key.encode()) & 0x7FFFFFFF
         return dataclasses.replace(base, seed=seed)
 
     def _feed_sampler(self) -> None:
@@ -436,7 +439,7 @@ class Coordinator:
         sample.turn_text = self.tokenizer.decode(c.tokens)
         sample.state = "in_env"
         sample.pending = self.env_pool.step(sample.episode_id, sample.turn_text)
-        sample.last_finish_reason = c.finish_reason
+        sample.finish_reason = c.finish_reason
 
     def _on_step(self, sample: _Sample, result) -> None:
         cfg = self.cfg
@@ -446,7 +449,7 @@ class Coordinator:
             self._finish(sample)
             return
         appended = self.tokenizer.encode(f"\n{result.observation}\n").tolist()
-        full = getattr(sample, "last_finish_reason", None) == "max_len"
+        full = sample.finish_reason == "max_len"
         room = self.sampler.max_len - len(sample.tokens) - len(appended) - 1
         if cfg.summary_budget and sample.summaries < cfg.max_summaries:
             if len(sample.tokens) + len(appended) >= cfg.summary_budget and not full:

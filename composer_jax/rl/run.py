@@ -152,6 +152,26 @@ def _group_metrics(groups, version: int, cfg) -> dict[str, float]:
     }
 
 
+def next_groups(coordinator, ledger: GroupLedger, rl, version: int):
+    """The next batch of finished groups for the trainer at `version`: (groups, advantage
+    weights, groups dropped). Groups whose oldest token lags more than rl.max_staleness versions
+    are dropped for good (and the wait goes on) or kept with weight
+    stale_decay ** (lag - max_staleness), per rl.stale_policy. Fewer groups only at the end of
+    the prompt epoch; none when it is over."""
+    dropped = 0
+    while True:
+        ids = coordinator.wait_for_groups(rl.groups_per_step)
+        stale = ledger.drop_stale(version, rl.max_staleness) if rl.stale_policy == "drop" else []
+        if not stale:
+            break
+        dropped += len(stale)
+        coordinator.groups_trained(len(stale), version)
+    groups = [ledger.load(i) for i in ids]
+    lags = [version - g.min_version for g in groups]
+    weights = [rl.stale_decay ** max(lag - rl.max_staleness, 0) for lag in lags]
+    return groups, weights, dropped
+
+
 def plot_curves(metrics_path: str, out_path: str) -> None:
     """Reward, pass rate, KL, length penalty and staleness against the step, as one PNG."""
     import matplotlib
@@ -281,25 +301,15 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
                 if stop.signal:
                     interrupted = stop.signal
                     break
+                version = trainer.version
                 waited = time.perf_counter()
-                ids = coordinator.wait_for_groups(rl.groups_per_step)
+                groups, weights, dropped = next_groups(coordinator, ledger, rl, version)
                 waited = time.perf_counter() - waited
-                if not ids:
+                if not groups:
                     print("The prompt epoch is exhausted before cfg.steps.", flush=True)
                     break
-                version = trainer.version
-                dropped = []
-                if rl.stale_policy == "drop":
-                    dropped = ledger.drop_stale(version, rl.max_staleness)
-                    if dropped:
-                        coordinator.groups_trained(len(dropped), version)
-                        ids = [i for i in ids if i not in dropped]
-                        if not ids:
-                            continue
-                groups = [ledger.load(i) for i in ids]
-                lags = [version - g.min_version for g in groups]
-                weights = [rl.stale_decay ** max(lag - rl.max_staleness, 0) for lag in lags]
-                histogram.update(lags)
+                ids = [g.group_id for g in groups]
+                histogram.update(version - g.min_version for g in groups)
                 batch = groups_to_batch(
                     groups,
                     rl.context_len,
@@ -319,7 +329,7 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
                     **_group_metrics(groups, version, rl),
                     **coordinator.snapshot(),
                     **{f"ledger/{k}": v for k, v in ledger.stats().items()},
-                    "groups_dropped_stale": len(dropped),
+                    "groups_dropped_stale": dropped,
                     "tokens_per_second": (generated - last_tokens) / max(now - last_time, 1e-9),
                     "seconds_per_step": now - last_time,
                     "wait_seconds": waited,  # the trainer idle, waiting for finished groups

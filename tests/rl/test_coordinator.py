@@ -190,3 +190,41 @@ def test_environment_worker_failure_requeues_the_sample(tmp_path, failure):
     assert snapshot["env_failures"] >= 1 and snapshot["samples_requeued"] >= 1
     key = "env/worker_crashes" if failure == "kill" else "env/worker_timeouts"
     assert snapshot[key] >= 1 and snapshot["env/workers_replaced"] >= 1
+
+
+def test_hardest_prompts_are_revisited_late_in_the_epoch(tmp_path):
+    tasks = envs.builtin_tasks(4, seed=31, max_ops=1)
+    hard = tasks[0].prompt.splitlines()[0]  # the first finished: not merely the latest
+    look = envs.protocol.render_call("list_dir", {})
+
+    def script(prompt, turn):
+        oracle = envs.oracle_turns(next(t for t in tasks if t.prompt.splitlines()[0] in prompt))
+        lead = [look, look] if hard in prompt else []  # the hard prompt takes three more turns
+        return (lead + oracle)[turn]
+
+    sampler = ScriptedSampler(
+        script, TOKENIZER, moe_layers=MODEL_CFG.num_moe_layers, k=MODEL_CFG.num_experts_per_tok
+    )
+    cfg = RLConfig(
+        group_size=2,
+        groups_per_step=1,
+        max_turns=6,
+        num_slots=2,  # one group at a time: the epoch runs in prompt order
+        max_staleness=100,
+        hard_prompt_fraction=0.99,
+        feedback_detectors=(),
+    )
+    ledger = GroupLedger(tmp_path / "ledger")
+    prompts = [(f"p{i}", task) for i, task in enumerate(tasks)]
+    with ThreadEnvironmentPool(4, timeout_s=60) as pool:
+        coordinator = Coordinator(cfg, sampler, pool, ledger, prompts, TOKENIZER, 1, 2)
+        coordinator.start()
+        try:
+            deadline = time.monotonic() + 60
+            while "p0-again1" not in ledger and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            coordinator.stop()
+    assert "p0-again1" in ledger, sorted(ledger.pending())
+    assert ledger.load("p0-again1").prompt_id == tasks[0].task_id
+    assert coordinator.snapshot()["revisited_prompts"] >= 1

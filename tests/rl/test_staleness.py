@@ -1,0 +1,70 @@
+"""Too-stale groups are dropped (and counted) or re-weighted, per `rl.stale_policy`."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from composer_jax.config import RLConfig
+from composer_jax.rl.ledger import Group, GroupLedger
+from composer_jax.rl.run import next_groups
+
+
+class _Coordinator:
+    """The two calls `next_groups` makes: pending groups, and the trained/dropped count."""
+
+    def __init__(self, ledger):
+        self.ledger, self.released = ledger, 0
+
+    def wait_for_groups(self, count):
+        return self.ledger.pending()[:count]
+
+    def groups_trained(self, count, version):
+        self.released += count
+
+
+def _ledger(tmp_path, min_versions):
+    ledger = GroupLedger(tmp_path)
+    rng = np.random.default_rng(0)
+    for i, v in enumerate(min_versions):
+        versions = v + rng.integers(0, 2, 10)
+        versions[0] = v
+        ledger.add(Group(f"g{i}", f"t{i}", versions, np.zeros(2), rng.random(2)))
+    return ledger
+
+
+@pytest.mark.parametrize("policy", ["drop", "reweight"])
+def test_stale_groups_are_dropped_or_reweighted(tmp_path, policy):
+    rl = dataclasses.replace(
+        RLConfig(), groups_per_step=2, max_staleness=2, stale_policy=policy, stale_decay=0.5
+    )
+    ledger = _ledger(tmp_path, [1, 7, 4, 9, 8])  # trainer at version 9: lags 8, 2, 5, 0, 1
+    coordinator = _Coordinator(ledger)
+    groups, weights, dropped = next_groups(coordinator, ledger, rl, version=9)
+    if policy == "drop":
+        assert [g.group_id for g in groups] == ["g1", "g3"]
+        assert weights == [1.0, 1.0]
+        assert dropped == 2 and coordinator.released == 2
+        assert ledger.stats()["dropped_stale"] == 2
+    else:
+        assert [g.group_id for g in groups] == ["g0", "g1"]
+        assert weights == [0.5**6, 1.0]
+        assert dropped == 0 and ledger.stats()["dropped_stale"] == 0
+
+
+def test_weights_scale_the_advantages_of_their_samples():
+    from composer_jax.rl import RLObjectiveConfig, policy_objective
+    from tests.rl.toy import one_step_batch
+
+    rng = np.random.default_rng(1)
+    samples = rng.integers(0, 4, 8)
+    batch = one_step_batch(samples, np.log(np.full(4, 0.25)), rng.random(4), group_size=4)
+    logits = np.tile(rng.normal(size=(1, 1, 4)), (8, 2, 1)).astype(np.float32)
+    cfg = RLObjectiveConfig(kl_coef=0.0, length_penalty_coef=0.0, importance_weighting="none")
+    _, plain = policy_objective(logits, batch, cfg)
+    weighted = dataclasses.replace(batch, sample_weight_N=np.array([0.25] * 4 + [1.0] * 4))
+    _, scaled = policy_objective(logits, weighted, cfg)
+    half = dataclasses.replace(batch, sample_weight_N=np.array([0.25] * 8, np.float32))
+    _, quarter = policy_objective(logits, half, cfg)
+    np.testing.assert_allclose(float(quarter["pg_loss"]), 0.25 * float(plain["pg_loss"]), rtol=1e-6)
+    assert not np.isclose(float(scaled["pg_loss"]), float(plain["pg_loss"]))
