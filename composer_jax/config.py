@@ -248,6 +248,9 @@ class RLConfig(RLObjectiveConfig):
     max_staleness: int = 2
     stale_policy: str = "drop"
     stale_decay: float = 0.5
+    # Dynamic sampling (DAPO): skip groups whose samples all got the same task reward (their
+    # advantages carry only the KL and length terms); they are counted, their prompts not redone.
+    skip_uniform_groups: bool = False
     # Later in the epoch, revisit the hardest prompts seen (most turns, then most thinking tokens):
     # this fraction of the scheduled groups is drawn from them once half the prompts are used.
     hard_prompt_fraction: float = 0.0

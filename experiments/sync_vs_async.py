@@ -40,6 +40,10 @@ def main(argv):
     import dataclasses
     import shutil
 
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)
+
     import numpy as np
 
     from composer_jax import config as config_lib
@@ -52,8 +56,9 @@ def main(argv):
         steps=_STEPS.value,
         rl=dataclasses.replace(
             base.rl,
-            max_turns=1,
             max_new_tokens=_NEW_TOKENS.value,
+            skip_uniform_groups=False,  # every group trains: a fixed workload per step
+            num_prompts=0,
             heldout_tasks=2,
             heldout_samples=1,
         ),
@@ -94,7 +99,7 @@ def main(argv):
     for name, r in results.items():
         print(
             f"{name:6} | {r['seconds']:12.1f} | {r['samples_per_s']:9.2f} | {r['train']:12.2f} |"
-            f" {r['wait']:11.2f} | {r['staleness']:9.2f} | {r['dropped']:7d}"
+            f" {r['wait']:11.2f} | {r['staleness']:9.2f} | {int(r['dropped']):7d}"
         )
     ratio = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
     gen = results["sync"]["wait"]

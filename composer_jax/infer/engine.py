@@ -250,6 +250,11 @@ class InferenceEngine:
         finished, self._finished = self._finished, []
         return finished
 
+    def take_finished(self) -> list[int]:
+        """Ids finished outside `step` (e.g. by the prefill of `update_weights`), now cleared."""
+        finished, self._finished = self._finished, []
+        return finished
+
     def run(self) -> dict[int, Completion]:
         while self.has_work:
             self.step()

@@ -54,6 +54,10 @@ SUMMARY_REQUEST = (
 )
 
 
+MAX_ATTEMPTS = 3  # environment failures a sample survives before it is scored 0
+SYNC_INTERVAL_S = 0.1
+
+
 class RolloutFailedError(RuntimeError):
     """The rollout thread stopped on an error that is not an environment worker's failure."""
 
@@ -109,9 +113,12 @@ class _Sample:
 
     def close_generation(self, num_moe_layers: int, k: int, tokenizer: ByteTokenizer) -> None:
         """Turns the current buffers into a Sequence (with its teacher context if flagged)."""
+        if len(self.routes) != len(self.tokens) - 1:  # every position but the last is routed
+            raise RuntimeError(
+                f"{self.episode_id}: {len(self.routes)} routes for {len(self.tokens)} tokens"
+            )
         filler = np.broadcast_to(np.arange(k, dtype=np.int32), (num_moe_layers, k))
-        routes = self.routes[: len(self.tokens)]
-        routes = routes + [filler] * (len(self.tokens) - len(routes))
+        routes = self.routes + [filler]  # the last token predicts nothing
         tokens = np.asarray(self.tokens, np.int32)
         teacher_tokens = teacher_index = None
         if self.flagged:
@@ -153,11 +160,13 @@ class Counters:
     samples_finished: int = 0
     samples_requeued: int = 0
     env_failures: int = 0
+    env_errors: int = 0  # failures raised by the environment itself, not a lost worker
     sampler_failures: int = 0
     summaries: int = 0
     truncated: int = 0
     turns: int = 0
     weight_updates_in_flight: int = 0
+    reward_sum: float = 0.0  # task rewards of every finished sample (trained or skipped)
     feedback: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
@@ -188,6 +197,10 @@ class Coordinator:
             (gid, task) for gid, task in prompts if gid not in ledger
         )
         self._num_prompts = len(prompts)
+        self._tasks = {gid.split("-")[0]: task for gid, task in prompts}
+        self._redos = 0
+        self.sampler_stats: dict[str, float] = {}  # refreshed by the rollout thread only
+        self._last_sync = 0.0
         self._hard: list[tuple[float, str, Task]] = []  # (hardness, group id, task) seen so far
         self._revisits = 0
         self._groups: dict[str, _GroupSlot] = {}
@@ -222,11 +235,14 @@ class Coordinator:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stops the rollout thread; re-raises its failure, if it had one."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
         for sample in list(self._active):
             self.env_pool.close(sample.episode_id)
+        if self._error is not None:
+            raise RolloutFailedError("the rollout thread failed") from self._error
 
     @property
     def exhausted(self) -> bool:
@@ -234,14 +250,19 @@ class Coordinator:
         with self._lock:
             return not self._queue and not self._groups
 
-    def wait_for_groups(self, count: int, timeout_s: float | None = None) -> list[str]:
+    def wait_for_groups(
+        self, count: int, timeout_s: float | None = None, interrupted=None
+    ) -> list[str] | None:
         """Blocks until `count` groups are pending in the ledger (fewer once the epoch is over);
-        re-raises a failure of the rollout thread."""
+        re-raises a failure of the rollout thread. `interrupted()` is polled while waiting (it
+        may raise); once it returns True the wait ends with None."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
             while True:
                 if self._error is not None:
                     raise RolloutFailedError("the rollout thread failed") from self._error
+                if interrupted is not None and interrupted():
+                    return None
                 pending = self.ledger.pending()
                 if len(pending) >= count or (not self._queue and not self._groups):
                     return pending[:count]
@@ -249,6 +270,21 @@ class Coordinator:
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"{count} groups not ready in {timeout_s} s")
                 self._lock.wait(timeout=0.5 if remaining is None else min(remaining, 0.5))
+
+    def redispatch(self, group_ids: list[str], version: int) -> None:
+        """Schedules the prompts of dropped groups again (first in line), so the epoch still
+        covers every prompt."""
+        with self._lock:
+            for gid in group_ids:
+                base = gid.split("-")[0]
+                redo = f"{base}-redo{version}n{self._redos}"
+                while redo in self.ledger:  # an id a previous start already used
+                    self._redos += 1
+                    redo = f"{base}-redo{version}n{self._redos}"
+                self._redos += 1
+                self._queue.appendleft((redo, self._tasks[base]))
+                self._num_prompts += 1
+            self._lock.notify_all()
 
     def groups_trained(self, count: int, new_version: int) -> None:
         """The trainer consumed (or dropped) `count` groups and now holds `new_version`."""
@@ -266,7 +302,10 @@ class Coordinator:
                 "groups_scheduled": c.groups_scheduled,
                 "groups_finished": c.groups_finished,
                 "samples_requeued": c.samples_requeued,
+                "samples_finished": c.samples_finished,
+                "rollout_reward_sum": c.reward_sum,
                 "env_failures": c.env_failures,
+                "env_errors": c.env_errors,
                 "sampler_failures": c.sampler_failures,
                 "summaries_total": c.summaries,
                 "truncated_total": c.truncated,
@@ -322,10 +361,17 @@ class Coordinator:
             self._start_episode(sample)
 
     def _sync_weights(self) -> None:
+        """Pulls new weights and refreshes the sampler's stats, at most every SYNC_INTERVAL_S
+        (a listing of the store may be a remote call)."""
+        now = time.monotonic()
+        if now - self._last_sync < SYNC_INTERVAL_S:
+            return
+        self._last_sync = now
         before = self.sampler.version
         after = self.sampler.sync_weights()
         if after != before and self._by_request:
             self.counters.weight_updates_in_flight += 1
+        self.sampler_stats = self.sampler.stats()
 
     def _next_prompt(self) -> tuple[str, Task] | None:
         """The next prompt; past half the epoch, a share of groups revisits the hardest ones."""
@@ -376,7 +422,7 @@ class Coordinator:
     def _params_for(self, sample: _Sample, summary: bool = False) -> SamplingParams:
         base = self._summary_params if summary else self._turn_params
         # Distinct, reproducible randomness per sample and attempt.
-        key = f"{self.seed}/{sample.group.group_id}/{sample.index}/{sample.attempt}"
+        key = f"{self.seed}/{sample.group.group_id}/{sample.index}/{sample.attempt}/{sample.summaries}"
         seed = zlib.crc32(key.encode()) & 0x7FFFFFFF
         return dataclasses.replace(base, seed=seed)
 
@@ -400,7 +446,7 @@ class Coordinator:
             sample.pending = None
             try:
                 result = future.result()
-            except EnvWorkerError as e:
+            except Exception as e:  # noqa: BLE001 -- a worker crash or an environment's own error
                 self._requeue(sample, e)
                 continue
             if sample.state == "scheduled":
@@ -413,16 +459,30 @@ class Coordinator:
         return progressed
 
     def _requeue(self, sample: _Sample, error: Exception) -> None:
-        """The sample's environment is gone: free its slot and start it over."""
+        """The sample's environment failed: free its slot and start it over, at most
+        MAX_ATTEMPTS times (then it is scored 0 as truncated, so its group can finish)."""
         with self._lock:
             self.counters.env_failures += 1
+            if not isinstance(error, EnvWorkerError):
+                self.counters.env_errors += 1
+        if sample.attempt + 1 >= MAX_ATTEMPTS:
+            print(f"[rollout] {sample.episode_id}: {error!r}; giving up (reward 0)", flush=True)
+            sample.truncated, sample.reward = True, 0.0
+            sample.routes = sample.routes[: max(len(sample.tokens) - 1, 0)]
+            if not sample.tokens:  # never started: an empty generation cannot be trained on
+                sample.add_context(self.tokenizer.encode("\n").tolist(), SegmentKind.PROMPT)
+            while len(sample.routes) < len(sample.tokens) - 1:
+                sample.routes.append(np.zeros((self.num_moe_layers, self.k), np.int32))
+            self._finish(sample)
+            return
+        with self._lock:
             self.counters.samples_requeued += 1
         if sample.request_id in self._by_request:
             del self._by_request[sample.request_id]
             self.sampler.release(sample.request_id)
         self._active.remove(sample)
         self.env_pool.close(sample.episode_id)
-        print(f"[rollout] {sample.episode_id}: {error}; re-queued", flush=True)
+        print(f"[rollout] {sample.episode_id}: {error!r}; re-queued", flush=True)
         sample.reset()
         self._start_episode(sample)
 
@@ -509,14 +569,16 @@ class Coordinator:
             setattr(sample, name, [])
         sample.add_context(sample.prompt_tokens, SegmentKind.PROMPT)
         sample.add_context(appended, SegmentKind.PROMPT)  # carried over: counted once, as context
-        # The restart prefills the appended tokens, reporting the previous position's routes
-        # first (as a continuation does), so the kept prefix keeps all but its last route.
-        sample.routes = prefix_routes[: keep - 1]
+        # The kept prefix is cached with its routes; the restart prefills (and routes) only the
+        # appended tokens, from position `keep` on.
+        sample.routes = prefix_routes
         sample.summarising = False
-        del self._by_request[sample.request_id]
-        sample.request_id = self.sampler.restart_request(
-            sample.request_id, keep, appended, self._params_for(sample)
+        room = self.sampler.max_len - keep - len(appended) - 1
+        params = dataclasses.replace(
+            self._params_for(sample), max_new_tokens=min(self.cfg.max_new_tokens, room)
         )
+        del self._by_request[sample.request_id]
+        sample.request_id = self.sampler.restart_request(sample.request_id, keep, appended, params)
         self._by_request[sample.request_id] = sample
         sample.state = "generating"
 
@@ -535,9 +597,10 @@ class Coordinator:
         hints = feedback.check_turn(self.detectors, turn, previous)
         if not hints:
             return
-        hint = self.tokenizer.encode(feedback.render_hint(hints))
-        start, end = sample.turn_span
-        sample.flagged.append((start, end, np.asarray(hint, np.int32)))
+        if self.cfg.distill_coef > 0:  # the teacher context is only built when it is trained on
+            hint = self.tokenizer.encode(feedback.render_hint(hints))
+            start, end = sample.turn_span
+            sample.flagged.append((start, end, np.asarray(hint, np.int32)))
         for name, _ in hints:
             sample.feedback_counts[name] = sample.feedback_counts.get(name, 0) + 1
             with self._lock:
@@ -577,6 +640,7 @@ class Coordinator:
         with self._lock:
             del self._groups[group.group_id]
             self.counters.groups_finished += 1
+            self.counters.reward_sum += float(sum(r.reward for r in results))
             if self.cfg.hard_prompt_fraction > 0 and "-again" not in group.group_id:
                 self._hard.append((hardness, group.group_id, group.task))
             self._lock.notify_all()

@@ -5,7 +5,7 @@ Every record is one file made visible by an atomic rename (written to a temporar
 renamed, directory fsynced), so a crash at any point leaves each record either complete or absent:
   groups/<group id>.npz              a finished group: its arrays plus a JSON metadata member
   consumed/trained-<step>.json       the groups trainer step <step> consumed
-  consumed/dropped-<n>.json          groups dropped as too stale
+  consumed/dropped-<n>.json          groups dropped (too stale, or uninformative), with the reason
 Leftover temporary files are removed when the ledger is opened. Pure numpy: no JAX, so it can
 live with the environments on CPU-only hosts.
 
@@ -119,6 +119,7 @@ class GroupLedger:
         self._trained: dict[str, int] = {}  # group id -> trainer step
         self._steps: dict[int, list[str]] = {}
         self._dropped: dict[str, int] = {}  # group id -> version it was dropped at
+        self._drop_reason: dict[str, str] = {}
         self._drop_records = 0
         self.corrupt: list[str] = []  # group files that could not be read (moved aside)
         self._load()
@@ -152,6 +153,7 @@ class GroupLedger:
                 self._drop_records += 1
                 for gid in record["group_ids"]:
                     self._dropped[gid] = record["current_version"]
+                    self._drop_reason[gid] = record.get("reason", "stale")
 
     # -------------------------------------------------------------------------------- writing
     def add(self, group: Group) -> None:
@@ -228,27 +230,46 @@ class GroupLedger:
             _fsync_dir(self._consumed_dir)
             return returned
 
-    def drop_stale(self, current_version: int, max_staleness: int) -> list[str]:
-        """Drops (for good) pending groups whose oldest token lags more than `max_staleness`."""
+    def drop_stale(
+        self, current_version: int, max_staleness: int, drop_newer: bool = False
+    ) -> list[str]:
+        """Drops (for good) pending groups whose oldest token lags more than `max_staleness`;
+        with `drop_newer`, also those with tokens newer than `current_version` (after a restart:
+        sampled by weights the restored trainer never had)."""
         with self._lock:
             stale = [
                 gid
                 for gid in self._pending_ids()
                 if current_version - self._index[gid]["min_version"] > max_staleness
+                or (drop_newer and self._index[gid]["max_version"] > current_version)
             ]
-            if not stale:
-                return []
-            record = {
-                "current_version": current_version,
-                "max_staleness": max_staleness,
-                "group_ids": stale,
-            }
-            data = json.dumps(record).encode()
-            path = os.path.join(self._consumed_dir, f"dropped-{self._drop_records:06d}.json")
-            _atomic_write(path, lambda f: f.write(data))
-            self._drop_records += 1
-            self._dropped.update(dict.fromkeys(stale, current_version))
+            self._write_drop(stale, current_version, "stale", max_staleness=max_staleness)
             return stale
+
+    def drop(self, group_ids: list[str], current_version: int, reason: str) -> None:
+        """Drops (for good) pending groups for another `reason` (e.g. "uninformative": every
+        sample of the group got the same task reward)."""
+        with self._lock:
+            for gid in group_ids:
+                if gid not in self._index or gid in self._trained or gid in self._dropped:
+                    raise LedgerError(f"group {gid} is not pending")
+            self._write_drop(list(group_ids), current_version, reason)
+
+    def _write_drop(self, group_ids: list[str], current_version: int, reason: str, **extra):
+        if not group_ids:
+            return
+        record = {
+            "current_version": current_version,
+            "reason": reason,
+            "group_ids": group_ids,
+            **extra,
+        }
+        data = json.dumps(record).encode()
+        path = os.path.join(self._consumed_dir, f"dropped-{self._drop_records:06d}.json")
+        _atomic_write(path, lambda f: f.write(data))
+        self._drop_records += 1
+        self._dropped.update(dict.fromkeys(group_ids, current_version))
+        self._drop_reason.update(dict.fromkeys(group_ids, reason))
 
     # -------------------------------------------------------------------------------- reading
     def _pending_ids(self) -> list[str]:
@@ -259,6 +280,16 @@ class GroupLedger:
         """Ids of groups neither trained nor dropped, in the order they were added."""
         with self._lock:
             return self._pending_ids()
+
+    def dropped(self, reason: str | None = None) -> list[str]:
+        """Ids of every group dropped (this run or an earlier one), for `reason` if given."""
+        with self._lock:
+            return sorted(g for g in self._dropped if reason in (None, self._drop_reason[g]))
+
+    def __iter__(self):
+        """Ids of every group ever added, in order."""
+        with self._lock:
+            return iter(sorted(self._index, key=lambda g: self._index[g]["order"]))
 
     def __contains__(self, group_id: str) -> bool:
         return group_id in self._index
@@ -290,12 +321,14 @@ class GroupLedger:
         )
 
     def stats(self) -> dict[str, int]:
-        """Counts for metrics: groups added, trained, dropped as stale, pending, corrupt."""
+        """Counts for metrics: groups added, trained, dropped (as stale, for another reason),
+        pending, corrupt."""
         with self._lock:
             return {
                 "added": len(self._index),
                 "trained": len(self._trained),
-                "dropped_stale": len(self._dropped),
+                "dropped_stale": sum(r == "stale" for r in self._drop_reason.values()),
+                "dropped_other": sum(r != "stale" for r in self._drop_reason.values()),
                 "pending": len(self._pending_ids()),
                 "corrupt": len(self.corrupt),
             }

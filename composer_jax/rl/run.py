@@ -123,7 +123,7 @@ def _heldout(cfg, evaluator, model, path, key, progress) -> HeldoutResult:
     start = time.perf_counter()
     result = evaluator.evaluate(model)
     print(
-        f"Held-out reward ({cfg.rl.heldout_split}) {key} RL: {result} "
+        f"Held-out reward ({cfg.rl.heldout_split}) {key.split('-')[0]} RL: {result} "
         f"[{time.perf_counter() - start:.0f} s]",
         flush=True,
     )
@@ -152,21 +152,39 @@ def _group_metrics(groups, version: int, cfg) -> dict[str, float]:
     }
 
 
-def next_groups(coordinator, ledger: GroupLedger, rl, version: int):
+def _interrupted(stop, trainer) -> bool:
+    """A signal asked the run to stop, or the last weight publication failed (raises it)."""
+    if trainer.last_publish is not None and trainer.last_publish.done():
+        trainer.last_publish.result()  # re-raises a failed publication
+    return stop.signal is not None
+
+
+def next_groups(coordinator, ledger: GroupLedger, rl, version: int, interrupted=None):
     """The next batch of finished groups for the trainer at `version`: (groups, advantage
     weights, groups dropped). Groups whose oldest token lags more than rl.max_staleness versions
     are dropped for good (and the wait goes on) or kept with weight
-    stale_decay ** (lag - max_staleness), per rl.stale_policy. Fewer groups only at the end of
-    the prompt epoch; none when it is over."""
+    stale_decay ** (lag - max_staleness), per rl.stale_policy; a dropped group's prompt is
+    sampled again. With rl.skip_uniform_groups, groups whose samples all got the same task reward
+    are dropped too (not redone). Fewer groups only at the end of the prompt epoch; none when it is
+    over;
+    (None, None, dropped) when `interrupted()` returned True."""
     dropped = 0
     while True:
-        ids = coordinator.wait_for_groups(rl.groups_per_step)
+        ids = coordinator.wait_for_groups(rl.groups_per_step, interrupted=interrupted)
+        if ids is None:
+            return None, None, dropped
         stale = ledger.drop_stale(version, rl.max_staleness) if rl.stale_policy == "drop" else []
-        if not stale:
+        if stale:
+            dropped += len(stale)
+            coordinator.groups_trained(len(stale), version)
+            coordinator.redispatch(stale, version)
+            continue
+        groups = [ledger.load(i) for i in ids]
+        uniform = [g.group_id for g in groups if rl.skip_uniform_groups and np.ptp(g.rewards) == 0]
+        if not uniform:
             break
-        dropped += len(stale)
-        coordinator.groups_trained(len(stale), version)
-    groups = [ledger.load(i) for i in ids]
+        ledger.drop(uniform, version, "uninformative")
+        coordinator.groups_trained(len(uniform), version)
     lags = [version - g.min_version for g in groups]
     weights = [rl.stale_decay ** max(lag - rl.max_staleness, 0) for lag in lags]
     return groups, weights, dropped
@@ -185,7 +203,7 @@ def plot_curves(metrics_path: str, out_path: str) -> None:
         return
     steps = [m["step"] for m in lines]
     panels = (
-        ("reward_mean", "train reward"),
+        ("rollout_reward", "reward (all rollouts)"),
         ("pass_rate", "train pass rate"),
         ("kl_k1", "KL (k1) to reference"),
         ("length_penalty", "length penalty"),
@@ -196,7 +214,7 @@ def plot_curves(metrics_path: str, out_path: str) -> None:
     for ax, (key, title) in zip(axes.flat, panels):
         values = [m.get(key, np.nan) for m in lines]
         ax.plot(steps, values, lw=1.2)
-        if key == "reward_mean" and heldout:
+        if key == "rollout_reward" and heldout:
             ax.scatter(
                 [m["step"] for m in heldout],
                 [m["heldout_reward"] for m in heldout],
@@ -249,10 +267,19 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
             f"pending, {len(ledger.pending())} pending in all",
             flush=True,
         )
-    # Too stale to train on: drop them and sample their prompts again.
-    stale = ledger.drop_stale(trainer.version, rl.max_staleness)
+    # Too stale to train on (or sampled by weights the restored state never had): drop them. The
+    # prompt of every dropped group without a live successor (pending or trained) is sampled
+    # again, also those dropped by an earlier start.
+    ledger.drop_stale(
+        trainer.version, rl.max_staleness if rl.stale_policy == "drop" else 1 << 30, drop_newer=True
+    )
     by_id = dict(prompts)
-    prompts += [(f"{gid}-redo{trainer.version}", by_id[gid.split("-")[0]]) for gid in stale]
+    dropped = set(ledger.dropped("stale"))
+    known = list(ledger)
+    live = {gid.split("-")[0] for gid in known if gid not in ledger.dropped()}
+    for base in sorted({gid.split("-")[0] for gid in dropped} - live):
+        attempt = sum(gid.split("-")[0] == base for gid in known)
+        prompts.append((f"{base}-redo{attempt}", by_id[base]))
     writer = MetricsWriter(cfg.workdir, trainer.restored_step)
     if trainer.restored_step is None:
         writer.write(0, {"heldout_reward": before.mean, "heldout_pass_rate": before.pass_rate})
@@ -293,7 +320,7 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
     bar = tqdm(
         total=cfg.steps, initial=trainer.version, desc="rl", disable=not progress, unit="step"
     )
-    last_time, last_tokens = time.perf_counter(), 0
+    last_time, last_tokens, last_finished, last_reward_sum = time.perf_counter(), 0, 0, 0.0
     try:
         with _StopRequest() as stop:
             coordinator.start()
@@ -303,8 +330,17 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
                     break
                 version = trainer.version
                 waited = time.perf_counter()
-                groups, weights, dropped = next_groups(coordinator, ledger, rl, version)
+                groups, weights, dropped = next_groups(
+                    coordinator,
+                    ledger,
+                    rl,
+                    version,
+                    interrupted=lambda: _interrupted(stop, trainer),
+                )
                 waited = time.perf_counter() - waited
+                if groups is None:
+                    interrupted = stop.signal
+                    break
                 if not groups:
                     print("The prompt epoch is exhausted before cfg.steps.", flush=True)
                     break
@@ -323,11 +359,21 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
                 ledger.mark_trained(ids, trainer.version)
                 coordinator.groups_trained(len(ids), trainer.version)
                 now = time.perf_counter()
-                generated = sampler.stats()["generated_tokens"]
+                generated = coordinator.sampler_stats.get("generated_tokens", 0)
+                snapshot = coordinator.snapshot()
+                finished = snapshot["samples_finished"] - last_finished
+                rollout_reward = (snapshot["rollout_reward_sum"] - last_reward_sum) / max(
+                    finished, 1
+                )
+                last_finished = snapshot["samples_finished"]
+                last_reward_sum = snapshot["rollout_reward_sum"]
                 record = {
                     **metrics,
                     **_group_metrics(groups, version, rl),
-                    **coordinator.snapshot(),
+                    **snapshot,
+                    # Every sample finished since the last step, trained or not: the policy's
+                    # reward (reward_mean is over the trained groups only).
+                    "rollout_reward": rollout_reward,
                     **{f"ledger/{k}": v for k, v in ledger.stats().items()},
                     "groups_dropped_stale": dropped,
                     "tokens_per_second": (generated - last_tokens) / max(now - last_time, 1e-9),
@@ -343,7 +389,7 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
                 writer.write(trainer.version, record)
                 bar.update(1)
                 bar.set_postfix(
-                    reward=f"{record['reward_mean']:.2f}",
+                    reward=f"{rollout_reward:.2f}",
                     passed=f"{record['pass_rate']:.2f}",
                     stale=f"{record['staleness_mean']:.1f}",
                     tok_s=f"{record['tokens_per_second']:.0f}",
@@ -360,7 +406,9 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
         trainer.save({"step": trainer.version})
     after = None
     if interrupted is None:
-        after = _heldout(cfg, evaluator, trainer.model(), heldout_path, "after", progress)
+        after = _heldout(
+            cfg, evaluator, trainer.model(), heldout_path, f"after-{trainer.version}", progress
+        )
         writer.write(
             trainer.version, {"heldout_reward": after.mean, "heldout_pass_rate": after.pass_rate}
         )

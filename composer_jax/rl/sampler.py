@@ -100,7 +100,7 @@ class LocalSampler(Sampler):
         self.engine.release(request_id)
 
     def poll(self, max_steps: int = 8) -> list[Completion]:
-        finished: list[int] = []
+        finished: list[int] = self.engine.take_finished()
         for _ in range(max_steps):
             if not self.engine.has_work:
                 break

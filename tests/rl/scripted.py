@@ -52,10 +52,11 @@ class ScriptedSampler(Sampler):
         return self._new(prompt, params, 0, 0, prompt)
 
     def continue_request(self, request_id, appended, params):
+        # As the engine: the previous turn's last token is prefilled (and routed) first.
         old = self._requests.pop(request_id)
-        return self._new(
-            old.context + list(appended), params, old.turn + 1, len(old.context), appended
-        )
+        feed = [old.context[-1], *appended]
+        context = old.context + list(appended)
+        return self._new(context, params, old.turn + 1, len(old.context) - 1, feed)
 
     def restart_request(self, request_id, keep, appended, params):
         old = self._requests.pop(request_id)

@@ -72,6 +72,7 @@ def test_round_trip_and_reopen(tmp_path):
         "added": 3,
         "trained": 2,
         "dropped_stale": 0,
+        "dropped_other": 0,
         "pending": 1,
         "corrupt": 0,
     }
@@ -195,6 +196,28 @@ def test_staleness_accounting(tmp_path):
         "added": 9,
         "trained": 1,
         "dropped_stale": 5,
+        "dropped_other": 0,
         "pending": 3,
         "corrupt": 0,
     }
+
+
+def test_drop_newer_and_drop_for_a_reason(tmp_path):
+    led = GroupLedger(str(tmp_path))
+    for i in range(4):
+        led.add(make_group(Group, i))
+    newest = max(led.pending(), key=lambda g: led.load(g).policy_versions.max())
+    top = int(led.load(newest).policy_versions.max())
+    # After restoring version top - 1, the group with a token of version `top` is dropped.
+    dropped = led.drop_stale(current_version=top - 1, max_staleness=100, drop_newer=True)
+    assert newest in dropped
+    assert all(led.load(g).policy_versions.max() > top - 1 for g in dropped)
+    rest = led.pending()
+    led.drop(rest[:1], current_version=top - 1, reason="uninformative")
+    with pytest.raises(LedgerError, match="not pending"):
+        led.drop(rest[:1], current_version=top - 1, reason="uninformative")
+    reopened = GroupLedger(str(tmp_path))
+    assert reopened.dropped("uninformative") == rest[:1]
+    assert sorted(reopened.dropped("stale")) == sorted(dropped)
+    assert reopened.stats()["dropped_other"] == 1
+    assert reopened.stats()["dropped_stale"] == len(dropped)

@@ -7,8 +7,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from composer_jax.rl.ledger import GroupLedger
 from composer_jax.train.metrics import read_metrics
 
@@ -34,6 +32,8 @@ def _args(workdir, *extra):
         "--config.rl.max_new_tokens=24",
         "--config.rl.max_turns=1",
         "--config.rl.max_staleness=8",  # nothing dropped: every prompt must be trained once
+        "--config.rl.skip_uniform_groups=False",
+        "--config.rl.num_prompts=0",  # steps x groups_per_step: one epoch, all trained
         "--config.rl.env_workers=thread",
         "--progress=false",
         *extra,
@@ -90,7 +90,6 @@ def test_kill_9_mid_run_resumes_without_losing_or_repeating_groups(tmp_path):
     _check_finished_run(workdir)
 
 
-@pytest.mark.slow
 def test_ray_backend_runs_the_same_smoke_test_on_a_local_cluster(tmp_path):
     workdir = str(tmp_path / "run")
     result = subprocess.run(

@@ -14,23 +14,38 @@ class _Coordinator:
     """The two calls `next_groups` makes: pending groups, and the trained/dropped count."""
 
     def __init__(self, ledger):
-        self.ledger, self.released = ledger, 0
+        self.ledger, self.released, self.redone = ledger, 0, []
 
-    def wait_for_groups(self, count):
+    def wait_for_groups(self, count, interrupted=None):
         return self.ledger.pending()[:count]
 
     def groups_trained(self, count, version):
         self.released += count
 
+    def redispatch(self, group_ids, version):
+        self.redone += group_ids
 
-def _ledger(tmp_path, min_versions):
+
+def _ledger(tmp_path, min_versions, rewards=None):
     ledger = GroupLedger(tmp_path)
     rng = np.random.default_rng(0)
     for i, v in enumerate(min_versions):
         versions = v + rng.integers(0, 2, 10)
         versions[0] = v
-        ledger.add(Group(f"g{i}", f"t{i}", versions, np.zeros(2), rng.random(2)))
+        reward = rng.random(2) if rewards is None else np.asarray(rewards[i], np.float32)
+        ledger.add(Group(f"g{i}", f"t{i}", versions, np.zeros(2), reward))
     return ledger
+
+
+def test_uniform_groups_are_skipped_when_asked(tmp_path):
+    rl = dataclasses.replace(RLConfig(), groups_per_step=2, skip_uniform_groups=True)
+    rewards = [[0, 0], [1, 0], [1, 1], [0.5, 0.5], [0, 1]]
+    ledger = _ledger(tmp_path, [3] * 5, rewards)
+    coordinator = _Coordinator(ledger)
+    groups, weights, dropped = next_groups(coordinator, ledger, rl, version=3)
+    assert [g.group_id for g in groups] == ["g1", "g4"]
+    assert ledger.dropped("uninformative") == ["g0", "g2", "g3"]
+    assert coordinator.released == 3 and coordinator.redone == [] and dropped == 0
 
 
 @pytest.mark.parametrize("policy", ["drop", "reweight"])
@@ -45,6 +60,7 @@ def test_stale_groups_are_dropped_or_reweighted(tmp_path, policy):
         assert [g.group_id for g in groups] == ["g1", "g3"]
         assert weights == [1.0, 1.0]
         assert dropped == 2 and coordinator.released == 2
+        assert coordinator.redone == ["g0", "g2"]  # their prompts are sampled again
         assert ledger.stats()["dropped_stale"] == 2
     else:
         assert [g.group_id for g in groups] == ["g0", "g1"]
