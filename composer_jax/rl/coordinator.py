@@ -43,7 +43,7 @@ from composer_jax.rl.config import RLConfig
 from composer_jax.rl.env_workers import EnvironmentPool, EnvWorkerError
 from composer_jax.rl.ledger import GroupLedger
 from composer_jax.rl.ray_backend import SamplerLostError
-from composer_jax.rl.rollout import token_kinds, turn_stop_sequences
+from composer_jax.rl.rollout import Generation, token_kinds, turn_stop_sequences
 from composer_jax.rl.sampler import Sampler
 from composer_jax.rl.samples import SampleResult, make_group
 
@@ -62,8 +62,8 @@ class RolloutFailedError(RuntimeError):
     """The rollout thread stopped on an error that is not an environment worker's failure."""
 
 
-@dataclasses.dataclass
-class _Sample:
+@dataclasses.dataclass(kw_only=True, eq=False)
+class _Sample(Generation):
     """One sample in flight: the current generation's buffers and the finished ones."""
 
     group: "_GroupSlot"
@@ -73,12 +73,6 @@ class _Sample:
     state: str = "scheduled"  # scheduled | generating | in_env | scored
     request_id: int = -1
     prompt_tokens: list[int] = dataclasses.field(default_factory=list)
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    kinds: list[int] = dataclasses.field(default_factory=list)
-    policy: list[bool] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    routes: list[np.ndarray] = dataclasses.field(default_factory=list)
     flagged: list[tuple[int, int, np.ndarray]] = dataclasses.field(default_factory=list)
     sequences: list[Sequence] = dataclasses.field(default_factory=list)
     turns: list[feedback.TurnRecord] = dataclasses.field(default_factory=list)
@@ -93,57 +87,25 @@ class _Sample:
     counts: dict = dataclasses.field(default_factory=dict)
     pending: Future | None = None
 
-    def add_context(self, tokens, kind: SegmentKind) -> None:
-        self.tokens += [int(t) for t in tokens]
-        self.kinds += [int(kind)] * len(tokens)
-        self.policy += [False] * len(tokens)
-        self.logprobs += [0.0] * len(tokens)
-        self.versions += [0] * len(tokens)
+    def add_turn(self, completion: Completion, kinds) -> None:
+        self.turn_span = (len(self.tokens), len(self.tokens) + len(completion.tokens))
+        super().add_turn(completion, kinds)
 
-    def add_turn(self, c: Completion, kinds: np.ndarray) -> None:
-        # Token i's experts are reported at the position that produced it; see rollout._Trace.
-        self.routes += [np.asarray(e) for e in c.prompt_experts]
-        self.routes += [np.asarray(e) for e in c.experts[1:]]
-        self.turn_span = (len(self.tokens), len(self.tokens) + len(c.tokens))
-        self.tokens += c.tokens
-        self.kinds += [int(k) for k in kinds]
-        self.policy += [True] * len(c.tokens)
-        self.logprobs += c.logprobs
-        self.versions += c.versions
-
-    def close_generation(self, num_moe_layers: int, k: int, tokenizer: ByteTokenizer) -> None:
+    def close_generation(self, num_moe_layers: int, k: int) -> None:
         """Turns the current buffers into a Sequence (with its teacher context if flagged)."""
-        if len(self.routes) != len(self.tokens) - 1:  # every position but the last is routed
-            raise RuntimeError(
-                f"{self.episode_id}: {len(self.routes)} routes for {len(self.tokens)} tokens"
-            )
-        filler = np.broadcast_to(np.arange(k, dtype=np.int32), (num_moe_layers, k))
-        routes = self.routes + [filler]  # the last token predicts nothing
-        tokens = np.asarray(self.tokens, np.int32)
-        teacher_tokens = teacher_index = None
-        if self.flagged:
-            teacher_tokens, teacher_index = feedback.teacher_sequence(tokens, self.flagged)
-        self.sequences.append(
-            Sequence(
-                sample_index=self.index,
-                tokens=tokens,
-                kinds=np.asarray(self.kinds, np.int32),
-                policy_mask=np.asarray(self.policy, bool),
-                sampler_logprobs=np.asarray(self.logprobs, np.float32),
-                policy_versions=np.asarray(self.versions, np.int32),
-                router_indices=np.stack(routes, axis=1).astype(np.int32),
-                teacher_tokens=teacher_tokens,
-                teacher_target_index=teacher_index,
-            )
-        )
+        try:
+            seq = self.to_sequence(self.index, num_moe_layers, k, self.flagged)
+        except RuntimeError as e:
+            raise RuntimeError(f"{self.episode_id}: {e}") from None
+        self.sequences.append(seq)
 
     def reset(self) -> None:
         """Forgets everything of a failed attempt (the sample starts over)."""
-        fresh = _Sample(self.group, self.index, self.attempt + 1)
+        fresh = _Sample(group=self.group, index=self.index, attempt=self.attempt + 1)
         self.__dict__.update(fresh.__dict__)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _GroupSlot:
     group_id: str
     task: Task
@@ -406,7 +368,7 @@ class Coordinator:
                     return
                 gid, task = nxt
                 group = _GroupSlot(gid, task, scheduled_at_version=self.sampler.version or 0)
-                group.samples = [_Sample(group, i) for i in range(cfg.group_size)]
+                group.samples = [_Sample(group=group, index=i) for i in range(cfg.group_size)]
                 self._groups[gid] = group
                 self._untrained += 1
                 self.counters.groups_scheduled += 1
@@ -558,7 +520,7 @@ class Coordinator:
         summary = self.tokenizer.decode(c.tokens)
         if not summary.endswith(SUMMARY_CLOSE):
             summary += SUMMARY_CLOSE
-        sample.close_generation(self.num_moe_layers, self.k, self.tokenizer)
+        sample.close_generation(self.num_moe_layers, self.k)
         sample.summaries += 1
         with self._lock:
             self.counters.summaries += 1
@@ -612,7 +574,7 @@ class Coordinator:
             self.sampler.release(sample.request_id)
         self.env_pool.close(sample.episode_id)
         self._active.remove(sample)
-        sample.close_generation(self.num_moe_layers, self.k, self.tokenizer)
+        sample.close_generation(self.num_moe_layers, self.k)
         sample.state = "scored"
         with self._lock:
             self.counters.samples_finished += 1

@@ -18,6 +18,7 @@ from composer_jax.data import ByteTokenizer
 from composer_jax.envs import EnvConfig, Episode, Task, protocol
 from composer_jax.infer import Completion, InferenceEngine, SamplingParams
 from composer_jax.rl.batch import SegmentKind, Sequence, TrajectoryBatch, pack_trajectories
+from composer_jax.rl.feedback import teacher_sequence
 
 # A turn ends after a tool call (the environment must answer it) or the final message.
 TURN_END_MARKERS = (protocol.CALL_CLOSE, protocol.FINAL_CLOSE)
@@ -61,23 +62,16 @@ def token_kinds(tokens: list[int], tokenizer: ByteTokenizer) -> np.ndarray:
     return kinds[np.minimum(starts, len(kinds) - 1)].astype(np.int32)
 
 
-@dataclasses.dataclass
-class _Trace:
-    """One episode's growing sequence, in the engine's token order."""
+@dataclasses.dataclass(kw_only=True, eq=False)
+class Generation:
+    """One generation's growing token buffers, in the engine's token order."""
 
-    episode: Episode
-    params: SamplingParams
     tokens: list[int] = dataclasses.field(default_factory=list)
     kinds: list[int] = dataclasses.field(default_factory=list)
     policy: list[bool] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     routes: list[np.ndarray] = dataclasses.field(default_factory=list)  # [moe_layers, k] each
-    request_id: int = -1
-    done: bool = False
-    truncated: bool = False
-    reward: float = 0.0
-    counts: dict = dataclasses.field(default_factory=dict)
 
     def add_context(self, tokens, kind: SegmentKind) -> None:
         self.tokens += [int(t) for t in tokens]
@@ -86,32 +80,53 @@ class _Trace:
         self.logprobs += [0.0] * len(tokens)
         self.versions += [0] * len(tokens)
 
-    def add_turn(self, completion: Completion, tokenizer: ByteTokenizer) -> None:
+    def add_turn(self, completion: Completion, kinds) -> None:
         """Generated tokens, and the routes of the positions prefilled for this turn. The engine
         reports token i's experts at the position that produced it (i - 1); the turn's last token
         is routed when the next turn prefills it, so it appears in that turn's prompt_experts."""
         self.routes += [np.asarray(e) for e in completion.prompt_experts]
         self.routes += [np.asarray(e) for e in completion.experts[1:]]
         self.tokens += completion.tokens
-        self.kinds += token_kinds(completion.tokens, tokenizer).tolist()
+        self.kinds += [int(k) for k in kinds]
         self.policy += [True] * len(completion.tokens)
         self.logprobs += completion.logprobs
         self.versions += completion.versions
 
-    def to_sequence(self, sample_index: int, num_moe_layers: int, k: int) -> Sequence:
-        """Positions never routed (the last token, which predicts nothing) get experts 0..k-1,
-        as the packer gives padding."""
+    def to_sequence(self, sample_index: int, num_moe_layers: int, k: int, flagged=()) -> Sequence:
+        """The generation as a Sequence. Every position but the last is routed; the last token
+        predicts nothing and gets experts 0..k-1, as the packer gives padding. `flagged`: turns
+        (start, end, hint tokens) whose hinted teacher context is attached."""
+        if len(self.routes) != len(self.tokens) - 1:
+            raise RuntimeError(f"{len(self.routes)} routes for {len(self.tokens)} tokens")
         filler = np.broadcast_to(np.arange(k, dtype=np.int32), (num_moe_layers, k))
-        routes = self.routes + [filler] * (len(self.tokens) - len(self.routes))
+        tokens = np.asarray(self.tokens, np.int32)
+        teacher_tokens = teacher_index = None
+        if flagged:
+            teacher_tokens, teacher_index = teacher_sequence(tokens, list(flagged))
         return Sequence(
             sample_index=sample_index,
-            tokens=np.asarray(self.tokens, np.int32),
+            tokens=tokens,
             kinds=np.asarray(self.kinds, np.int32),
             policy_mask=np.asarray(self.policy, bool),
             sampler_logprobs=np.asarray(self.logprobs, np.float32),
             policy_versions=np.asarray(self.versions, np.int32),
-            router_indices=np.stack(routes, axis=1).astype(np.int32),
+            router_indices=np.stack(self.routes + [filler], axis=1).astype(np.int32),
+            teacher_tokens=teacher_tokens,
+            teacher_target_index=teacher_index,
         )
+
+
+@dataclasses.dataclass(kw_only=True, eq=False)
+class _Trace(Generation):
+    """One episode's growing sequence."""
+
+    episode: Episode
+    params: SamplingParams
+    request_id: int = -1
+    done: bool = False
+    truncated: bool = False
+    reward: float = 0.0
+    counts: dict = dataclasses.field(default_factory=dict)
 
 
 def _play(
@@ -133,7 +148,7 @@ def _play(
         for i, task in enumerate(tasks):
             seed = first_seed + i  # distinct samples within a group
             params = dataclasses.replace(base, seed=seed, keep_cache=True)
-            traces.append(_Trace(Episode(task, config), params))
+            traces.append(_Trace(episode=Episode(task, config), params=params))
         for trace in traces:
             prompt = tokenizer.encode(trace.episode.prompt).tolist()
             trace.add_context(prompt, SegmentKind.PROMPT)
@@ -142,7 +157,7 @@ def _play(
             engine.run()
             for trace in (t for t in traces if not t.done):
                 completion = engine.completions.pop(trace.request_id)
-                trace.add_turn(completion, tokenizer)
+                trace.add_turn(completion, token_kinds(completion.tokens, tokenizer))
                 result = trace.episode.step(tokenizer.decode(completion.tokens))
                 trace.counts, trace.reward = result.counts, result.reward
                 appended = tokenizer.encode(f"\n{result.observation}\n").tolist()
