@@ -82,7 +82,7 @@ class Sequence:
         return len(self.tokens)
 
 
-def _first_fit(lengths: list[int], row_len: int, num_rows: int | None) -> list[tuple[int, int]]:
+def first_fit(lengths: list[int], row_len: int, num_rows: int | None) -> list[tuple[int, int]]:
     """(row, offset) of each item, first row with room; raises when an item cannot be placed."""
     used: list[int] = []
     places = []
@@ -133,7 +133,7 @@ def pack_trajectories(
     if any(not 0 <= s.sample_index < N for s in sequences):
         raise ValueError(f"every sequence's sample_index must lie in [0, {N})")
     lengths = [len(s) for s in sequences]
-    places = _first_fit(lengths, seq_len, num_rows)
+    places = first_fit(lengths, seq_len, num_rows)
     B = num_rows if num_rows is not None else max((r for r, _ in places), default=-1) + 1
     segment_ids, positions = _row_layout(places, lengths, B, seq_len)
 
@@ -158,7 +158,7 @@ def pack_trajectories(
     if flagged:
         t_len = teacher_seq_len or max(len(sequences[i].teacher_tokens) for i in flagged)
         t_lengths = [len(sequences[i].teacher_tokens) for i in flagged]
-        t_places = _first_fit(t_lengths, t_len, num_teacher_rows)
+        t_places = first_fit(t_lengths, t_len, num_teacher_rows)
         Bt = num_teacher_rows or max(r for r, _ in t_places) + 1
         t_segments, t_positions = _row_layout(t_places, t_lengths, Bt, t_len)
         t_tokens = np.zeros((Bt, t_len), np.int32)

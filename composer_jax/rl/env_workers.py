@@ -5,27 +5,21 @@ or a call runs past `timeout_s`, the worker is killed and replaced, every episod
 (their futures fail with `EnvWorkerError`, later steps fail at once) and the pool carries on;
 `health()` counts what happened. Workers are child processes (`ProcessEnvironmentPool`), threads
 of this process (`ThreadEnvironmentPool`: no isolation, for small hosts and tests) or Ray actors
-(`RayEnvironmentPool`). The worker side is `composer_jax.envs.worker`, which never imports JAX.
+(`RayEnvironmentPool`). The worker side is `composer_jax.envs.worker`, which never imports JAX;
+the parent's end of a worker process is `composer_jax.rl.worker_process`.
 """
 
 import concurrent.futures
 import dataclasses
 import logging
-import os
-import pickle
 import queue
-import selectors
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 
 from composer_jax.envs import worker as env_worker
 from composer_jax.envs.environment import EnvConfig
 from composer_jax.envs.task import Task
+from composer_jax.rl.worker_process import WorkerCrash, WorkerProcess, WorkerTimeout
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +36,6 @@ POOL_KINDS = ("process", "thread", "ray")
 
 class EnvWorkerError(RuntimeError):
     """The worker running an episode crashed or timed out: the episode is lost."""
-
-
-class _WorkerCrash(Exception):
-    """The worker died or answered garbage."""
-
-
-class _WorkerTimeout(Exception):
-    """The worker did not answer in time."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -145,8 +131,8 @@ class _Slot:
 class _WorkerPool(EnvironmentPool):
     """Episodes pinned to long-lived workers (the least loaded at start); one I/O thread per
     worker serialises its calls, calls to different workers run in parallel. Subclasses say how
-    to launch a worker: a handle with `call(request, timeout_s)` (raising `_WorkerCrash` or
-    `_WorkerTimeout`), `kill()` and `stop(timeout_s)`."""
+    to launch a worker: a handle with `call(request, timeout_s)` (raising `WorkerCrash` or
+    `WorkerTimeout`), `kill()` and `stop(timeout_s)`."""
 
     def __init__(self, num_workers: int, timeout_s: float):
         super().__init__(timeout_s)
@@ -270,10 +256,10 @@ class _WorkerPool(EnvironmentPool):
                 continue
             try:
                 ok, value = slot.worker.call((call.method, call.args), self.timeout_s)
-            except _WorkerTimeout:
+            except WorkerTimeout:
                 self._lose_worker(slot, call, True, f"timed out after {self.timeout_s} s")
                 continue
-            except _WorkerCrash as crash:
+            except WorkerCrash as crash:
                 self._lose_worker(slot, call, False, str(crash))
                 continue
             except Exception as error:  # nothing was sent (the request would not serialise)
@@ -310,118 +296,14 @@ class _WorkerPool(EnvironmentPool):
         _fail_all(failed, f"{message}; its episodes are lost")
 
 
-class _ProcessWorker:
-    """A worker process and its pipes; reads and writes never block past the call's deadline."""
-
-    def __init__(self, timeout_s: float):
-        self.workspace_root = tempfile.mkdtemp(prefix="cj_envworker_")
-        # exec, never fork: the parent holds JAX threads. Its own session keeps terminal
-        # signals away; at EOF on stdin (the parent gone) it frees its episodes and exits.
-        try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "composer_jax.envs.worker", self.workspace_root],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                start_new_session=True,
-            )
-        except OSError:
-            shutil.rmtree(self.workspace_root, ignore_errors=True)
-            raise
-        self.pid = self.process.pid
-        self._writable = selectors.DefaultSelector()
-        self._writable.register(self.process.stdin, selectors.EVENT_WRITE)
-        self._readable = selectors.DefaultSelector()
-        self._readable.register(self.process.stdout, selectors.EVENT_READ)
-        os.set_blocking(self.process.stdin.fileno(), False)
-        os.set_blocking(self.process.stdout.fileno(), False)
-        try:
-            self._receive(time.monotonic() + timeout_s)  # the worker's ready message
-        except BaseException:
-            self.kill()
-            raise
-
-    def call(self, request: tuple, timeout_s: float):
-        deadline = time.monotonic() + timeout_s
-        data = memoryview(env_worker.encode_frame(request))
-        while data:
-            self._wait(self._writable, deadline)
-            try:
-                data = data[os.write(self.process.stdin.fileno(), data) :]
-            except BlockingIOError:
-                continue
-            except OSError:
-                raise _WorkerCrash(self._exit_description()) from None
-        return self._receive(deadline)
-
-    def _receive(self, deadline: float):
-        (size,) = env_worker.FRAME_HEADER.unpack(self._read(env_worker.FRAME_HEADER.size, deadline))
-        payload = self._read(size, deadline)
-        try:
-            return pickle.loads(payload)
-        except Exception as error:
-            raise _WorkerCrash(f"sent an unreadable reply ({error})") from None
-
-    def _read(self, size: int, deadline: float) -> bytes:
-        data = bytearray()
-        while len(data) < size:
-            self._wait(self._readable, deadline)
-            try:
-                chunk = os.read(self.process.stdout.fileno(), size - len(data))
-            except BlockingIOError:
-                continue
-            if not chunk:
-                raise _WorkerCrash(self._exit_description())
-            data += chunk
-        return bytes(data)
-
-    @staticmethod
-    def _wait(selector: selectors.BaseSelector, deadline: float) -> None:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or not selector.select(remaining):
-            raise _WorkerTimeout()
-
-    def _exit_description(self) -> str:
-        try:
-            code = self.process.wait(timeout=1.0)
-        except subprocess.TimeoutExpired:
-            return f"(pid {self.pid}) closed its pipe"
-        if code < 0:
-            return f"(pid {self.pid}) was killed by {signal.Signals(-code).name}"
-        return f"(pid {self.pid}) exited with status {code}"
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-        self._release()
-
-    def stop(self, timeout_s: float) -> None:
-        """Closes the pipe: the worker frees its episodes and exits (killed if it does not)."""
-        self.process.stdin.close()
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self._release()
-
-    def _release(self) -> None:
-        """Closes the pipes and removes the workspaces a killed worker could not."""
-        self._writable.close()
-        self._readable.close()
-        self.process.stdin.close()
-        self.process.stdout.close()
-        shutil.rmtree(self.workspace_root, ignore_errors=True)
-
-
 class ProcessEnvironmentPool(_WorkerPool):
     """Workers are child processes running `python -m composer_jax.envs.worker`."""
 
     def __init__(self, num_workers: int = 2, timeout_s: float = 60.0):
         super().__init__(num_workers, timeout_s)
 
-    def _launch(self) -> _ProcessWorker:
-        return _ProcessWorker(self.timeout_s)
+    def _launch(self) -> WorkerProcess:
+        return WorkerProcess(self.timeout_s)
 
     def worker_pids(self) -> dict[int, int]:
         """Worker index -> pid of its current process."""
@@ -447,11 +329,11 @@ class _RayWorker:
     def _get(self, ref, timeout_s: float):
         ready, _ = self._ray.wait([ref], timeout=timeout_s)
         if not ready:
-            raise _WorkerTimeout()
+            raise WorkerTimeout()
         try:
             return self._ray.get(ref)
         except self._ray.exceptions.RayError as error:
-            raise _WorkerCrash(f"(actor) died: {type(error).__name__}") from error
+            raise WorkerCrash(f"(actor) died: {type(error).__name__}") from error
 
     def kill(self) -> None:
         self._ray.kill(self.actor, no_restart=True)
@@ -459,7 +341,7 @@ class _RayWorker:
     def stop(self, timeout_s: float) -> None:
         try:
             self.call(("close_all", ()), timeout_s)
-        except (_WorkerCrash, _WorkerTimeout):
+        except (WorkerCrash, WorkerTimeout):
             pass
         self.kill()
 

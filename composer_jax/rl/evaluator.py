@@ -72,7 +72,7 @@ class Evaluator:
             model,
             num_slots=cfg.num_slots,
             max_len=cfg.context_len,
-            prefill_buckets=tuple(sorted({64, 256, cfg.context_len} - {0})),
+            prefill_buckets=tuple(sorted({64, 256, cfg.context_len})),
         )
         sampling = SamplingParams(
             temperature=self.temperature,

@@ -35,7 +35,7 @@ from composer_jax.rl.ledger import GroupLedger
 from composer_jax.rl.sampler import LocalSampler
 from composer_jax.rl.samples import groups_to_batch
 from composer_jax.rl.trainer import RLTrainer
-from composer_jax.train.loop import _StopRequest, load_trained_model, run_pretraining
+from composer_jax.train.loop import StopRequest, load_trained_model, run_pretraining
 from composer_jax.train.metrics import MetricsWriter, read_metrics
 from composer_jax.train.step import split_model
 
@@ -93,17 +93,14 @@ def _warm_start(cfg, progress: bool):
 
 
 def _check_model(cfg, model) -> None:
-    ours = dataclasses.replace(model.cfg, dtype=cfg.model.dtype)
-    if ours != dataclasses.replace(cfg.model, dtype=cfg.model.dtype):
-        diff = [
-            f.name
-            for f in dataclasses.fields(cfg.model)
-            if getattr(cfg.model, f.name) != getattr(model.cfg, f.name)
-        ]
-        raise config_lib.ConfigError(
-            f"model.{diff[0]}: the warm-start model has {getattr(model.cfg, diff[0])!r}, the "
-            f"config {getattr(cfg.model, diff[0])!r}"
-        )
+    """The warm-start model must be the configured one (its parameters become the train state);
+    only the compute dtype may differ."""
+    for field in dataclasses.fields(cfg.model):
+        ours, theirs = getattr(cfg.model, field.name), getattr(model.cfg, field.name)
+        if field.name != "dtype" and ours != theirs:
+            raise config_lib.ConfigError(
+                f"model.{field.name}: the warm-start model has {theirs!r}, the config {ours!r}"
+            )
 
 
 def _store_dir(cfg) -> str:
@@ -116,7 +113,10 @@ def _store_dir(cfg) -> str:
 
 
 def _heldout(cfg, evaluator, model, path, key, progress) -> HeldoutResult:
-    stored = json.load(open(path)) if os.path.exists(path) else {}
+    stored = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            stored = json.load(f)
     if key in stored:
         r = stored[key]
         return HeldoutResult(np.asarray(r["per_task"]), r["pass_rate"])
@@ -275,8 +275,8 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
     )
     by_id = dict(prompts)
     dropped = set(ledger.dropped("stale"))
-    known = list(ledger)
-    live = {gid.split("-")[0] for gid in known if gid not in ledger.dropped()}
+    known, all_dropped = list(ledger), set(ledger.dropped())
+    live = {gid.split("-")[0] for gid in known if gid not in all_dropped}
     for base in sorted({gid.split("-")[0] for gid in dropped} - live):
         attempt = sum(gid.split("-")[0] == base for gid in known)
         prompts.append((f"{base}-redo{attempt}", by_id[base]))
@@ -322,7 +322,7 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
     )
     last_time, last_tokens, last_finished, last_reward_sum = time.perf_counter(), 0, 0, 0.0
     try:
-        with _StopRequest() as stop:
+        with StopRequest() as stop:
             coordinator.start()
             while trainer.version < cfg.steps:
                 if stop.signal:

@@ -12,7 +12,13 @@ import dataclasses
 import numpy as np
 
 from composer_jax.parallel.packing import balanced_row_order
-from composer_jax.rl.batch import Sequence, TrajectoryBatch, pack_trajectories
+from composer_jax.rl.batch import (
+    SegmentKind,
+    Sequence,
+    TrajectoryBatch,
+    first_fit,
+    pack_trajectories,
+)
 from composer_jax.rl.ledger import Group
 
 
@@ -34,8 +40,6 @@ class SampleResult:
 
     @property
     def thinking_tokens(self) -> int:
-        from composer_jax.rl.batch import SegmentKind
-
         return int(
             sum(((s.kinds == SegmentKind.THINKING) & s.policy_mask).sum() for s in self.sequences)
         )
@@ -167,14 +171,16 @@ def groups_to_batch(
         tool_calls.append(group.arrays["num_tool_calls"])
         turns.append(group.arrays["num_turns"])
         sample_weight += [1.0 if weights is None else weights[g_index]] * G
-    placed = pack_trajectories(sequences, np.asarray(group_id), {"task": np.zeros(1)}, seq_len)
-    rows = _bucket(max(placed.tokens_BT.shape[0], min_rows), row_multiple)
+    placed = first_fit([len(s) for s in sequences], seq_len, None)
+    rows = _bucket(max(max(r for r, _ in placed) + 1, min_rows), row_multiple)
     teacher_rows = teacher_len = None
-    if placed.teacher_tokens_BT is not None:
+    hinted = [s.teacher_tokens for s in sequences if s.teacher_tokens is not None]
+    if hinted:
         # Hinted rows: room for the longest sequence plus TEACHER_HINT_ROOM hint tokens.
-        longest = placed.teacher_tokens_BT.shape[1]
+        longest = max(len(t) for t in hinted)
         teacher_len = max(seq_len + TEACHER_HINT_ROOM, -(-longest // 256) * 256)
-        teacher_rows = _bucket(placed.teacher_tokens_BT.shape[0], row_multiple)
+        t_placed = first_fit([len(t) for t in hinted], teacher_len, None)
+        teacher_rows = _bucket(max(r for r, _ in t_placed) + 1, row_multiple)
     batch = pack_trajectories(
         sequences,
         group_id=np.asarray(group_id, np.int32),

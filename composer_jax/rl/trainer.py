@@ -158,7 +158,7 @@ class RLTrainer:
         }
 
         def sharding_of(path, leaf):
-            name = jax.tree_util.keystr(path[:1]).strip(".[]'")
+            name = path[0].name  # the TrajectoryBatch field
             if name == "router_indices_LBTK":
                 return router
             if name in teacher or np.ndim(leaf) < 2:

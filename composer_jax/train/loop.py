@@ -67,7 +67,7 @@ def state_shardings(abstract_state: TrainState, layout: Layout) -> TrainState:
     return TrainState(replicated, param_sh, buffer_sh, opt_sh)
 
 
-class _StopRequest:
+class StopRequest:
     """SIGTERM / SIGINT handler: the loop stops at the next step boundary and saves; a second
     signal stops at once."""
 
@@ -336,7 +336,7 @@ def run_pretraining(cfg: config_lib.ExperimentConfig, progress: bool = True) -> 
     last_saved = resume_step
     interrupted = None
     try:
-        with _StopRequest() as stop:
+        with StopRequest() as stop:
             while step < cfg.steps and stop.signal is None:
                 phase_index = _phase_of(step, bounds)
                 phase = cfg.train.phases[phase_index]

@@ -80,3 +80,58 @@ def test_step_publishes_an_exact_delta_and_resumes(tmp_path):
     for got, want in zip(_host(resumed.state.params), after):
         np.testing.assert_array_equal(got, want)
     resumed.close()
+
+
+def test_step_on_eight_devices_equals_one_device(tmp_path):
+    """The RL step sharded over the simulated 8-device mesh (FSDP + expert parallel) matches
+    the same step on one device."""
+    from composer_jax.parallel import make_layout
+    from composer_jax.rl.batch import SegmentKind, Sequence, pack_trajectories
+
+    cfg = config.rl_tiny()
+    model = init_model(cfg.model, 3)
+    _, params, buffers = split_model(model)
+    rng = np.random.default_rng(7)
+    sequences = []
+    for i in range(8):
+        n = int(rng.integers(40, 120))
+        policy = np.arange(n) >= 10
+        sequences.append(
+            Sequence(
+                sample_index=i,
+                tokens=rng.integers(3, 259, n).astype(np.int32),
+                kinds=np.where(policy, SegmentKind.THINKING, SegmentKind.PROMPT).astype(np.int32),
+                policy_mask=policy,
+                sampler_logprobs=np.where(policy, -rng.random(n) * 3, 0).astype(np.float32),
+                policy_versions=np.zeros(n, np.int32),
+                router_indices=np.stack(
+                    [rng.permutation(cfg.model.num_experts)[:2] for _ in range(n)]
+                )[None].astype(np.int32),
+            )
+        )
+    batch = pack_trajectories(
+        sequences,
+        group_id=np.repeat(np.arange(2), 4).astype(np.int32),
+        rewards={"task": rng.random(8).astype(np.float32)},
+        seq_len=256,
+        num_rows=8,
+    )
+    results = []
+    for name, devices in (("one", jax.devices()[:1]), ("eight", jax.devices())):
+        run = dataclasses.replace(cfg, workdir=str(tmp_path / name))
+        layout = make_layout(cfg.mesh, devices)
+        trainer = RLTrainer(run, params, buffers, str(tmp_path / f"w-{name}"), layout=layout)
+        metrics = trainer.step(batch)
+        results.append((metrics, _host(trainer.state.params)))
+        trainer.close()
+    (m1, p1), (m8, p8) = results
+    assert m1["grad_norm"] > 0 and not all(np.array_equal(a, b) for a, b in zip(p1, _host(params)))
+    for key in ("loss", "pg_loss", "grad_norm", "kl_k1"):
+        np.testing.assert_allclose(m8[key], m1[key], rtol=2e-3, atol=1e-7, err_msg=key)
+    lr = cfg.optim.learning_rate
+    moved = 0
+    for a, b in zip(p8, p1):
+        diff = np.abs(a - b)
+        assert diff.max() <= 2.5 * lr  # at most a first Adam step of opposite sign
+        moved += int((diff > lr / 2).sum())
+    assert moved <= 0.01 * sum(a.size for a in p1)  # only near-zero gradients flip
