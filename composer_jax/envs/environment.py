@@ -47,6 +47,9 @@ class EnvConfig:
     workspace_root: str | None = None
 
 
+SNAPSHOT_FORMAT = 1
+
+
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     observation: str
@@ -120,6 +123,43 @@ class Episode:
                 self._finish()
                 info["grade"] = dataclasses.asdict(self.grade_result)
             return self._result(observation, info)
+
+    def snapshot(self) -> dict:
+        """The state between two turns (workspace files, counts, call log, monitor flags), to
+        resume the episode elsewhere with `restore`; plain picklable data. A finished episode has
+        nothing to resume."""
+        with self._lock:
+            if self.done:
+                raise RuntimeError("a finished episode cannot be snapshotted")
+            return {
+                "format": SNAPSHOT_FORMAT,
+                "task_id": self.task.task_id,
+                "files": self.sandbox.snapshot(),
+                "counts": self.counts.as_dict(),
+                "calls": [dataclasses.asdict(record) for record in self.tools.log],
+                "flags": [dataclasses.asdict(flag) for flag in self.monitor.flags],
+            }
+
+    def restore(self, snapshot: dict) -> None:
+        """Puts this fresh episode of the same task in the state `snapshot` recorded."""
+        if not isinstance(snapshot, dict) or snapshot.get("format") != SNAPSHOT_FORMAT:
+            raise ValueError(f"not an episode snapshot (format {SNAPSHOT_FORMAT} expected)")
+        if snapshot.get("task_id") != self.task.task_id:
+            raise ValueError(
+                f"snapshot of task {snapshot.get('task_id')!r} given to {self.task.task_id!r}"
+            )
+        with self._lock:
+            if self.counts.turns or self.done:
+                raise RuntimeError("only a fresh episode can be restored")
+            try:
+                counts = protocol.EpisodeCounts(**snapshot["counts"])
+                calls = [ToolCallRecord(**record) for record in snapshot["calls"]]
+                flags = [MonitorFlag(**flag) for flag in snapshot["flags"]]
+                files = dict(snapshot["files"])
+            except (KeyError, TypeError) as error:
+                raise ValueError(f"malformed episode snapshot: {error!r}") from None
+            self.sandbox.restore(files)
+            self.counts, self.tools.log, self.monitor.flags = counts, calls, flags
 
     def _finish(self) -> None:
         self.done = True

@@ -18,7 +18,7 @@ from composer_jax.envs.sandbox import SandboxLimits
 from composer_jax.envs.task import Task
 
 FRAME_HEADER = struct.Struct("!Q")
-_METHODS = ("start", "step", "close", "close_all")
+_METHODS = ("start", "step", "snapshot", "close", "close_all")
 
 
 def config_to_json(config: EnvConfig) -> dict:
@@ -45,23 +45,39 @@ class EpisodeHost:
         self._episodes: dict[str, Episode] = {}
         self._lock = threading.Lock()
 
-    def start(self, episode_id: str, task: Task, config: EnvConfig) -> str:
+    def start(
+        self, episode_id: str, task: Task, config: EnvConfig, snapshot: dict | None = None
+    ) -> str:
+        """Starts the episode (resumed from `snapshot`, an `Episode.snapshot()`, if given);
+        returns its prompt."""
         if config.workspace_root is None and self.workspace_root is not None:
             config = dataclasses.replace(config, workspace_root=self.workspace_root)
         with self._lock:
             if episode_id in self._episodes:
                 raise ValueError(f"episode {episode_id!r} already started")
         episode = Episode(task, config)
+        if snapshot is not None:
+            try:
+                episode.restore(snapshot)
+            except BaseException:
+                episode.close()
+                raise
         with self._lock:
             self._episodes[episode_id] = episode
         return episode.prompt
 
-    def step(self, episode_id: str, model_output: str) -> StepResult:
+    def _episode(self, episode_id: str) -> Episode:
         with self._lock:
             episode = self._episodes.get(episode_id)
         if episode is None:
             raise KeyError(f"unknown episode {episode_id!r}")
-        return episode.step(model_output)
+        return episode
+
+    def step(self, episode_id: str, model_output: str) -> StepResult:
+        return self._episode(episode_id).step(model_output)
+
+    def snapshot(self, episode_id: str) -> dict:
+        return self._episode(episode_id).snapshot()
 
     def close(self, episode_id: str) -> None:
         with self._lock:
@@ -82,8 +98,8 @@ class EpisodeHost:
             if method not in _METHODS:
                 raise ValueError(f"unknown method {method!r}")
             if method == "start":
-                episode_id, task, config = args
-                args = (episode_id, Task.from_json(task), config_from_json(config))
+                episode_id, task, config, *snapshot = args
+                args = (episode_id, Task.from_json(task), config_from_json(config), *snapshot)
             return True, getattr(self, method)(*args)
         except Exception as error:
             return False, _portable(error)

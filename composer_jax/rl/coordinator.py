@@ -19,7 +19,8 @@ the chain of generations is one sample. Text feedback: detectors flag turns, and
 teacher context gets a hint before each flagged turn.
 
 An environment worker that crashes or hangs fails its samples' futures; they are re-queued from
-scratch and counted, and training goes on.
+scratch and counted, and training goes on. At each checkpoint the groups in flight are saved
+(`save_in_flight`, see `composer_jax.rl.inflight`), and a restart resumes them mid-episode.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import numpy as np
 from composer_jax.data import ByteTokenizer
 from composer_jax.envs import EnvConfig, Task
 from composer_jax.infer import Completion, SamplingParams
-from composer_jax.rl import feedback
+from composer_jax.rl import feedback, inflight
 from composer_jax.rl.batch import SegmentKind, Sequence
 from composer_jax.rl.config import RLConfig
 from composer_jax.rl.env_workers import EnvironmentPool, EnvWorkerError
@@ -86,6 +87,7 @@ class _Sample(Generation):
     reward: float = 0.0
     counts: dict = dataclasses.field(default_factory=dict)
     pending: Future | None = None
+    resume_from: int | None = None  # resumed from a snapshot: routes already known
 
     def add_turn(self, completion: Completion, kinds) -> None:
         self.turn_span = (len(self.tokens), len(self.tokens) + len(completion.tokens))
@@ -121,6 +123,7 @@ class Counters:
     groups_finished: int = 0
     samples_finished: int = 0
     samples_requeued: int = 0
+    samples_resumed: int = 0  # restored mid-episode from an in-flight record
     env_failures: int = 0
     env_errors: int = 0  # failures raised by the environment itself, not a lost worker
     sampler_failures: int = 0
@@ -147,6 +150,8 @@ class Coordinator:
         experts_per_token: int,
         env_config: EnvConfig = EnvConfig(),
         seed: int = 0,
+        resume: list[inflight.GroupState] = (),
+        inflight_store: inflight.InFlightStore | None = None,
     ):
         self.cfg = cfg
         self.sampler, self.env_pool, self.ledger = sampler, env_pool, ledger
@@ -158,6 +163,19 @@ class Coordinator:
         self._queue: collections.deque[tuple[str, Task]] = collections.deque(
             (gid, task) for gid, task in prompts if gid not in ledger
         )
+        self.inflight_store = inflight_store
+        self._snapshot_requests: list[tuple[int, Future]] = []
+        self._pending_snapshot = None
+        queued = dict(self._queue)
+        self._resume = [
+            (g, queued[g.group_id])
+            for g in resume
+            if g.group_id in queued
+            and all(s.index < cfg.group_size for s in g.samples)
+            and len({s.index for s in g.samples}) == len(g.samples)
+        ]
+        resumed = {g.group_id for g, _ in self._resume}
+        self._queue = collections.deque(p for p in self._queue if p[0] not in resumed)
         self._num_prompts = len(prompts)
         self._tasks = {gid.split("-")[0]: task for gid, task in prompts}
         self._redos = 0
@@ -171,7 +189,8 @@ class Coordinator:
         self._by_request: dict[int, _Sample] = {}
         self.counters = Counters()
         self._lock = threading.Condition()
-        self._untrained = len(ledger.pending())  # groups scheduled or finished, not yet trained
+        # Groups scheduled (resumed ones included) or finished, not yet trained.
+        self._untrained = len(ledger.pending()) + len(self._resume)
         self.trainer_version = 0
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -203,6 +222,7 @@ class Coordinator:
             self._thread.join()
         for sample in list(self._active):
             self.env_pool.close(sample.episode_id)
+        self._fail_snapshot_requests("the coordinator stopped before saving")
         if self._error is not None:
             raise RolloutFailedError("the rollout thread failed") from self._error
 
@@ -248,6 +268,29 @@ class Coordinator:
                 self._num_prompts += 1
             self._lock.notify_all()
 
+    def save_in_flight(self, step: int) -> Future:
+        """Asks the rollout thread to save the groups in flight as of trainer step `step` (see
+        `composer_jax.rl.inflight`); the future gives how many samples were saved mid-episode."""
+        future: Future = Future()
+        if self.inflight_store is None:
+            future.set_result(0)
+            return future
+        with self._lock:
+            if self._error is None:
+                self._snapshot_requests.append((step, future))
+                return future
+        future.set_exception(RolloutFailedError("the rollout thread failed"))
+        return future
+
+    def _fail_snapshot_requests(self, message: str) -> None:
+        with self._lock:
+            requests, self._snapshot_requests = self._snapshot_requests, []
+            if self._pending_snapshot is not None:
+                requests.append(self._pending_snapshot[:2])
+                self._pending_snapshot = None
+        for _, future in requests:
+            future.set_exception(RuntimeError(message))
+
     def groups_trained(self, count: int, new_version: int) -> None:
         """The trainer consumed (or dropped) `count` groups and now holds `new_version`."""
         with self._lock:
@@ -264,6 +307,7 @@ class Coordinator:
                 "groups_scheduled": c.groups_scheduled,
                 "groups_finished": c.groups_finished,
                 "samples_requeued": c.samples_requeued,
+                "samples_resumed": c.samples_resumed,
                 "samples_finished": c.samples_finished,
                 "rollout_reward_sum": c.reward_sum,
                 "env_failures": c.env_failures,
@@ -285,8 +329,10 @@ class Coordinator:
 
     def _run(self) -> None:
         try:
+            self._resume_groups()
             while not self._stop.is_set():
                 try:
+                    self._serve_snapshots()
                     self._sync_weights()
                     self._schedule()
                     self._feed_sampler()
@@ -306,6 +352,92 @@ class Coordinator:
             with self._lock:
                 self._error = e
                 self._lock.notify_all()
+            self._fail_snapshot_requests("the rollout thread failed")
+
+    def _resume_groups(self) -> None:
+        """Rebuilds the groups saved in flight: scored samples as they were, samples between two
+        turns from their environment snapshot, the others from scratch."""
+        resume, self._resume = self._resume, []
+        for saved_group, task in resume:
+            group = _GroupSlot(
+                saved_group.group_id, task, scheduled_at_version=saved_group.scheduled_at_version
+            )
+            group.samples = [_Sample(group=group, index=i) for i in range(self.cfg.group_size)]
+            saved = {
+                s.index: s
+                for s in saved_group.samples
+                if s.newest_version <= self.trainer_version  # else: weights never restored
+            }
+            with self._lock:
+                self._groups[group.group_id] = group
+                self.counters.groups_scheduled += 1
+            for sample in group.samples:
+                state = saved.get(sample.index)
+                if state is None:
+                    self._start_episode(sample)
+                    continue
+                inflight.apply(state, sample)
+                if state.scored:
+                    sample.state = "scored"
+                    continue
+                sample.resume_from = len(sample.routes)
+                self._start_episode(sample, state.env_snapshot)
+                with self._lock:
+                    self.counters.samples_resumed += 1
+            if all(s.state == "scored" for s in group.samples):
+                self._finish_group(group)
+
+    def _serve_snapshots(self) -> None:
+        """Starts the oldest requested in-flight save, or completes the one under way once the
+        environment snapshots it asked for have arrived."""
+        if self._pending_snapshot is None:
+            with self._lock:
+                if not self._snapshot_requests:
+                    return
+                step, future = self._snapshot_requests.pop(0)
+            self._pending_snapshot = (step, future, *self._capture_in_flight())
+            return
+        step, future, groups, waits = self._pending_snapshot
+        if not all(env_future.done() for _, env_future in waits):
+            return
+        self._pending_snapshot = None
+        resumable = 0
+        for state, env_future in waits:
+            try:
+                state.env_snapshot = env_future.result()
+                resumable += 1
+            except Exception:  # noqa: BLE001 -- a lost episode: that sample will start over
+                for group in groups:
+                    if state in group.samples:
+                        group.samples.remove(state)
+        try:
+            self.inflight_store.save(step, groups)
+        except Exception as error:  # noqa: BLE001 -- reported to the caller
+            future.set_exception(error)
+            return
+        future.set_result(resumable)
+
+    def _capture_in_flight(self):
+        """Copies of every group in flight: scored samples, and samples waiting on the policy
+        after at least one environment step (with a request for their environment snapshot)."""
+        groups, waits = [], []
+        for group in self._groups.values():
+            states = []
+            for sample in group.samples:
+                between_turns = (
+                    sample.state == "generating"
+                    and not sample.summarising
+                    and sample.counts.get("turns", 0) > 0
+                )
+                if sample.state == "scored" or between_turns:
+                    state = inflight.capture(
+                        sample, sample.index, sample.attempt, sample.state == "scored"
+                    )
+                    states.append(state)
+                    if between_turns:
+                        waits.append((state, self.env_pool.snapshot(sample.episode_id)))
+            groups.append(inflight.GroupState(group.group_id, group.scheduled_at_version, states))
+        return groups, waits
 
     def _sampler_lost(self, error: Exception) -> None:
         """Every request died with the sampler: start each active sample over."""
@@ -375,10 +507,12 @@ class Coordinator:
                 for sample in group.samples:
                     self._start_episode(sample)
 
-    def _start_episode(self, sample: _Sample) -> None:
+    def _start_episode(self, sample: _Sample, snapshot: dict | None = None) -> None:
         sample.episode_id = f"{sample.group.group_id}-s{sample.index}-a{sample.attempt}"
         sample.state = "scheduled"
-        sample.pending = self.env_pool.start(sample.episode_id, sample.group.task, self.env_config)
+        sample.pending = self.env_pool.start(
+            sample.episode_id, sample.group.task, self.env_config, snapshot
+        )
         self._active.append(sample)
 
     def _params_for(self, sample: _Sample, summary: bool = False) -> SamplingParams:
@@ -392,7 +526,15 @@ class Coordinator:
         free = self.sampler.num_slots - len(self._by_request)
         while free > 0 and self._waiting:
             sample = self._waiting.popleft()
-            sample.request_id = self.sampler.submit(sample.prompt_tokens, self._params_for(sample))
+            params = self._params_for(sample)
+            tokens = sample.prompt_tokens
+            if sample.resume_from is not None:  # the whole buffer is the context
+                tokens = sample.tokens
+                room = self.sampler.max_len - len(tokens) - 1
+                params = dataclasses.replace(
+                    params, max_new_tokens=min(params.max_new_tokens, room)
+                )
+            sample.request_id = self.sampler.submit(tokens, params)
             self._by_request[sample.request_id] = sample
             sample.state = "generating"
             free -= 1
@@ -412,9 +554,10 @@ class Coordinator:
                 self._requeue(sample, e)
                 continue
             if sample.state == "scheduled":
-                prompt = self.tokenizer.encode(result).tolist()
-                sample.prompt_tokens = prompt
-                sample.add_context(prompt, SegmentKind.PROMPT)
+                if sample.resume_from is None:
+                    prompt = self.tokenizer.encode(result).tolist()
+                    sample.prompt_tokens = prompt
+                    sample.add_context(prompt, SegmentKind.PROMPT)
                 self._waiting.append(sample)
             else:
                 self._on_step(sample, result)
@@ -457,6 +600,9 @@ class Coordinator:
         if sample.summarising:
             self._finish_summary(sample, c)
             return
+        if sample.resume_from is not None:  # the recorded prefix keeps its recorded routes
+            c.prompt_experts = c.prompt_experts[sample.resume_from :]
+            sample.resume_from = None
         sample.add_turn(c, token_kinds(c.tokens, self.tokenizer))
         sample.turn_text = self.tokenizer.decode(c.tokens)
         sample.state = "in_env"

@@ -83,13 +83,23 @@ class EnvironmentPool:
         self._closed = False
 
     def start(
-        self, episode_id: str, task: Task, config: EnvConfig = EnvConfig()
+        self,
+        episode_id: str,
+        task: Task,
+        config: EnvConfig = EnvConfig(),
+        snapshot: dict | None = None,
     ) -> concurrent.futures.Future:
-        """A future of the episode's prompt (`Episode.prompt`)."""
+        """A future of the episode's prompt (`Episode.prompt`); with `snapshot` (from
+        `snapshot()`), the episode resumes where that one was."""
         raise NotImplementedError
 
     def step(self, episode_id: str, model_output: str) -> concurrent.futures.Future:
         """A future of the `StepResult`."""
+        raise NotImplementedError
+
+    def snapshot(self, episode_id: str) -> concurrent.futures.Future:
+        """A future of the episode's state between turns (`Episode.snapshot`); ask while no
+        step of the episode is pending."""
         raise NotImplementedError
 
     def close(self, episode_id: str) -> None:
@@ -158,9 +168,15 @@ class _WorkerPool(EnvironmentPool):
         raise NotImplementedError
 
     def start(
-        self, episode_id: str, task: Task, config: EnvConfig = EnvConfig()
+        self,
+        episode_id: str,
+        task: Task,
+        config: EnvConfig = EnvConfig(),
+        snapshot: dict | None = None,
     ) -> concurrent.futures.Future:
         args = (episode_id, task.to_json(), env_worker.config_to_json(config))
+        if snapshot is not None:
+            args += (snapshot,)
         with self._lock:
             self._check_open()
             self._counters["calls"] += 1
@@ -182,6 +198,18 @@ class _WorkerPool(EnvironmentPool):
                 return _failed(KeyError(f"unknown episode {episode_id!r}"))
             call = _Call(episode_id, "step", (episode_id, model_output), _running_future())
             return self._submit(slot, call)
+
+    def snapshot(self, episode_id: str) -> concurrent.futures.Future:
+        with self._lock:
+            self._check_open()
+            if episode_id in self._lost:
+                return _failed(_lost_error(episode_id))
+            slot = self._where.get(episode_id)
+            if slot is None:
+                return _failed(KeyError(f"unknown episode {episode_id!r}"))
+            return self._submit(
+                slot, _Call(episode_id, "snapshot", (episode_id,), _running_future())
+            )
 
     def close(self, episode_id: str) -> None:
         with self._lock:
@@ -393,14 +421,18 @@ class ThreadEnvironmentPool(EnvironmentPool):
         self._watchdog.start()
 
     def start(
-        self, episode_id: str, task: Task, config: EnvConfig = EnvConfig()
+        self,
+        episode_id: str,
+        task: Task,
+        config: EnvConfig = EnvConfig(),
+        snapshot: dict | None = None,
     ) -> concurrent.futures.Future:
         with self._lock:
             self._check_open()
             self._counters["calls"] += 1
             if episode_id in self._lost:
                 return _failed(ValueError(f"episode {episode_id!r} already started"))
-        return self._submit(_Call(episode_id, "start", (episode_id, task, config), None))
+        return self._submit(_Call(episode_id, "start", (episode_id, task, config, snapshot), None))
 
     def step(self, episode_id: str, model_output: str) -> concurrent.futures.Future:
         with self._lock:
@@ -409,6 +441,13 @@ class ThreadEnvironmentPool(EnvironmentPool):
             if episode_id in self._lost:
                 return _failed(_lost_error(episode_id))
         return self._submit(_Call(episode_id, "step", (episode_id, model_output), None))
+
+    def snapshot(self, episode_id: str) -> concurrent.futures.Future:
+        with self._lock:
+            self._check_open()
+            if episode_id in self._lost:
+                return _failed(_lost_error(episode_id))
+        return self._submit(_Call(episode_id, "snapshot", (episode_id,), None))
 
     def close(self, episode_id: str) -> None:
         with self._lock:

@@ -4,12 +4,14 @@ Everything a run writes lives in `cfg.workdir`:
   warm_start/        the SFT run that warm-starts the policy (unless rl.warm_start names one)
   checkpoints/       RL train state (orbax), every train.checkpoint_every steps and at the end
   ledger/            finished groups and which step consumed them (exactly-once on restart)
+  inflight/          the groups in flight at each checkpoint (a restart resumes them mid-episode)
   weights/attempt-N/ the compressed-delta weight store of the N-th start of this run
   metrics.jsonl      one line per step (reward, pass rate, staleness, tokens/s, KL, length
                      penalty, health counters), plus `heldout_reward` before RL and at the end
   heldout.json       the held-out evaluations; rl_curves.png the curves
 Starting again with the same workdir resumes: the train state from the last checkpoint, finished
-groups from the ledger (too-stale ones are dropped and their prompts sampled again).
+groups from the ledger (too-stale ones are dropped and their prompts sampled again), and the groups
+that were in flight at that checkpoint from their environment snapshots.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from composer_jax import envs
 from composer_jax.rl.coordinator import Coordinator
 from composer_jax.rl.env_workers import make_environment_pool
 from composer_jax.rl.evaluator import Evaluator, HeldoutResult
+from composer_jax.rl.inflight import InFlightError, InFlightStore
 from composer_jax.rl.ledger import GroupLedger
 from composer_jax.rl.sampler import LocalSampler
 from composer_jax.rl.samples import groups_to_batch
@@ -302,6 +305,20 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
         )
     trainer.publish().result()
     sampler.sync_weights(wait_for=trainer.version)
+    inflight_store = InFlightStore(os.path.join(cfg.workdir, "inflight"))
+    resume = []
+    if trainer.restored_step is not None:
+        try:
+            resume = inflight_store.load(trainer.version)
+        except InFlightError as error:  # those groups start over; nothing else is lost
+            print(f"warning: {error}; the groups in flight start over", flush=True)
+        if resume:
+            mid = sum(not s.scored for g in resume for s in g.samples)
+            print(
+                f"In flight at step {trainer.version}: {len(resume)} groups ({mid} samples "
+                "between turns resume from their environment snapshots)",
+                flush=True,
+            )
     coordinator = Coordinator(
         rl,
         sampler,
@@ -313,6 +330,8 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
         cfg.model.num_experts_per_tok,
         env_config,
         seed=cfg.seed,
+        resume=resume,
+        inflight_store=inflight_store,
     )
     coordinator.trainer_version = trainer.version
     histogram: collections.Counter = collections.Counter()
@@ -397,13 +416,13 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
                     len_pen=f"{record.get('length_penalty', 0.0):.4f}",
                 )
                 if trainer.version % cfg.train.checkpoint_every == 0:
-                    trainer.save({"step": trainer.version})
+                    _checkpoint(trainer, coordinator)
+            if trainer.checkpointer.latest_step() != trainer.version and trainer.version > 0:
+                _checkpoint(trainer, coordinator)
     finally:
         bar.close()
         coordinator.stop()
         pool.shutdown()
-    if trainer.checkpointer.latest_step() != trainer.version and trainer.version > 0:
-        trainer.save({"step": trainer.version})
     after = None
     if interrupted is None:
         after = _heldout(
@@ -425,6 +444,13 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
     return RLResult(
         trainer.version, before, after, cfg.workdir, dict(histogram), interrupted=interrupted
     )
+
+
+def _checkpoint(trainer, coordinator, timeout_s: float = 120.0) -> None:
+    """The train state, then the groups in flight at that step (waited for, so the pair is
+    complete before training goes on)."""
+    trainer.save({"step": trainer.version})
+    coordinator.save_in_flight(trainer.version).result(timeout=timeout_s)
 
 
 def exit_code(result: RLResult) -> int:

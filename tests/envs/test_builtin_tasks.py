@@ -2,6 +2,8 @@
 
 import random
 
+import pytest
+
 from composer_jax.data import ByteTokenizer
 from composer_jax.envs.builtin_tasks import builtin_tasks, make_task
 from composer_jax.envs.environment import (
@@ -68,3 +70,41 @@ def test_max_turns_ends_the_episode():
     with Episode(make_task(1), EnvConfig(max_turns=2)) as episode:
         assert not episode.step("a").done
         assert episode.step("b").done
+
+
+def test_snapshot_resumes_an_episode_between_turns():
+    """A snapshot after the oracle's write carries the workspace, counts and call log: a fresh
+    episode restored from it finishes with reward 1 on the final turn alone (an unrestored one
+    scores 0 on that turn)."""
+    task = make_task(12)
+    write, final = oracle_turns(task)
+    with Episode(task) as original:
+        first = original.step(write)
+        snapshot = original.snapshot()
+        reference = original.step(final)
+    assert not first.done and reference.done and reference.reward == 1.0
+    with Episode(task) as resumed:
+        resumed.restore(snapshot)
+        assert len(resumed.call_log) == 1 and resumed.call_log[0].tool == "write_file"
+        result = resumed.step(final)
+    assert result.done and result.reward == 1.0 and result.counts == reference.counts
+    with Episode(task) as fresh:
+        assert fresh.step(final).reward == 0.0
+
+
+def test_snapshot_errors_are_clear():
+    task, other = make_task(12), make_task(13)
+    with Episode(task) as episode:
+        snapshot = episode.snapshot()
+        with Episode(other) as wrong_task, pytest.raises(ValueError, match="snapshot of task"):
+            wrong_task.restore(snapshot)
+        with Episode(task) as target, pytest.raises(ValueError, match="not an episode snapshot"):
+            target.restore({"format": 99})
+        with Episode(task) as target, pytest.raises(ValueError, match="malformed"):
+            target.restore({**snapshot, "counts": {"bogus": 1}})
+        with Episode(task) as used, pytest.raises(RuntimeError, match="fresh"):
+            used.step("hmm")
+            used.restore(snapshot)
+        episode.step("<final>done</final>")
+        with pytest.raises(RuntimeError, match="finished"):
+            episode.snapshot()

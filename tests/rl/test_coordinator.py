@@ -228,3 +228,99 @@ def test_hardest_prompts_are_revisited_late_in_the_epoch(tmp_path):
     assert "p0-again1" in ledger, sorted(ledger.pending())
     assert ledger.load("p0-again1").prompt_id == tasks[0].task_id
     assert coordinator.snapshot()["revisited_prompts"] >= 1
+
+
+class _HoldingSampler(ScriptedSampler):
+    """Holds every request past the first turn while `held` is set (samples wait between
+    turns, as they do while the policy generates)."""
+
+    held = True
+
+    def poll(self, max_steps: int = 8):
+        def later_turn(rid):
+            return envs.protocol.CALL_OPEN in self.tokenizer.decode(self._requests[rid].context)
+
+        hold = [rid for rid in self._running if self.held and later_turn(rid)]
+        self._running = [rid for rid in self._running if rid not in hold]
+        done = super().poll(max_steps)
+        self._running = hold
+        return done
+
+
+def test_restart_resumes_samples_mid_episode_from_the_in_flight_record(tmp_path):
+    """Both samples write the solution, then the run stops while they wait on their second turn.
+    A new coordinator resumes them from the record: the environment holds the written file (the
+    final turn alone scores 1), the first turn is not generated again and keeps its tokens,
+    log-probs and routes, and the chain is one trainable sample."""
+    from composer_jax.rl.inflight import InFlightStore
+
+    task = envs.builtin_tasks(1, seed=41, max_ops=1)[0]
+    write, final = envs.oracle_turns(task)
+
+    def script(prompt, turn):
+        return final if envs.protocol.CALL_OPEN in prompt else write
+
+    def make_sampler():
+        return _HoldingSampler(script, TOKENIZER, moe_layers=MODEL_CFG.num_moe_layers, k=2)
+
+    cfg = RLConfig(group_size=2, groups_per_step=1, max_turns=4, feedback_detectors=())
+    store = InFlightStore(str(tmp_path / "inflight"))
+    ledger = GroupLedger(tmp_path / "ledger")
+    args = (TOKENIZER, MODEL_CFG.num_moe_layers, MODEL_CFG.num_experts_per_tok)
+    first_sampler = make_sampler()
+    with ThreadEnvironmentPool(2) as pool:
+        coordinator = Coordinator(
+            cfg, first_sampler, pool, ledger, [("p0", task)], *args, inflight_store=store
+        )
+        coordinator.start()
+        try:
+            deadline = time.monotonic() + 60
+            while coordinator.snapshot()["env/calls"] < 4 or any(
+                s.state != "generating" for s in coordinator._groups["p0"].samples
+            ):
+                assert time.monotonic() < deadline, "the samples never reached their second turn"
+                time.sleep(0.02)
+            assert coordinator.save_in_flight(3).result(timeout=60) == 2
+        finally:
+            coordinator.stop()
+    saved = store.load(3)
+    assert [g.group_id for g in saved] == ["p0"] and len(saved[0].samples) == 2
+    recorded = saved[0].samples[0].fields
+    generated_before = first_sampler.generated_tokens
+
+    second_sampler = make_sampler()
+    second_sampler.held = False
+    with ThreadEnvironmentPool(2) as pool:
+        coordinator = Coordinator(
+            cfg,
+            second_sampler,
+            pool,
+            ledger,
+            [("p0", task)],
+            *args,
+            resume=saved,
+            inflight_store=store,
+        )
+        coordinator.trainer_version = 3
+        coordinator.start()
+        try:
+            assert coordinator.wait_for_groups(1, timeout_s=60) == ["p0"]
+        finally:
+            coordinator.stop()
+    assert coordinator.snapshot()["samples_resumed"] == 2
+    # Only the final turn was generated after the restart.
+    assert second_sampler.generated_tokens == 2 * len(TOKENIZER.encode(final))
+    assert generated_before == 2 * len(TOKENIZER.encode(write))
+    group = ledger.load("p0")
+    np.testing.assert_array_equal(group.rewards, [1.0, 1.0])
+    sequences = group_sequences(group)
+    assert len(sequences) == 2  # one chain per sample
+    seq = sequences[0]
+    prefix = len(recorded["tokens"])
+    np.testing.assert_array_equal(seq.tokens[:prefix], recorded["tokens"])
+    np.testing.assert_array_equal(seq.sampler_logprobs[:prefix], recorded["logprobs"])
+    np.testing.assert_array_equal(  # [moe_layers, positions, k]
+        seq.router_indices[:, : len(recorded["routes"])], np.stack(recorded["routes"], axis=1)
+    )
+    policy_text = TOKENIZER.decode(seq.tokens[seq.policy_mask])
+    assert policy_text == write + final

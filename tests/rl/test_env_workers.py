@@ -240,3 +240,22 @@ def test_worker_process_never_imports_jax(tasks):
     assert not replies[1][0] and isinstance(replies[1][1], KeyError)
     assert replies[-1][0] and replies[-1][1].reward == 1.0
     assert "imported jax: False" in stderr
+
+
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_episode_resumes_from_a_snapshot_on_another_worker(kind, tasks):
+    """The snapshot crosses the pool (and the pipe); the resumed episode ends like the original."""
+    task = tasks[1]
+    write, final = envs.oracle_turns(task)
+    with make_environment_pool(kind, num_workers=2, timeout_s=60.0) as pool:
+        pool.start("first", task).result(timeout=60)
+        assert not pool.step("first", write).result(timeout=60).done
+        snapshot = pool.snapshot("first").result(timeout=60)
+        pool.close("first")
+        assert pool.start("resumed", task, envs.EnvConfig(), snapshot).result(timeout=60)
+        result = pool.step("resumed", final).result(timeout=60)
+        with pytest.raises(ValueError, match="not an episode snapshot"):
+            pool.start("bad", task, envs.EnvConfig(), {"format": 0}).result(timeout=60)
+        with pytest.raises(KeyError):
+            pool.snapshot("nobody").result(timeout=30)
+    assert result.done and result.reward == 1.0 and result.counts["turns"] == 2

@@ -1,4 +1,5 @@
-"""`python -m launch.rl` end to end: kill -9 and restart keep exactly-once training; Ray backend."""
+"""`python -m launch.rl` end to end: kill -9 and restart keep exactly-once training (groups in
+flight resume from their saved state); Ray backend."""
 
 import json
 import os
@@ -30,7 +31,7 @@ def _args(workdir, *extra):
         "--config.rl.num_slots=4",
         "--config.rl.context_len=512",
         "--config.rl.max_new_tokens=24",
-        "--config.rl.max_turns=1",
+        "--config.rl.max_turns=2",  # samples wait between turns: in-flight records matter
         "--config.rl.max_staleness=8",  # nothing dropped: every prompt must be trained once
         "--config.rl.skip_uniform_groups=False",
         "--config.rl.num_prompts=0",  # steps x groups_per_step: one epoch, all trained
@@ -67,6 +68,10 @@ def _check_finished_run(workdir):
     ]
     assert [m["step"] for m in heldout] == [0, STEPS]
     assert os.path.exists(os.path.join(workdir, "rl_curves.png"))
+    # The groups in flight were saved with the last checkpoints (the newest two are kept).
+    assert sorted(os.listdir(os.path.join(workdir, "inflight"))) == [
+        f"step-{step:09d}.pkl" for step in (STEPS - 2, STEPS)
+    ]
 
 
 def test_kill_9_mid_run_resumes_without_losing_or_repeating_groups(tmp_path):
