@@ -143,13 +143,14 @@ def rl_tiny() -> ExperimentConfig:
     """The main job of `launch/rl.py`: SFT warm start of the tiny model on single-transform
     built-in tasks, then asynchronous RL on them (constant learning rate, one epoch over the
     prompts). Sized for a 2-core CPU: one-turn episodes (write the solution; graded at once),
-    groups of 8 with dynamic sampling (groups that all pass or all fail carry no task signal and
+    groups of 16 (a tiny policy's gradient from fewer samples is mostly noise, which Adam turns
+    into drift) with dynamic sampling (groups that all pass or all fail carry no task signal and
     are skipped), and no distillation (a policy this small cannot use a hint; the mechanics are
-    tested on their own)."""
+    tested on their own). Measured trade-offs: experiments/RESULTS.md."""
     base = tiny()
     return dataclasses.replace(
         base,
-        optim=OptimizerConfig(learning_rate=5e-5, warmup_steps=0, min_lr_ratio=1.0),
+        optim=OptimizerConfig(learning_rate=1e-4, warmup_steps=0, min_lr_ratio=1.0),
         data=dataclasses.replace(base.data, task_max_ops=1),
         train=dataclasses.replace(
             base.train,
@@ -158,23 +159,23 @@ def rl_tiny() -> ExperimentConfig:
             checkpoint_every=5,
         ),
         rl=RLConfig(
-            group_size=8,
+            group_size=16,
             groups_per_step=2,
             num_prompts=600,
             max_staleness=2,
             skip_uniform_groups=True,
-            num_slots=16,
+            num_slots=32,
             context_len=768,
             max_new_tokens=192,
             max_turns=1,
             distill_coef=0.0,
             weight_delta="add",
-            warm_start_steps=400,
+            warm_start_steps=500,
             heldout_split="instances",
             heldout_tasks=32,
             heldout_samples=2,
         ),
-        steps=30,
+        steps=24,
         workdir="runs/rl_tiny",
     )
 

@@ -57,6 +57,8 @@ def main(argv):
         rl=dataclasses.replace(
             base.rl,
             max_new_tokens=_NEW_TOKENS.value,
+            group_size=8,  # the workload of experiments/RESULTS.md
+            num_slots=16,
             skip_uniform_groups=False,  # every group trains: a fixed workload per step
             num_prompts=0,
             heldout_tasks=2,

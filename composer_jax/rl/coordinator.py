@@ -131,7 +131,8 @@ class Counters:
     truncated: int = 0
     turns: int = 0
     weight_updates_in_flight: int = 0
-    reward_sum: float = 0.0  # task rewards of every finished sample (trained or skipped)
+    reward_sum: float = 0.0  # task rewards of every sample of a finished group (trained or not)
+    reward_samples: int = 0  # how many samples reward_sum adds up
     feedback: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
@@ -310,6 +311,7 @@ class Coordinator:
                 "samples_resumed": c.samples_resumed,
                 "samples_finished": c.samples_finished,
                 "rollout_reward_sum": c.reward_sum,
+                "rollout_reward_samples": c.reward_samples,
                 "env_failures": c.env_failures,
                 "env_errors": c.env_errors,
                 "sampler_failures": c.sampler_failures,
@@ -749,6 +751,7 @@ class Coordinator:
             del self._groups[group.group_id]
             self.counters.groups_finished += 1
             self.counters.reward_sum += float(sum(r.reward for r in results))
+            self.counters.reward_samples += len(results)
             if self.cfg.hard_prompt_fraction > 0 and "-again" not in group.group_id:
                 self._hard.append((hardness, group.group_id, group.task))
             self._lock.notify_all()

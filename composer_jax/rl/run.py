@@ -380,18 +380,18 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
                 now = time.perf_counter()
                 generated = coordinator.sampler_stats.get("generated_tokens", 0)
                 snapshot = coordinator.snapshot()
-                finished = snapshot["samples_finished"] - last_finished
+                finished = snapshot["rollout_reward_samples"] - last_finished
                 rollout_reward = (snapshot["rollout_reward_sum"] - last_reward_sum) / max(
                     finished, 1
                 )
-                last_finished = snapshot["samples_finished"]
+                last_finished = snapshot["rollout_reward_samples"]
                 last_reward_sum = snapshot["rollout_reward_sum"]
                 record = {
                     **metrics,
                     **_group_metrics(groups, version, rl),
                     **snapshot,
-                    # Every sample finished since the last step, trained or not: the policy's
-                    # reward (reward_mean is over the trained groups only).
+                    # Every sample of the groups finished since the last step, trained or
+                    # not: the policy's reward (reward_mean is over the trained groups only).
                     "rollout_reward": rollout_reward,
                     **{f"ledger/{k}": v for k, v in ledger.stats().items()},
                     "groups_dropped_stale": dropped,
