@@ -39,12 +39,13 @@ from composer_jax.data import ByteTokenizer
 from composer_jax.envs import EnvConfig, Task
 from composer_jax.infer import Completion, SamplingParams
 from composer_jax.rl import feedback, inflight
-from composer_jax.rl.batch import SegmentKind, Sequence
+from composer_jax.rl.batch import SegmentKind
 from composer_jax.rl.config import RLConfig
 from composer_jax.rl.env_workers import EnvironmentPool, EnvWorkerError
 from composer_jax.rl.ledger import GroupLedger
+from composer_jax.rl.lifecycle import Counters, GroupSlot, Sample
 from composer_jax.rl.ray_backend import SamplerLostError
-from composer_jax.rl.rollout import Generation, token_kinds, turn_stop_sequences
+from composer_jax.rl.rollout import token_kinds, turn_stop_sequences
 from composer_jax.rl.sampler import Sampler
 from composer_jax.rl.samples import SampleResult, make_group
 
@@ -61,79 +62,6 @@ SYNC_INTERVAL_S = 0.1
 
 class RolloutFailedError(RuntimeError):
     """The rollout thread stopped on an error that is not an environment worker's failure."""
-
-
-@dataclasses.dataclass(kw_only=True, eq=False)
-class _Sample(Generation):
-    """One sample in flight: the current generation's buffers and the finished ones."""
-
-    group: "_GroupSlot"
-    index: int
-    attempt: int = 0
-    episode_id: str = ""
-    state: str = "scheduled"  # scheduled | generating | in_env | scored
-    request_id: int = -1
-    prompt_tokens: list[int] = dataclasses.field(default_factory=list)
-    flagged: list[tuple[int, int, np.ndarray]] = dataclasses.field(default_factory=list)
-    sequences: list[Sequence] = dataclasses.field(default_factory=list)
-    turns: list[feedback.TurnRecord] = dataclasses.field(default_factory=list)
-    feedback_counts: dict[str, int] = dataclasses.field(default_factory=dict)
-    turn_span: tuple[int, int] = (0, 0)
-    turn_text: str = ""
-    finish_reason: str | None = None  # of the last turn
-    summarising: bool = False
-    summaries: int = 0
-    truncated: bool = False
-    reward: float = 0.0
-    counts: dict = dataclasses.field(default_factory=dict)
-    pending: Future | None = None
-    resume_from: int | None = None  # resumed from a snapshot: routes already known
-
-    def add_turn(self, completion: Completion, kinds) -> None:
-        self.turn_span = (len(self.tokens), len(self.tokens) + len(completion.tokens))
-        super().add_turn(completion, kinds)
-
-    def close_generation(self, num_moe_layers: int, k: int) -> None:
-        """Turns the current buffers into a Sequence (with its teacher context if flagged)."""
-        try:
-            seq = self.to_sequence(self.index, num_moe_layers, k, self.flagged)
-        except RuntimeError as e:
-            raise RuntimeError(f"{self.episode_id}: {e}") from None
-        self.sequences.append(seq)
-
-    def reset(self) -> None:
-        """Forgets everything of a failed attempt (the sample starts over)."""
-        fresh = _Sample(group=self.group, index=self.index, attempt=self.attempt + 1)
-        self.__dict__.update(fresh.__dict__)
-
-
-@dataclasses.dataclass(eq=False)
-class _GroupSlot:
-    group_id: str
-    task: Task
-    samples: list[_Sample] = dataclasses.field(default_factory=list)
-    scheduled_at_version: int = 0
-
-
-@dataclasses.dataclass
-class Counters:
-    """Health and lifecycle counters (a snapshot is logged with every step)."""
-
-    groups_scheduled: int = 0
-    groups_finished: int = 0
-    samples_finished: int = 0
-    samples_requeued: int = 0
-    samples_resumed: int = 0  # restored mid-episode from an in-flight record
-    env_failures: int = 0
-    env_errors: int = 0  # failures raised by the environment itself, not a lost worker
-    sampler_failures: int = 0
-    summaries: int = 0
-    truncated: int = 0
-    turns: int = 0
-    weight_updates_in_flight: int = 0
-    reward_sum: float = 0.0  # task rewards of every sample of a finished group (trained or not)
-    reward_samples: int = 0  # how many samples reward_sum adds up
-    feedback: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
 class Coordinator:
@@ -184,10 +112,10 @@ class Coordinator:
         self._last_sync = 0.0
         self._hard: list[tuple[float, str, Task]] = []  # (hardness, group id, task) seen so far
         self._revisits = 0
-        self._groups: dict[str, _GroupSlot] = {}
-        self._waiting: collections.deque[_Sample] = collections.deque()  # ready for a slot
-        self._active: list[_Sample] = []
-        self._by_request: dict[int, _Sample] = {}
+        self._groups: dict[str, GroupSlot] = {}
+        self._waiting: collections.deque[Sample] = collections.deque()  # ready for a slot
+        self._active: list[Sample] = []
+        self._by_request: dict[int, Sample] = {}
         self.counters = Counters()
         self._lock = threading.Condition()
         # Groups scheduled (resumed ones included) or finished, not yet trained.
@@ -361,10 +289,10 @@ class Coordinator:
         turns from their environment snapshot, the others from scratch."""
         resume, self._resume = self._resume, []
         for saved_group, task in resume:
-            group = _GroupSlot(
+            group = GroupSlot(
                 saved_group.group_id, task, scheduled_at_version=saved_group.scheduled_at_version
             )
-            group.samples = [_Sample(group=group, index=i) for i in range(self.cfg.group_size)]
+            group.samples = [Sample(group=group, index=i) for i in range(self.cfg.group_size)]
             saved = {
                 s.index: s
                 for s in saved_group.samples
@@ -426,17 +354,10 @@ class Coordinator:
         for group in self._groups.values():
             states = []
             for sample in group.samples:
-                between_turns = (
-                    sample.state == "generating"
-                    and not sample.summarising
-                    and sample.counts.get("turns", 0) > 0
-                )
-                if sample.state == "scored" or between_turns:
-                    state = inflight.capture(
-                        sample, sample.index, sample.attempt, sample.state == "scored"
-                    )
+                if sample.state == "scored" or sample.between_turns:
+                    state = inflight.capture(sample, scored=sample.state == "scored")
                     states.append(state)
-                    if between_turns:
+                    if sample.between_turns:
                         waits.append((state, self.env_pool.snapshot(sample.episode_id)))
             groups.append(inflight.GroupState(group.group_id, group.scheduled_at_version, states))
         return groups, waits
@@ -501,15 +422,15 @@ class Coordinator:
                 if nxt is None:
                     return
                 gid, task = nxt
-                group = _GroupSlot(gid, task, scheduled_at_version=self.sampler.version or 0)
-                group.samples = [_Sample(group=group, index=i) for i in range(cfg.group_size)]
+                group = GroupSlot(gid, task, scheduled_at_version=self.sampler.version or 0)
+                group.samples = [Sample(group=group, index=i) for i in range(cfg.group_size)]
                 self._groups[gid] = group
                 self._untrained += 1
                 self.counters.groups_scheduled += 1
                 for sample in group.samples:
                     self._start_episode(sample)
 
-    def _start_episode(self, sample: _Sample, snapshot: dict | None = None) -> None:
+    def _start_episode(self, sample: Sample, snapshot: dict | None = None) -> None:
         sample.episode_id = f"{sample.group.group_id}-s{sample.index}-a{sample.attempt}"
         sample.state = "scheduled"
         sample.pending = self.env_pool.start(
@@ -517,7 +438,7 @@ class Coordinator:
         )
         self._active.append(sample)
 
-    def _params_for(self, sample: _Sample, summary: bool = False) -> SamplingParams:
+    def _params_for(self, sample: Sample, summary: bool = False) -> SamplingParams:
         base = self._summary_params if summary else self._turn_params
         # Distinct, reproducible randomness per sample and attempt.
         key = f"{self.seed}/{sample.group.group_id}/{sample.index}/{sample.attempt}/{sample.summaries}"
@@ -565,7 +486,7 @@ class Coordinator:
                 self._on_step(sample, result)
         return progressed
 
-    def _requeue(self, sample: _Sample, error: Exception) -> None:
+    def _requeue(self, sample: Sample, error: Exception) -> None:
         """The sample's environment failed: free its slot and start it over, at most
         MAX_ATTEMPTS times (then it is scored 0 as truncated, so its group can finish)."""
         with self._lock:
@@ -611,7 +532,7 @@ class Coordinator:
         sample.pending = self.env_pool.step(sample.episode_id, sample.turn_text)
         sample.finish_reason = c.finish_reason
 
-    def _on_step(self, sample: _Sample, result) -> None:
+    def _on_step(self, sample: Sample, result) -> None:
         cfg = self.cfg
         self._check_feedback(sample, result)
         sample.counts, sample.reward = result.counts, result.reward
@@ -636,13 +557,13 @@ class Coordinator:
         )
         self._continue(sample, appended, params)
 
-    def _continue(self, sample: _Sample, appended: list[int], params: SamplingParams) -> None:
+    def _continue(self, sample: Sample, appended: list[int], params: SamplingParams) -> None:
         del self._by_request[sample.request_id]
         sample.request_id = self.sampler.continue_request(sample.request_id, appended, params)
         self._by_request[sample.request_id] = sample
         sample.state = "generating"
 
-    def _request_summary(self, sample: _Sample, observation: list[int]) -> None:
+    def _request_summary(self, sample: Sample, observation: list[int]) -> None:
         """Appends the tool output and the summary request; the next turn is the summary."""
         request = self.tokenizer.encode(SUMMARY_REQUEST).tolist()
         appended = observation + request
@@ -661,7 +582,7 @@ class Coordinator:
         )
         self._continue(sample, appended, params)
 
-    def _finish_summary(self, sample: _Sample, c: Completion) -> None:
+    def _finish_summary(self, sample: Sample, c: Completion) -> None:
         """Closes the generation with its summary; the next one starts from task + summary,
         reusing the cached task prompt."""
         sample.add_turn(c, np.full(len(c.tokens), SegmentKind.SUMMARY, np.int32))
@@ -692,7 +613,7 @@ class Coordinator:
         self._by_request[sample.request_id] = sample
         sample.state = "generating"
 
-    def _check_feedback(self, sample: _Sample, result) -> None:
+    def _check_feedback(self, sample: Sample, result) -> None:
         if not self.detectors:
             return
         turn = feedback.TurnRecord(
@@ -716,7 +637,7 @@ class Coordinator:
             with self._lock:
                 self.counters.feedback[name] += 1
 
-    def _finish(self, sample: _Sample) -> None:
+    def _finish(self, sample: Sample) -> None:
         if sample.request_id in self._by_request:
             del self._by_request[sample.request_id]
             self.sampler.release(sample.request_id)
@@ -732,7 +653,7 @@ class Coordinator:
         if all(s.state == "scored" for s in group.samples):
             self._finish_group(group)
 
-    def _finish_group(self, group: _GroupSlot) -> None:
+    def _finish_group(self, group: GroupSlot) -> None:
         results = [
             SampleResult(
                 sequences=s.sequences,

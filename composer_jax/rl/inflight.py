@@ -18,7 +18,7 @@ import pickle
 import tempfile
 
 FORMAT = 1
-# The per-sample state a resumed sample needs (the coordinator's `_Sample` fields).
+# The per-sample state a resumed sample needs (`lifecycle.Sample` fields).
 SAMPLE_FIELDS = (
     "tokens",
     "kinds",
@@ -67,10 +67,10 @@ class GroupState:
     samples: list[SampleState]  # the samples that are kept; the others start over
 
 
-def capture(sample, index: int, attempt: int, scored: bool) -> SampleState:
+def capture(sample, scored: bool) -> SampleState:
     """A copy of `sample`'s resumable fields (the live sample goes on changing)."""
     fields = {name: copy.deepcopy(getattr(sample, name)) for name in SAMPLE_FIELDS}
-    return SampleState(index, attempt, scored, fields)
+    return SampleState(sample.index, sample.attempt, scored, fields)
 
 
 def apply(state: SampleState, sample) -> None:

@@ -1,0 +1,97 @@
+"""The records the coordinator moves through the sample lifecycle: a `Sample` (one rollout's
+buffers and state), the `GroupSlot` of one prompt's samples, and the health `Counters`."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from concurrent.futures import Future
+
+import numpy as np
+
+from composer_jax.envs import Task
+from composer_jax.infer import Completion
+from composer_jax.rl import feedback
+from composer_jax.rl.batch import Sequence
+from composer_jax.rl.rollout import Generation
+
+
+@dataclasses.dataclass(kw_only=True, eq=False)
+class Sample(Generation):
+    """One sample in flight: the current generation's buffers and the finished ones."""
+
+    group: "GroupSlot"
+    index: int
+    attempt: int = 0
+    episode_id: str = ""
+    state: str = "scheduled"  # scheduled | generating | in_env | scored
+    request_id: int = -1
+    prompt_tokens: list[int] = dataclasses.field(default_factory=list)
+    flagged: list[tuple[int, int, np.ndarray]] = dataclasses.field(default_factory=list)
+    sequences: list[Sequence] = dataclasses.field(default_factory=list)
+    turns: list[feedback.TurnRecord] = dataclasses.field(default_factory=list)
+    feedback_counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    turn_span: tuple[int, int] = (0, 0)
+    turn_text: str = ""
+    finish_reason: str | None = None  # of the last turn
+    summarising: bool = False
+    summaries: int = 0
+    truncated: bool = False
+    reward: float = 0.0
+    counts: dict = dataclasses.field(default_factory=dict)
+    pending: Future | None = None
+    resume_from: int | None = None  # resumed from a snapshot: routes already known
+
+    @property
+    def between_turns(self) -> bool:
+        """Waiting on the policy after at least one environment step (not summarising): the
+        state an in-flight record can resume."""
+        return (
+            self.state == "generating" and not self.summarising and self.counts.get("turns", 0) > 0
+        )
+
+    def add_turn(self, completion: Completion, kinds) -> None:
+        self.turn_span = (len(self.tokens), len(self.tokens) + len(completion.tokens))
+        super().add_turn(completion, kinds)
+
+    def close_generation(self, num_moe_layers: int, k: int) -> None:
+        """Turns the current buffers into a Sequence (with its teacher context if flagged)."""
+        try:
+            seq = self.to_sequence(self.index, num_moe_layers, k, self.flagged)
+        except RuntimeError as e:
+            raise RuntimeError(f"{self.episode_id}: {e}") from None
+        self.sequences.append(seq)
+
+    def reset(self) -> None:
+        """Forgets everything of a failed attempt (the sample starts over)."""
+        fresh = Sample(group=self.group, index=self.index, attempt=self.attempt + 1)
+        self.__dict__.update(fresh.__dict__)
+
+
+@dataclasses.dataclass(eq=False)
+class GroupSlot:
+    group_id: str
+    task: Task
+    samples: list[Sample] = dataclasses.field(default_factory=list)
+    scheduled_at_version: int = 0
+
+
+@dataclasses.dataclass
+class Counters:
+    """Health and lifecycle counters (a snapshot is logged with every step)."""
+
+    groups_scheduled: int = 0
+    groups_finished: int = 0
+    samples_finished: int = 0
+    samples_requeued: int = 0
+    samples_resumed: int = 0  # restored mid-episode from an in-flight record
+    env_failures: int = 0
+    env_errors: int = 0  # failures raised by the environment itself, not a lost worker
+    sampler_failures: int = 0
+    summaries: int = 0
+    truncated: int = 0
+    turns: int = 0
+    weight_updates_in_flight: int = 0
+    reward_sum: float = 0.0  # task rewards of every sample of a finished group (trained or not)
+    reward_samples: int = 0  # how many samples reward_sum adds up
+    feedback: collections.Counter = dataclasses.field(default_factory=collections.Counter)
