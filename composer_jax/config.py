@@ -237,7 +237,12 @@ class RLConfig(RLObjectiveConfig):
     backend: str = "threads"
     env_workers: str = "process"  # threads backend: environment workers as processes or threads
     num_env_workers: int = 2
-    env_timeout_s: float = 60.0  # a step slower than this counts as a hung worker
+    # A step slower than this counts as a hung worker; 0 derives it from the environment's
+    # limits (the longest a turn of commands plus grading may legitimately take).
+    env_timeout_s: float = 0.0
+    # Model-written code runs only in an isolating sandbox (bubblewrap or util-linux unshare);
+    # False allows the unisolated fallback, for quick local experiments.
+    require_sandbox: bool = True
     # Scheduling: one epoch over `num_prompts` distinct training tasks (0: steps x groups_per_step),
     # `group_size` samples each; a step trains on `groups_per_step` finished groups.
     group_size: int = 4
@@ -538,7 +543,7 @@ def validate_rl(cfg: RLConfig, where: str = "rl") -> None:
         _check(getattr(cfg, name) > 0, f"{where}.{name}", "must be positive")
     for name in ("num_prompts", "max_staleness", "summary_budget", "max_summaries"):
         _check(getattr(cfg, name) >= 0, f"{where}.{name}", "must be >= 0")
-    _check(cfg.env_timeout_s > 0, f"{where}.env_timeout_s", "must be positive")
+    _check(cfg.env_timeout_s >= 0, f"{where}.env_timeout_s", "must be >= 0 (0: derived)")
     _check(0 < cfg.stale_decay <= 1, f"{where}.stale_decay", "must lie in (0, 1]")
     _check(0 <= cfg.hard_prompt_fraction < 1, f"{where}.hard_prompt_fraction", "must lie in [0, 1)")
     _check(cfg.temperature > 0, f"{where}.temperature", "RL samples: must be > 0")

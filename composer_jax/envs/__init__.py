@@ -29,8 +29,10 @@ from composer_jax.envs.protocol import (
 )
 from composer_jax.envs.sandbox import (
     CommandResult,
+    IsolationUnavailable,
     Sandbox,
     SandboxLimits,
+    WorkspaceLimitError,
     bwrap_available,
     python_executable,
 )
@@ -46,6 +48,7 @@ __all__ = [
     "EpisodeCounts",
     "EpisodePool",
     "GradeResult",
+    "IsolationUnavailable",
     "MonitorFlag",
     "RewardHackMonitor",
     "Sandbox",
@@ -57,6 +60,7 @@ __all__ = [
     "ToolCallRecord",
     "ToolSpec",
     "Turn",
+    "WorkspaceLimitError",
     "builtin_tasks",
     "bwrap_available",
     "candidate_modules",

@@ -13,7 +13,7 @@ import threading
 
 from composer_jax.envs import protocol
 from composer_jax.envs.monitors import MonitorFlag, RewardHackMonitor
-from composer_jax.envs.sandbox import Sandbox, SandboxLimits
+from composer_jax.envs.sandbox import Sandbox, SandboxLimits, WorkspaceLimitError
 from composer_jax.envs.task import GradeResult, Task, grade
 from composer_jax.envs.tools import TOOL_SPECS, ToolBox, ToolCallRecord
 
@@ -26,6 +26,8 @@ DEFAULT_TOOLS = (
     "run_shell",
     "run_tests",
 )
+# Start-up and teardown time allowed per sandboxed command, on top of its own wall limit.
+_COMMAND_SLACK_SECONDS = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +46,18 @@ class EnvConfig:
         cpu_seconds=30, wall_seconds=60, memory_bytes=2 << 30, output_bytes=4 << 20
     )
     backend: str = "auto"
+    # Model-written code runs only in an isolating sandbox (bwrap or unshare); False allows the
+    # unisolated rlimit fallback, for quick local experiments.
+    require_isolation: bool = True
     workspace_root: str | None = None
+
+    def step_seconds(self) -> float:
+        """The longest one step can legitimately take: every call of a turn running a command to
+        its wall limit, then grading to its own (plus start-up slack per command). An environment
+        worker that takes longer is hung."""
+        slack = _COMMAND_SLACK_SECONDS
+        commands = self.max_calls_per_turn * (self.limits.wall_seconds + slack)
+        return commands + self.grading_limits.wall_seconds + 2 * slack
 
 
 SNAPSHOT_FORMAT = 1
@@ -72,6 +85,7 @@ class Episode:
             root=config.workspace_root,
             limits=config.limits,
             backend=config.backend,
+            require_isolation=config.require_isolation,
             hidden_paths=task.hidden_paths,
         )
         self.tools = ToolBox(
@@ -163,7 +177,12 @@ class Episode:
 
     def _finish(self) -> None:
         self.done = True
-        self.monitor.check_workspace(self.sandbox.snapshot(), self.counts.turns)
+        try:
+            files = self.sandbox.snapshot()
+        except WorkspaceLimitError as error:  # the sandbox trims after every command
+            files = {}
+            self.monitor.flag("resource_abuse", str(error), self.counts.turns)
+        self.monitor.check_workspace(files, self.counts.turns)
         self.grade_result = grade(self.sandbox, self.task, self.config.grading_limits)
         self.reward = 0.0 if self.monitor.flags else self.grade_result.reward
 

@@ -152,7 +152,8 @@ def _module_tasks(name: str, stdlib: str, rng: random.Random, backend: str) -> l
         family="feature_deletion",
     )
     started = time.monotonic()
-    with Sandbox.from_files(base.files, backend=backend) as sandbox:
+    # Validation runs the task's own code (the original module and its tests), not a model's.
+    with Sandbox.from_files(base.files, backend=backend, require_isolation=False) as sandbox:
         baseline = grade(sandbox, base, _VALIDATION_LIMITS)
     passing = {t for t, outcome in baseline.outcomes.items() if outcome == "pass"}
     if not passing or time.monotonic() - started > _MAX_ORIGINAL_SECONDS:
@@ -168,7 +169,9 @@ def _module_tasks(name: str, stdlib: str, rng: random.Random, backend: str) -> l
             break
         deleted = delete_body(original, first, last, indent)
         candidate = _with(base, files={f"{name}.py": deleted}, graded_tests=tuple(sorted(passing)))
-        with Sandbox.from_files(candidate.files, backend=backend) as sandbox:
+        with Sandbox.from_files(
+            candidate.files, backend=backend, require_isolation=False
+        ) as sandbox:
             result = grade(sandbox, candidate, _VALIDATION_LIMITS)
         broken = tuple(sorted(t for t in passing if result.outcomes.get(t) != "pass"))
         if not broken:

@@ -1,14 +1,18 @@
 """Per-episode workspaces and isolated command execution.
 
-Commands run under bubblewrap (no network, read-only system, private /tmp, only the workspace
-writable, chosen paths hidden). Without bwrap they fall back to a plain subprocess with resource
-limits, which bounds time, memory, output and processes but cannot isolate the filesystem or the
-network: a warning says so once. Limits are applied by a tiny shell prologue (`ulimit`) rather than
-`preexec_fn`, which is unsafe when many episodes run in threads.
+A command runs under one of the backends of `isolation` (bubblewrap, util-linux unshare, or the
+unisolated rlimit fallback), inside a cgroup that caps the processes and memory of the whole
+command and is killed as a unit at the end (`cgroups`), with per-process rlimits on CPU time,
+address space and file size, a wall-clock limit, an output cap, and a cap on the workspace's total
+size and file count that holds across the episode. Nothing a command starts outlives it: the
+namespaced backends give it its own PID namespace (its first process's exit ends every other),
+and the launcher dies with the worker that started it.
+
+Where isolation is required (the default; RL and evaluation run model-written code) and no
+isolating backend works, creating a sandbox fails with a message saying how to get one.
 """
 
 import dataclasses
-import functools
 import logging
 import os
 import selectors
@@ -20,20 +24,36 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
+
+from composer_jax.envs import cgroups, isolation
+from composer_jax.envs.isolation import WORKSPACE_MOUNT, IsolationUnavailable
 
 log = logging.getLogger(__name__)
 
-WORKSPACE_MOUNT = "/workspace"
-_SYSTEM_DIRS = ("/usr", "/bin", "/lib", "/lib64", "/sbin", "/etc")
-_warned_fallback = False
+__all__ = [
+    "WORKSPACE_MOUNT",
+    "CommandResult",
+    "IsolationUnavailable",
+    "Sandbox",
+    "SandboxLimits",
+    "WorkspaceLimitError",
+    "bwrap_available",
+    "python_executable",
+    "read_files",
+    "write_files",
+]
+
+_warned: set[str] = set()
 _lock = threading.Lock()
+_WATCH_SECONDS = 0.1  # how often a running command's workspace size is checked
 
 
 @dataclasses.dataclass(frozen=True)
 class SandboxLimits:
-    """Resource limits of one command."""
+    """Resource limits. `memory_bytes` and `max_processes` bound a whole command (all its
+    processes) where a cgroup can be made, else each process; `workspace_bytes` and
+    `workspace_files` bound the workspace at every moment of the episode."""
 
     cpu_seconds: int = 10
     wall_seconds: float = 20.0
@@ -41,12 +61,15 @@ class SandboxLimits:
     output_bytes: int = 64 * 1024
     file_bytes: int = 16 << 20
     max_processes: int = 64
+    workspace_bytes: int = 64 << 20
+    workspace_files: int = 10_000
+    tmp_bytes: int = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True)
 class CommandResult:
     """What a command did: exit status, (possibly truncated) merged stdout/stderr, why it was
-    killed (None, "wall", "cpu", "output") and how long it took."""
+    killed (None, "wall", "cpu", "output", "memory", "workspace") and how long it took."""
 
     returncode: int
     output: str
@@ -58,19 +81,13 @@ class CommandResult:
         return self.returncode == 0 and self.killed_reason is None
 
 
-@functools.cache
+class WorkspaceLimitError(RuntimeError):
+    """A write or snapshot would exceed the workspace's size or file-count cap."""
+
+
 def bwrap_available() -> bool:
-    """True when bwrap exists and can build the sandbox here (user namespaces, mounting /proc
-    and the like can be forbidden in containers). Probed once with the real arguments."""
-    if shutil.which("bwrap") is None:
-        return False
-    with tempfile.TemporaryDirectory(prefix="cj_probe_") as workspace:
-        argv = _bwrap_args(workspace, (), {}) + ["/bin/sh", "-c", "true"]
-        try:
-            probe = subprocess.run(argv, capture_output=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return False
-    return probe.returncode == 0
+    """True when bubblewrap exists and can build the sandbox here."""
+    return isolation.usable("bwrap")
 
 
 def python_executable() -> str:
@@ -80,74 +97,11 @@ def python_executable() -> str:
     return str(candidate) if candidate.exists() else sys.executable
 
 
-def _system_binds() -> list[str]:
-    args = []
-    for path in (*_SYSTEM_DIRS, sys.base_prefix):
-        if os.path.islink(path):
-            args += ["--symlink", os.readlink(path), path]
-        elif os.path.exists(path):
-            args += ["--ro-bind", path, path]
-    return args
-
-
-@functools.cache
-def _pids_cgroup_root() -> Path | None:
-    """Where we may create pids-controller cgroups (v1 or v2), or None."""
-    for candidate in (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup")):
-        probe = candidate / f"composer_jax_probe_{os.getpid()}"
-        try:
-            probe.mkdir()
-            usable = (probe / "pids.max").exists()
-            probe.rmdir()
-        except OSError:
-            continue
-        if usable:
-            return candidate
-    return None
-
-
-class _PidsCgroup:
-    """A pids-controller cgroup bounding a command's process count (fork bombs), when the host
-    lets us create one; as root RLIMIT_NPROC is not enforced, so this is the real bound."""
-
-    def __init__(self, max_processes: int):
-        root = _pids_cgroup_root()
-        self.path = None
-        if root is not None:
-            path = root / f"composer_jax_{os.getpid()}_{uuid.uuid4().hex[:12]}"
-            try:
-                path.mkdir()
-                (path / "pids.max").write_text(str(max_processes))
-                self.path = path
-            except OSError:
-                self.path = None
-
-    def kill_and_remove(self) -> None:
-        if self.path is None:
-            return
-        for _ in range(50):
-            try:
-                pids = (self.path / "cgroup.procs").read_text().split()
-            except OSError:
-                pids = []
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            try:
-                self.path.rmdir()
-                return
-            except OSError:
-                time.sleep(0.02)
-        log.warning("could not remove cgroup %s", self.path)
-
-
 class Sandbox:
     """An episode's private workspace plus a way to run commands isolated inside it.
 
-    Inside bwrap the workspace is mounted at /workspace; in the fallback commands run in its real
-    directory. `hidden_paths` (files or directories) are masked inside bwrap.
+    Under bwrap and unshare the workspace is mounted at /workspace; under rlimit commands run in
+    its real directory. `hidden_paths` (files or directories of the system view) are masked.
     """
 
     def __init__(
@@ -156,41 +110,85 @@ class Sandbox:
         *,
         limits: SandboxLimits = SandboxLimits(),
         backend: str = "auto",
+        require_isolation: bool = True,
         hidden_paths: tuple[str, ...] = (),
         owns_workspace: bool = True,
     ):
-        if backend not in ("auto", "bwrap", "rlimit"):
-            raise ValueError(f"backend must be auto, bwrap or rlimit, got {backend!r}")
-        if backend == "auto":
-            backend = "bwrap" if bwrap_available() else "rlimit"
-        if backend == "bwrap" and not bwrap_available():
-            raise RuntimeError("bwrap requested but not usable on this host")
-        if backend == "rlimit":
-            _warn_fallback_once()
+        self.backend = isolation.choose(backend, require_isolation)
+        self.require_isolation = require_isolation
+        if self.backend == "rlimit":
+            _warn_once(
+                "rlimit",
+                "no isolating sandbox (bubblewrap or unshare) is in use: sandboxed commands run "
+                "as plain subprocesses with limits. Time, memory, output and process limits "
+                "hold, but there is NO filesystem, process or network isolation and hidden "
+                "paths stay readable; fine for a quick local experiment only. To isolate: "
+                + isolation.HOW_TO_ISOLATE,
+            )
+        if not cgroups.available():
+            _warn_once(
+                "cgroups",
+                "no cgroup can be created here: memory and process caps apply per process "
+                "(RLIMIT_AS / RLIMIT_NPROC), not to a command as a whole",
+            )
         self.workspace = Path(workspace)
         self.limits = limits
-        self.backend = backend
         self.hidden_paths = tuple(hidden_paths)
         self._owns_workspace = owns_workspace
+
+    @property
+    def isolated(self) -> bool:
+        return self.backend != "rlimit"
 
     @classmethod
     def from_files(cls, files: dict[str, str | bytes], root: str | None = None, **kwargs):
         """A sandbox whose fresh workspace holds `files` (relative path -> content)."""
         workspace = Path(tempfile.mkdtemp(prefix="cj_ws_", dir=root))
-        write_files(workspace, files)
-        return cls(workspace, **kwargs)
+        try:
+            write_files(workspace, files)
+            return cls(workspace, **kwargs)
+        except BaseException:
+            shutil.rmtree(workspace, ignore_errors=True)
+            raise
 
     def fork(self) -> "Sandbox":
         """A new sandbox with a copy of this workspace (for branching an episode)."""
         copy = Path(tempfile.mkdtemp(prefix="cj_ws_", dir=self.workspace.parent))
         shutil.copytree(self.workspace, copy, dirs_exist_ok=True, symlinks=True)
         return Sandbox(
-            copy, limits=self.limits, backend=self.backend, hidden_paths=self.hidden_paths
+            copy,
+            limits=self.limits,
+            backend=self.backend,
+            require_isolation=self.require_isolation,
+            hidden_paths=self.hidden_paths,
         )
 
+    def usage(self) -> tuple[int, int]:
+        """(bytes, entries) the workspace holds now; entries count files and directories."""
+        states = _entry_states(self.workspace)
+        return sum(size for size, _ in states.values()), len(states)
+
+    def check_room(self, path: Path, new_bytes: int) -> None:
+        """Raises WorkspaceLimitError if writing `new_bytes` to `path` would break a cap."""
+        if new_bytes > self.limits.file_bytes:
+            raise WorkspaceLimitError(
+                f"{new_bytes} bytes is over the file size limit of {self.limits.file_bytes}"
+            )
+        size, entries = self.usage()
+        old = path.stat().st_size if path.is_file() else 0
+        if size - old + new_bytes > self.limits.workspace_bytes:
+            raise WorkspaceLimitError(
+                f"the workspace would hold {size - old + new_bytes} bytes, over its limit of "
+                f"{self.limits.workspace_bytes}"
+            )
+        if not path.exists() and entries + 1 > self.limits.workspace_files:
+            raise WorkspaceLimitError(
+                f"the workspace is at its limit of {self.limits.workspace_files} entries"
+            )
+
     def snapshot(self) -> dict[str, bytes]:
-        """Every regular file of the workspace, by relative path."""
-        return read_files(self.workspace)
+        """Every regular file of the workspace, by relative path (at most the workspace cap)."""
+        return read_files(self.workspace, self.limits.workspace_bytes)
 
     def restore(self, snapshot: dict[str, bytes]) -> None:
         """Makes the workspace hold exactly `snapshot`."""
@@ -219,96 +217,155 @@ class Sandbox:
     ) -> CommandResult:
         """Runs a shell command in the workspace under the limits; never raises for what the
         command does. `extra_ro_binds` maps host paths to sandbox paths and `hidden_paths`
-        replaces the sandbox's own for this command (both bwrap only)."""
+        replaces the sandbox's own for this command (isolating backends only)."""
         limits = limits or self.limits
-        hidden = self.hidden_paths if hidden_paths is None else hidden_paths
-        cgroup = _PidsCgroup(limits.max_processes)
-        argv = self._argv(command, limits, cgroup, extra_ro_binds or {}, hidden)
-        env = {
-            "PATH": f"{Path(python_executable()).parent}:/usr/bin:/bin",
-            "HOME": "/tmp",
-            "LANG": "C.UTF-8",
-            "PYTHONDONTWRITEBYTECODE": "1",
-            "PYTHONHASHSEED": "0",
-        }
+        view = isolation.View(
+            str(self.workspace),
+            hidden=self.hidden_paths if hidden_paths is None else tuple(hidden_paths),
+            ro_binds=tuple((extra_ro_binds or {}).items()),
+            tmp_bytes=limits.tmp_bytes,
+        )
         start = time.monotonic()
+        cgroup = cgroups.CommandCgroup(limits.max_processes, limits.memory_bytes)
         try:
-            proc = subprocess.Popen(
-                argv,
-                cwd=self.workspace,
-                env=env,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+            before = _entry_states(self.workspace)
+            argv = _launcher(limits, cgroup) + isolation.wrap(self.backend, view)
+            argv += ["/bin/sh", "-c", command]
+            try:
+                proc = subprocess.Popen(
+                    argv,
+                    cwd=self.workspace,
+                    env=_command_env(),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            except OSError as error:
+                return CommandResult(127, f"sandbox could not start: {error}", None, 0.0)
+            try:
+                output, killed = _collect(proc, stdin, limits, start, self._over_limit(limits))
+            finally:
+                _kill_group(proc)
+                proc.wait()
+            code = proc.returncode
+            if killed is None and cgroup.out_of_memory():
+                killed = "memory"
+            cpu_killed = (
+                -signal.SIGXCPU,
+                -signal.SIGKILL,
+                128 + signal.SIGXCPU,
+                128 + signal.SIGKILL,
             )
-        except OSError as error:
-            cgroup.kill_and_remove()
-            return CommandResult(127, f"sandbox could not start: {error}", None, 0.0)
-        try:
-            output, killed = _collect(proc, stdin, limits, start)
+            if killed is None and code in cpu_killed:
+                killed = "cpu"
+            text = output.decode("utf-8", errors="replace")
+            removed = self._trim(before, limits)
+            if removed:
+                killed = killed or "workspace"
+                text += (
+                    f"\n[workspace limit ({limits.workspace_bytes} bytes, "
+                    f"{limits.workspace_files} files): removed {', '.join(removed[:5])}"
+                    f"{' ...' if len(removed) > 5 else ''}]"
+                )
+            return CommandResult(code, text, killed, time.monotonic() - start)
         finally:
-            _kill_group(proc)
-            proc.wait()
             cgroup.kill_and_remove()
-        code = proc.returncode
-        cpu_killed = (-signal.SIGXCPU, -signal.SIGKILL, 128 + signal.SIGXCPU, 128 + signal.SIGKILL)
-        if killed is None and code in cpu_killed:
-            killed = "cpu"
-        text = output.decode("utf-8", errors="replace")
-        return CommandResult(code, text, killed, time.monotonic() - start)
 
-    def _argv(self, command, limits, cgroup, extra_ro_binds, hidden_paths) -> list[str]:
+    def _over_limit(self, limits: SandboxLimits):
+        def over() -> bool:
+            size, files = self.usage()
+            return size > limits.workspace_bytes or files > limits.workspace_files
+
+        return over
+
+    def _trim(self, before: dict, limits: SandboxLimits) -> list[str]:
+        """Brings the workspace back under its caps after a command by removing what it made:
+        new or changed files (largest first), then new directories (deepest first), then, only
+        if that is not enough, anything else."""
+        states = _entry_states(self.workspace)
+        size, count = sum(s for s, _ in states.values()), len(states)
+        if size <= limits.workspace_bytes and count <= limits.workspace_files:
+            return []
+        is_dir = {
+            p: (self.workspace / p).is_dir() and not (self.workspace / p).is_symlink()
+            for p in states
+        }
+        files = sorted(
+            (p for p in states if not is_dir[p] and before.get(p) != states[p]),
+            key=lambda p: -states[p][0],
+        )
+        dirs = sorted(
+            (p for p in states if is_dir[p] and p not in before), key=lambda p: -p.count(os.sep)
+        )
+        rest = sorted(
+            (p for p in states if p not in set(files) | set(dirs)),
+            key=lambda p: (is_dir[p], -states[p][0]),
+        )
+        removed, gone = [], set()
+        for path in files + dirs + rest:
+            if size <= limits.workspace_bytes and count <= limits.workspace_files:
+                break
+            if path in gone:
+                continue  # went with a directory removed before
+            subtree = [
+                q for q in states if (q == path or q.startswith(path + os.sep)) and q not in gone
+            ]
+            try:
+                shutil.rmtree(self.workspace / path) if is_dir[path] else os.unlink(
+                    self.workspace / path
+                )
+            except OSError:
+                continue
+            gone.update(subtree)
+            size -= sum(states[q][0] for q in subtree)
+            count -= len(subtree)
+            removed.append(path)
+        return removed
+
+
+def _command_env() -> dict[str, str]:
+    """The whole environment a command gets: nothing of the host process's."""
+    return {
+        "PATH": f"{Path(python_executable()).parent}:/usr/local/bin:/usr/bin:/bin",
+        "HOME": "/tmp",
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONHASHSEED": "0",
+    }
+
+
+def _launcher(limits: SandboxLimits, cgroup: cgroups.CommandCgroup) -> list[str]:
+    """The argv prefix that puts a command in its cgroup, ties it to the life of this process
+    and sets its rlimits, then execs the backend."""
+    argv = []
+    if cgroup.attach_files:
+        joins = "; ".join(f"echo $$ > {shlex.quote(f)}" for f in cgroup.attach_files)
+        argv += ["/bin/sh", "-c", f'{joins}; exec "$@"', "cj_launch"]
+    if setpriv := isolation.executable("setpriv"):
+        argv += [setpriv, "--pdeathsig", "KILL", "--"]
+    nproc = None
+    if not cgroup.attach_files and os.getuid() != 0:
+        # RLIMIT_NPROC counts every process of the user, so allow for those already running.
+        nproc = _count_own_processes() + limits.max_processes
+    if prlimit := isolation.executable("prlimit"):
+        argv += [
+            prlimit,
+            f"--cpu={int(limits.cpu_seconds)}",
+            f"--as={int(limits.memory_bytes)}",
+            f"--fsize={int(limits.file_bytes)}",
+            *([f"--nproc={nproc}"] if nproc else []),
+            "--",
+        ]
+    else:
         prologue = [
             f"ulimit -t {int(limits.cpu_seconds)}",
             f"ulimit -v {limits.memory_bytes // 1024}",
             f"ulimit -f {max(1, limits.file_bytes // 512)}",
+            'exec "$@"',
         ]
-        if cgroup.path is not None:
-            prologue.append(f"echo $$ > {shlex.quote(str(cgroup.path / 'cgroup.procs'))}")
-        elif os.getuid() != 0:
-            # RLIMIT_NPROC counts every process of the user, so allow for those already running.
-            prologue.append(f"ulimit -u {_count_own_processes() + limits.max_processes}")
-        prologue.append('exec "$@"')
-        launcher = ["/bin/sh", "-c", "; ".join(prologue), "sh"]
-        inner = ["/bin/sh", "-c", command]
-        if self.backend == "rlimit":
-            return launcher + inner
-        args = _bwrap_args(str(self.workspace), hidden_paths, extra_ro_binds)
-        return launcher + args + inner
-
-
-_empty_path: str | None = None
-
-
-def _empty_file() -> str:
-    """An empty read-only file to mount over hidden files (a /dev/null bind is not openable
-    when bwrap mounts it nodev)."""
-    global _empty_path
-    with _lock:
-        if _empty_path is None or not os.path.exists(_empty_path):
-            handle, path = tempfile.mkstemp(prefix="cj_empty_")
-            os.close(handle)
-            os.chmod(path, 0o444)
-            _empty_path = path
-    return _empty_path
-
-
-def _bwrap_args(workspace: str, hidden_paths, extra_ro_binds: dict[str, str]) -> list[str]:
-    args = ["bwrap", *_system_binds()]
-    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
-    args += ["--bind", workspace, WORKSPACE_MOUNT, "--chdir", WORKSPACE_MOUNT]
-    for hidden in hidden_paths:
-        if not os.path.exists(hidden) or not _under_bound_tree(hidden):
-            continue
-        if os.path.isdir(hidden):
-            args += ["--tmpfs", hidden, "--remount-ro", hidden]
-        else:
-            args += ["--ro-bind", _empty_file(), hidden]
-    for host, inside in extra_ro_binds.items():
-        args += ["--ro-bind", host, inside]
-    args += ["--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
-    return args
+        argv += ["/bin/sh", "-c", "; ".join(prologue), "cj_limits"]
+    return argv
 
 
 def _count_own_processes() -> int:
@@ -323,14 +380,25 @@ def _count_own_processes() -> int:
     return count
 
 
-def _under_bound_tree(path: str) -> bool:
-    real = os.path.realpath(path)
-    roots = [os.path.realpath(p) for p in (*_SYSTEM_DIRS, sys.base_prefix)]
-    return any(real == root or real.startswith(root + os.sep) for root in roots)
+def _entry_states(root: Path) -> dict[str, tuple[int, int]]:
+    """{relative path: (size, mtime ns)} of every file and directory under root (directories
+    have size 0), symlinks not followed."""
+    states = {}
+    for directory, dirs, files in os.walk(root):
+        for name in files + dirs:
+            path = os.path.join(directory, name)
+            try:
+                info = os.lstat(path)
+            except OSError:
+                continue
+            size = 0 if name in dirs and not os.path.islink(path) else info.st_size
+            states[os.path.relpath(path, root)] = (size, info.st_mtime_ns)
+    return states
 
 
-def _collect(proc, stdin: str, limits: SandboxLimits, start: float):
-    """Reads merged output until exit, killing on wall time or output overflow."""
+def _collect(proc, stdin: str, limits: SandboxLimits, start: float, over_limit):
+    """Reads merged output until exit, killing on wall time, output overflow, or a workspace
+    over its caps (checked every _WATCH_SECONDS)."""
     try:
         if stdin:
             proc.stdin.write(stdin.encode())
@@ -338,13 +406,19 @@ def _collect(proc, stdin: str, limits: SandboxLimits, start: float):
     except OSError:
         pass
     chunks, size = [], 0
+    next_watch = time.monotonic() + _WATCH_SECONDS
     with selectors.DefaultSelector() as selector:
         selector.register(proc.stdout, selectors.EVENT_READ)
         while True:
-            remaining = limits.wall_seconds - (time.monotonic() - start)
+            now = time.monotonic()
+            remaining = limits.wall_seconds - (now - start)
             if remaining <= 0:
                 return b"".join(chunks), "wall"
-            if not selector.select(timeout=min(remaining, 0.5)):
+            if now >= next_watch:
+                if over_limit():
+                    return b"".join(chunks), "workspace"
+                next_watch = now + _WATCH_SECONDS
+            if not selector.select(timeout=min(remaining, _WATCH_SECONDS)):
                 continue
             data = os.read(proc.stdout.fileno(), 65536)
             if not data:
@@ -369,17 +443,12 @@ def _kill_group(proc) -> None:
     proc.stdout.close()
 
 
-def _warn_fallback_once() -> None:
-    global _warned_fallback
+def _warn_once(key: str, message: str) -> None:
     with _lock:
-        if not _warned_fallback:
-            _warned_fallback = True
-            log.warning(
-                "bubblewrap (bwrap) is not usable here: sandboxed commands fall back to a plain "
-                "subprocess with rlimits. Time, memory, output and process limits still hold, "
-                "but there is NO filesystem or network isolation and hidden paths stay readable; "
-                "install bubblewrap (apt-get install -y bubblewrap) for real isolation."
-            )
+        if key in _warned:
+            return
+        _warned.add(key)
+    log.warning(message)
 
 
 def write_files(root: Path, files: dict[str, str | bytes]) -> None:
@@ -392,9 +461,16 @@ def write_files(root: Path, files: dict[str, str | bytes]) -> None:
             path.write_bytes(content)
 
 
-def read_files(root: Path) -> dict[str, bytes]:
+def read_files(root: Path, max_bytes: int | None = None) -> dict[str, bytes]:
+    """Every regular file under root by relative path; WorkspaceLimitError past `max_bytes`
+    (checked before reading, so a huge workspace is never loaded)."""
+    states = _entry_states(Path(root))
+    total = sum(size for size, _ in states.values())
+    if max_bytes is not None and total > max_bytes:
+        raise WorkspaceLimitError(f"{root} holds {total} bytes, over the limit of {max_bytes}")
     files = {}
-    for path in sorted(Path(root).rglob("*")):
+    for relative in sorted(states):
+        path = Path(root) / relative
         if path.is_file() and not path.is_symlink():
-            files[str(path.relative_to(root))] = path.read_bytes()
+            files[relative] = path.read_bytes()
     return files

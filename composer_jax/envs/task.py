@@ -89,7 +89,7 @@ def grade(sandbox: Sandbox, task: Task, limits: SandboxLimits | None = None) -> 
     try:
         for name, content in task.hidden_files.items():
             (hidden_dir / name).write_text(content, encoding="utf-8")
-        if sandbox.backend == "bwrap":
+        if sandbox.isolated:
             where, binds = HIDDEN_MOUNT, {str(hidden_dir): HIDDEN_MOUNT}
         else:
             where, binds = str(hidden_dir), {}

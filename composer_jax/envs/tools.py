@@ -12,9 +12,13 @@ import shlex
 import time
 from pathlib import Path
 
-from composer_jax.envs.sandbox import WORKSPACE_MOUNT, Sandbox
+from composer_jax.envs.sandbox import WORKSPACE_MOUNT, Sandbox, WorkspaceLimitError
 
 log = logging.getLogger(__name__)
+
+# Longest path and deepest nesting a tool accepts (Linux's PATH_MAX; far deeper than any repo).
+_MAX_PATH_BYTES = 4096
+_MAX_PATH_PARTS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,11 +183,12 @@ class ToolBox:
                 raise ToolError(f"unknown tool {tool!r}; available: {', '.join(self.specs)}")
             typed = check_args(self.specs[tool], args, self.strict)
             output = getattr(self, f"_{tool}")(**typed)
-        except ToolError as failure:
+        except (ToolError, WorkspaceLimitError) as failure:
             error = str(failure)
             output = f"error: {error}"
-        except (OSError, UnicodeError, ValueError) as failure:
-            error = f"{type(failure).__name__}: {failure}"
+        except (OSError, UnicodeError, ValueError, RecursionError, MemoryError) as failure:
+            # A safety net: what the model wrote must never crash the environment.
+            error = f"{type(failure).__name__}: {str(failure)[:200]}"
             output = f"error: {error}"
         output = _truncate(output, self.max_output_bytes)
         record = ToolCallRecord(
@@ -210,6 +215,10 @@ class ToolBox:
         """A workspace path from what the agent wrote; refuses anything that leaves it."""
         if "\x00" in path:
             raise ToolError("path contains a NUL byte")
+        if len(path.encode("utf-8", "replace")) > _MAX_PATH_BYTES:
+            raise ToolError(f"path is longer than {_MAX_PATH_BYTES} bytes")
+        if path.count("/") >= _MAX_PATH_PARTS:
+            raise ToolError(f"path is nested deeper than {_MAX_PATH_PARTS} levels")
         if path == WORKSPACE_MOUNT or path.startswith(WORKSPACE_MOUNT + "/"):
             path = path[len(WORKSPACE_MOUNT) :].lstrip("/")
         if os.path.isabs(path):
@@ -233,9 +242,11 @@ class ToolBox:
         target = self.resolve(path)
         if target.is_dir():
             raise ToolError(f"{path} is a directory")
+        data = content.encode("utf-8", errors="surrogateescape")
+        self.sandbox.check_room(target, len(data))
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(content, encoding="utf-8", errors="surrogateescape")
-        return f"wrote {len(content.encode('utf-8', 'replace'))} bytes to {path}"
+        target.write_bytes(data)
+        return f"wrote {len(data)} bytes to {path}"
 
     def _edit_file(self, path: str, old: str, new: str) -> str:
         target = self.resolve(path)
@@ -245,7 +256,9 @@ class ToolBox:
         occurrences = text.count(old) if old else 0
         if occurrences != 1:
             raise ToolError(f"`old` must occur exactly once in {path}, found {occurrences}")
-        target.write_text(text.replace(old, new, 1), encoding="utf-8", errors="surrogateescape")
+        data = text.replace(old, new, 1).encode("utf-8", errors="surrogateescape")
+        self.sandbox.check_room(target, len(data))
+        target.write_bytes(data)
         return f"edited {path}"
 
     def _list_dir(self, path: str = ".") -> str:

@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 
+from composer_jax.envs import cgroups
 from composer_jax.envs import worker as env_worker
 
 
@@ -120,7 +121,9 @@ class WorkerProcess:
         self._release()
 
     def _release(self) -> None:
-        """Closes the pipes and removes the workspaces a killed worker could not."""
+        """Closes the pipes, kills the commands a killed worker left running (by their cgroups)
+        and removes the workspaces it could not."""
+        cgroups.sweep(self.pid)
         self._writable.close()
         self._readable.close()
         self.process.stdin.close()

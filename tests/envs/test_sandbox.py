@@ -1,5 +1,5 @@
-"""Sandbox isolation and limits. bwrap-only properties are skipped when bwrap is unusable; the
-limits (time, memory, output, processes) are checked on both backends."""
+"""Sandbox limits and basic isolation on every backend usable here (bwrap, unshare, and the
+unisolated rlimit fallback); the escape probes are in test_escapes.py."""
 
 import logging
 import os
@@ -7,22 +7,32 @@ import subprocess
 
 import pytest
 
+from composer_jax.envs import isolation
 from composer_jax.envs import sandbox as sandbox_module
-from composer_jax.envs.sandbox import Sandbox, SandboxLimits, bwrap_available
+from composer_jax.envs.sandbox import IsolationUnavailable, Sandbox, SandboxLimits
 
-BACKENDS = [
-    pytest.param("bwrap", marks=pytest.mark.skipif(not bwrap_available(), reason="no bwrap")),
-    "rlimit",
-]
 FAST = SandboxLimits(cpu_seconds=2, wall_seconds=4, memory_bytes=512 << 20, max_processes=32)
-needs_bwrap = pytest.mark.skipif(not bwrap_available(), reason="bwrap not usable here")
 
 
-@pytest.fixture(params=BACKENDS)
-def sandbox(request, tmp_path):
-    box = Sandbox.from_files(
-        {"a.txt": "hello"}, root=str(tmp_path), backend=request.param, limits=FAST
+def backend_param(name):
+    usable = isolation.usable(name)
+    return pytest.param(name, marks=pytest.mark.skipif(not usable, reason=f"{name} not usable"))
+
+
+ISOLATING = [backend_param("bwrap"), backend_param("unshare")]
+ALL = [*ISOLATING, "rlimit"]
+
+
+def make_sandbox(backend, root=None, **kwargs):
+    kwargs.setdefault("limits", FAST)
+    return Sandbox.from_files(
+        {"a.txt": "hello"}, root=root, backend=backend, require_isolation=False, **kwargs
     )
+
+
+@pytest.fixture(params=ALL)
+def sandbox(request, tmp_path):
+    box = make_sandbox(request.param, str(tmp_path))
     yield box
     box.close()
 
@@ -33,33 +43,35 @@ def test_runs_in_workspace(sandbox):
     assert (sandbox.workspace / "b.txt").read_text() == "more\n"
 
 
-@needs_bwrap
-def test_cannot_write_outside_workspace(tmp_path):
+@pytest.mark.parametrize("backend", ISOLATING)
+def test_isolated_view(backend, tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
-    with Sandbox.from_files({}, root=str(tmp_path), backend="bwrap") as box:
+    with make_sandbox(backend, str(tmp_path)) as box:
         result = box.run(
-            f"echo x > {outside}/f; echo y > /etc/cj_probe; echo z > /tmp/ok; cat /tmp/ok"
+            f"echo x > {outside}/f; echo y > /etc/cj_probe; echo z > /tmp/ok; cat /tmp/ok; "
+            "python3 -c 'print(2 + 3)'"
         )
     assert not (outside / "f").exists() and not os.path.exists("/etc/cj_probe")
     assert "Read-only file system" in result.output or "No such file" in result.output
-    assert result.output.strip().endswith("z")  # private /tmp is writable
+    assert result.output.strip().endswith("z\n5")  # private /tmp is writable, Python runs
 
 
-@needs_bwrap
-def test_cannot_open_a_socket():
+@pytest.mark.parametrize("backend", ISOLATING)
+def test_cannot_open_a_socket(backend):
     code = "import socket; socket.create_connection(('1.1.1.1', 53), timeout=2); print('open')"
-    with Sandbox.from_files({}, backend="bwrap") as box:
+    with make_sandbox(backend) as box:
         result = box.run(f'python3 -c "{code}"')
     assert "open" not in result.output and result.returncode != 0
 
 
-@needs_bwrap
-def test_hidden_paths_are_masked(tmp_path):
+@pytest.mark.parametrize("backend", ISOLATING)
+def test_hidden_paths_are_masked(backend):
     secret = os.path.join(os.path.dirname(os.__file__), "textwrap.py")
-    with Sandbox.from_files({}, backend="bwrap", hidden_paths=(secret,)) as box:
-        result = box.run(f"wc -c < {secret}")
-    assert result.output.strip() == "0"
+    masked_dir = os.path.join(os.path.dirname(os.__file__), "json")
+    with make_sandbox(backend, hidden_paths=(secret, masked_dir)) as box:
+        result = box.run(f"wc -c < {secret}; ls {masked_dir} | wc -l")
+    assert result.output.split() == ["0", "0"]
 
 
 def test_killed_at_cpu_limit(sandbox):
@@ -109,8 +121,17 @@ def test_fork_and_snapshot(sandbox):
         child.close()
 
 
-def test_fallback_warns_clearly(caplog, monkeypatch):
-    monkeypatch.setattr(sandbox_module, "_warned_fallback", False)
+def test_fallback_warns_once(caplog, monkeypatch):
+    monkeypatch.setattr(sandbox_module, "_warned", set())
     with caplog.at_level(logging.WARNING):
-        Sandbox.from_files({}, backend="rlimit").close()
-    assert any("NO filesystem or network isolation" in m for m in caplog.messages)
+        Sandbox.from_files({}, backend="rlimit", require_isolation=False).close()
+        Sandbox.from_files({}, backend="rlimit", require_isolation=False).close()
+    warnings = [m for m in caplog.messages if "NO filesystem, process or network isolation" in m]
+    assert len(warnings) == 1
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="sandbox backend"):
+        Sandbox.from_files({}, backend="docker")
+    with pytest.raises(IsolationUnavailable, match="does not isolate"):
+        Sandbox.from_files({}, backend="rlimit")
