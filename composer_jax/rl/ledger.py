@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import threading
@@ -26,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+log = logging.getLogger(__name__)
+
 _META = "__meta__"
 _TMP = ".tmp-"
 _ID = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -33,6 +36,10 @@ _ID = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 class LedgerError(RuntimeError):
     """An operation would break exactly-once accounting (unknown, duplicate or reused group)."""
+
+
+class DamagedGroup(LedgerError):
+    """A group file that cannot be read back; it has been set aside (`.corrupt`) and counted."""
 
 
 @dataclasses.dataclass
@@ -80,6 +87,22 @@ def _unflatten(flat: dict[str, np.ndarray]) -> dict[str, Any]:
     return tree
 
 
+def _read_record(path: str, name: str) -> dict | None:
+    """A consumed/ record, or None when it is torn, garbled or not the expected shape."""
+    try:
+        with open(path, "rb") as f:
+            record = json.loads(f.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("group_ids"), list):
+        return None
+    if name.startswith("trained-") and not isinstance(record.get("step"), int):
+        return None
+    if name.startswith("dropped-") and not isinstance(record.get("current_version"), int):
+        return None
+    return record
+
+
 def _fsync_dir(directory: str) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -122,6 +145,7 @@ class GroupLedger:
         self._drop_reason: dict[str, str] = {}
         self._drop_records = 0
         self.corrupt: list[str] = []  # group files that could not be read (moved aside)
+        self.corrupt_records: list[str] = []  # consumed/ records that could not be read
         self._load()
 
     # ------------------------------------------------------------------------------ reopening
@@ -131,6 +155,8 @@ class GroupLedger:
                 if name.startswith(_TMP):  # a write that never completed
                     os.remove(os.path.join(d, name))
         for name in sorted(os.listdir(self._groups_dir)):
+            if name.endswith(".npz.corrupt"):  # set aside by an earlier start
+                self.corrupt.append(name[: -len(".npz.corrupt")])
             if not name.endswith(".npz"):
                 continue
             path = os.path.join(self._groups_dir, name)
@@ -143,14 +169,32 @@ class GroupLedger:
                 continue
             self._index[meta["group_id"]] = meta
         for name in sorted(os.listdir(self._consumed_dir)):
-            with open(os.path.join(self._consumed_dir, name)) as f:
-                record = json.load(f)
+            if name.startswith("dropped-"):  # the next record's number (set-aside ones too)
+                number = name.removeprefix("dropped-").split(".")[0]
+                if number.isdigit():
+                    self._drop_records = max(self._drop_records, int(number) + 1)
+            if name.endswith(".corrupt"):
+                self.corrupt_records.append(name.removesuffix(".corrupt"))
+                continue
+            path = os.path.join(self._consumed_dir, name)
+            record = _read_record(path, name)
+            if record is None:
+                # Its groups read as pending again: a damaged "trained" record can lead to a
+                # group trained twice, a damaged "dropped" one to a stale group trained.
+                os.replace(path, path + ".corrupt")
+                self.corrupt_records.append(name)
+                log.warning(
+                    "ledger record %s is damaged; set aside as %s.corrupt (the groups it listed "
+                    "count as pending again)",
+                    path,
+                    path,
+                )
+                continue
             if name.startswith("trained-"):
                 self._steps[record["step"]] = record["group_ids"]
                 for gid in record["group_ids"]:
                     self._trained[gid] = record["step"]
             elif name.startswith("dropped-"):
-                self._drop_records += 1
                 for gid in record["group_ids"]:
                     self._dropped[gid] = record["current_version"]
                     self._drop_reason[gid] = record.get("reason", "stale")
@@ -302,14 +346,22 @@ class GroupLedger:
         return current_version - self._index[group_id]["min_version"]
 
     def load(self, group_id: str) -> Group:
-        """The full group; zip CRCs catch a corrupted file (LedgerError)."""
+        """The full group. A file that cannot be read back (zip CRCs catch a flipped byte) is
+        set aside as `.corrupt`, counted, and the group leaves the ledger: DamagedGroup."""
         path = os.path.join(self._groups_dir, f"{group_id}.npz")
         try:
             with np.load(path, allow_pickle=False) as z:
                 flat = {name: z[name] for name in z.files}
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
-            raise LedgerError(f"group {group_id}: cannot read {path}: {e}") from None
-        meta = json.loads(flat.pop(_META).tobytes())
+            meta = json.loads(flat.pop(_META).tobytes())
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError, KeyError) as e:
+            with self._lock:
+                if os.path.exists(path):
+                    os.replace(path, path + ".corrupt")
+                self._index.pop(group_id, None)
+                self.corrupt.append(group_id)
+            raise DamagedGroup(
+                f"group {group_id}: {path} is damaged ({type(e).__name__}: {e}); set aside"
+            ) from None
         return Group(
             group_id=meta["group_id"],
             prompt_id=meta["prompt_id"],
@@ -331,4 +383,5 @@ class GroupLedger:
                 "dropped_other": sum(r != "stale" for r in self._drop_reason.values()),
                 "pending": len(self._pending_ids()),
                 "corrupt": len(self.corrupt),
+                "corrupt_records": len(self.corrupt_records),
             }

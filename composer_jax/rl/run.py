@@ -34,13 +34,14 @@ from composer_jax.rl.coordinator import Coordinator
 from composer_jax.rl.env_workers import make_environment_pool
 from composer_jax.rl.evaluator import Evaluator, HeldoutResult
 from composer_jax.rl.inflight import InFlightError, InFlightStore
-from composer_jax.rl.ledger import GroupLedger
+from composer_jax.rl.ledger import DamagedGroup, GroupLedger
 from composer_jax.rl.sampler import LocalSampler
 from composer_jax.rl.samples import groups_to_batch
 from composer_jax.rl.trainer import RLTrainer
 from composer_jax.train.loop import StopRequest, load_trained_model, run_pretraining
 from composer_jax.train.metrics import MetricsWriter, read_metrics
 from composer_jax.train.step import split_model
+from composer_jax.train.workdir import check_run_folder, prepare_workdir, write_config
 
 
 @dataclasses.dataclass
@@ -104,6 +105,18 @@ def _check_model(cfg, model) -> None:
             raise config_lib.ConfigError(
                 f"model.{field.name}: the warm-start model has {theirs!r}, the config {ours!r}"
             )
+
+
+def _env_timeout(rl, env_config) -> float:
+    """How long an environment worker may take for one call before it counts as hung: at least
+    the longest a step can legitimately take under the environment's limits."""
+    needed = env_config.step_seconds()
+    if rl.env_timeout_s and rl.env_timeout_s < needed:
+        raise config_lib.ConfigError(
+            f"rl.env_timeout_s: {rl.env_timeout_s} s is shorter than a step may legitimately take "
+            f"under the environment's limits ({needed:.0f} s); use 0 to derive it"
+        )
+    return rl.env_timeout_s or needed
 
 
 def _store_dir(cfg) -> str:
@@ -182,7 +195,17 @@ def next_groups(coordinator, ledger: GroupLedger, rl, version: int, interrupted=
             coordinator.groups_trained(len(stale), version)
             coordinator.redispatch(stale, version)
             continue
-        groups = [ledger.load(i) for i in ids]
+        groups, damaged = [], []
+        for group_id in ids:
+            try:
+                groups.append(ledger.load(group_id))
+            except DamagedGroup as error:  # set aside and counted by the ledger
+                print(f"warning: {error}; its prompt is sampled again", flush=True)
+                damaged.append(group_id)
+        if damaged:
+            coordinator.groups_trained(len(damaged), version)
+            coordinator.redispatch(damaged, version)
+            continue
         uniform = [g.group_id for g in groups if rl.skip_uniform_groups and np.ptp(g.rewards) == 0]
         if not uniform:
             break
@@ -238,15 +261,16 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
     """Trains (or resumes) the asynchronous RL run described by `cfg` in `cfg.workdir`."""
     config_lib.validate(cfg, jax.device_count())
     rl = cfg.rl
-    os.makedirs(cfg.workdir, exist_ok=True)
-    with open(os.path.join(cfg.workdir, "config.json"), "w") as f:
-        json.dump(config_lib.to_dict(cfg), f, indent=2)
+    if rl.warm_start:  # before the workdir exists: a typo must not leave an empty run behind
+        check_run_folder(rl.warm_start, "rl.warm_start")
+    prepare_workdir(cfg.workdir)
     tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
     model = _warm_start(cfg, progress)
     _check_model(cfg, model)
     _, warm_params, warm_buffers = split_model(model)
 
-    env_config = envs.EnvConfig(max_turns=rl.max_turns)
+    env_config = envs.EnvConfig(max_turns=rl.max_turns, require_isolation=rl.require_sandbox)
+    env_timeout_s = _env_timeout(rl, env_config)
     heldout_tasks = heldout_task_set(cfg)
     evaluator = Evaluator(
         rl, heldout_tasks, tokenizer, rl.heldout_samples, rl.heldout_temperature, env_config
@@ -257,6 +281,7 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
     ledger = GroupLedger(os.path.join(cfg.workdir, "ledger"))
     store = _store_dir(cfg)
     trainer = RLTrainer(cfg, warm_params, warm_buffers, store)
+    write_config(cfg.workdir, cfg)  # only now: a refused resume leaves the old config as it was
     num_prompts = rl.num_prompts or cfg.steps * rl.groups_per_step
     tasks = envs.builtin_tasks(
         num_prompts, split="train", seed=cfg.seed + 1, max_ops=cfg.data.task_max_ops
@@ -290,12 +315,12 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
     if rl.backend == "ray":
         from composer_jax.rl.ray_backend import RaySampler
 
-        pool = make_environment_pool("ray", rl.num_env_workers, rl.env_timeout_s)
+        pool = make_environment_pool("ray", rl.num_env_workers, env_timeout_s)
         sampler = RaySampler(
             cfg.model, store, rl.num_slots, rl.context_len, rl.recompute_cache_on_update
         )
     else:
-        pool = make_environment_pool(rl.env_workers, rl.num_env_workers, rl.env_timeout_s)
+        pool = make_environment_pool(rl.env_workers, rl.num_env_workers, env_timeout_s)
         sampler = LocalSampler(
             model,
             store,

@@ -107,7 +107,7 @@ class RLTrainer:
         self.checkpointer = Checkpointer(
             os.path.join(cfg.workdir, "checkpoints"), cfg.train.keep_checkpoints
         )
-        restored = self.checkpointer.latest_step()
+        restored = self.checkpointer.restore_latest(setup.abstract_state)
         if restored is None:
             # Copies: the train state is donated each step, the reference (and whatever else
             # holds the warm-start arrays, e.g. a sampler) must survive.
@@ -118,9 +118,9 @@ class RLTrainer:
             self.state = TrainState(
                 jax.device_put(np.int32(0), setup.shardings.step), params, buffers, opt_state
             )
+            self.restored_step = None
         else:
-            self.state, _ = self.checkpointer.restore(restored, setup.abstract_state)
-        self.restored_step = restored
+            self.restored_step, self.state, _ = restored
         self._step_fn = jax.jit(
             functools.partial(
                 rl_train_step, setup.graphdef, setup.optimizer, cfg.rl, setup.schedule, self.layout

@@ -7,6 +7,7 @@ Saves are asynchronous: training continues while the previous step is written.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from typing import Any
@@ -14,9 +15,25 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+log = logging.getLogger(__name__)
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or does not match the model being trained."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """A readable checkpoint of another model (names or shapes differ): a configuration error,
+    never a reason to fall back to an older checkpoint."""
+
+
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint that cannot be read (missing or corrupt files)."""
 
 
 def _key_name(path) -> str:
@@ -71,12 +88,14 @@ class Checkpointer:
         try:
             stored = self._manager.item_metadata(step)["state"]
         except Exception as e:  # Orbax raises several types for unreadable folders.
-            raise CheckpointError(f"checkpoint {self.directory}/{step} is unreadable: {e}") from e
+            raise CheckpointDamaged(
+                f"checkpoint {self.directory}/{step} is unreadable: {_first_line(e)}"
+            ) from e
         if stored is not None:
             missing = sorted(set(target) - set(stored))
             unexpected = sorted(set(stored) - set(target))
             if missing or unexpected:
-                raise CheckpointError(
+                raise CheckpointMismatch(
                     f"checkpoint {self.directory}/{step} does not match the model: missing "
                     f"{missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected "
                     f"{unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
@@ -84,7 +103,7 @@ class Checkpointer:
             for key, spec in target.items():
                 shape = tuple(getattr(stored[key], "shape", spec.shape))
                 if shape != tuple(spec.shape):
-                    raise CheckpointError(
+                    raise CheckpointMismatch(
                         f"checkpoint tensor {key} has shape {shape}, "
                         f"the model expects {tuple(spec.shape)}"
                     )
@@ -96,9 +115,41 @@ class Checkpointer:
                 ),
             )
         except Exception as e:
-            raise CheckpointError(f"failed to restore {self.directory}/{step}: {e}") from e
+            raise CheckpointDamaged(
+                f"failed to restore {self.directory}/{step}: {_first_line(e)}"
+            ) from e
         state = jax.tree_util.tree_unflatten(treedef, [restored["state"][k] for k in target])
         return state, dict(restored["metadata"])
+
+    def restore_latest(
+        self, abstract_state: Any, set_aside: bool = True
+    ) -> tuple[int, Any, dict] | None:
+        """(step, state, metadata) of the newest checkpoint that restores, or None when there is
+        none. A damaged checkpoint is skipped with a warning (and, with `set_aside`, renamed
+        `<step>.damaged` so the resumed run can save that step again) and the previous one is
+        tried; a mismatch stops at once, and so does finding none intact."""
+        failures = []
+        for step in sorted(self._manager.all_steps(), reverse=True):
+            try:
+                state, metadata = self.restore(step, abstract_state)
+            except CheckpointDamaged as error:
+                failures.append(str(error))
+                if set_aside:
+                    aside, n = os.path.join(self.directory, f"{step}.damaged"), 1
+                    while os.path.exists(aside):
+                        aside, n = os.path.join(self.directory, f"{step}.damaged-{n}"), n + 1
+                    os.replace(os.path.join(self.directory, str(step)), aside)
+                    self._manager.reload()
+                log.warning("%s; trying the previous checkpoint", error)
+                continue
+            if failures:
+                log.warning("resuming from the intact checkpoint %s/%d", self.directory, step)
+            return step, state, metadata
+        if failures:
+            raise CheckpointDamaged(
+                f"no checkpoint in {self.directory} restores: " + "; ".join(failures)
+            )
+        return None
 
     def wait(self) -> None:
         self._manager.wait_until_finished()

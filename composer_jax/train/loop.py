@@ -35,6 +35,7 @@ from composer_jax.parallel.report import sharding_table
 from composer_jax.train.checkpoint import Checkpointer, CheckpointError
 from composer_jax.train.metrics import MetricsWriter
 from composer_jax.train.step import TrainState, eval_step, init_train_state, split_model, train_step
+from composer_jax.train.workdir import check_run_folder, prepare_workdir, write_config
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -261,7 +262,8 @@ def _check_same_architecture(ours: config_lib.ModelConfig, theirs: config_lib.Mo
 
 
 def load_trained_model(workdir: str, step: int | None = None) -> tuple[Transformer, int]:
-    """The model of a training run's checkpoint (latest unless `step`), for evaluation."""
+    """The model of a training run's checkpoint (the latest intact one unless `step`)."""
+    check_run_folder(workdir, "workdir")
     with open(os.path.join(workdir, "config.json")) as f:
         cfg = config_lib.from_dict(config_lib.ExperimentConfig, json.load(f))
     setup = make_train_setup(
@@ -269,10 +271,13 @@ def load_trained_model(workdir: str, step: int | None = None) -> tuple[Transform
     )
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
     try:
-        step = ckpt.latest_step() if step is None else step
         if step is None:
-            raise CheckpointError(f"no checkpoint in {ckpt.directory}")
-        state, _ = ckpt.restore(step, setup.abstract_state)
+            restored = ckpt.restore_latest(setup.abstract_state, set_aside=False)
+            if restored is None:
+                raise CheckpointError(f"no checkpoint in {ckpt.directory}")
+            step, state, _ = restored
+        else:
+            state, _ = ckpt.restore(step, setup.abstract_state)
     finally:
         ckpt.close()
     return nnx.merge(setup.graphdef, state.params, state.buffers), step
@@ -286,25 +291,24 @@ def run_pretraining(cfg: config_lib.ExperimentConfig, progress: bool = True) -> 
             f"model.vocab_size: {cfg.model.vocab_size} is smaller than the "
             f"{cfg.data.tokenizer!r} tokenizer's vocabulary"
         )
+    workdir = prepare_workdir(cfg.workdir)
+    if cfg.init_from and not os.path.isdir(cfg.init_from):
+        raise config_lib.ConfigError(f"init_from: {cfg.init_from!r} is not a folder")
     setup = make_train_setup(cfg)
     layout, bounds = setup.layout, setup.bounds
-    workdir = os.path.abspath(cfg.workdir)
     is_main = jax.process_index() == 0
-    if is_main:
-        os.makedirs(workdir, exist_ok=True)
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            json.dump(config_lib.to_dict(cfg), f, indent=2)
-
     if cfg.print_sharding and is_main:
         print(sharding_table(setup.abstract_state.params), flush=True)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
-    resume_step = ckpt.latest_step()
+    restored = ckpt.restore_latest(setup.abstract_state)
     data_position: dict = {}
-    if resume_step is None:
-        state = _initial_state(setup)
+    if restored is None:
+        resume_step, state = None, _initial_state(setup)
     else:
-        state, data_position = ckpt.restore(resume_step, setup.abstract_state)
+        resume_step, state, data_position = restored
         print(f"Resumed from {ckpt.directory}/{resume_step}", flush=True)
+    if is_main:  # only now: a refused resume must leave the old run's config as it was
+        write_config(workdir, cfg)
 
     step_fn = setup.jit_train_step()
     eval_fn = jax.jit(functools.partial(eval_step, setup.graphdef, layout))

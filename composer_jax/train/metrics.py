@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import shutil
+import time
 from typing import Mapping
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 def _scalar(v) -> float:
@@ -35,9 +40,22 @@ class MetricsWriter:
             return
         os.makedirs(workdir, exist_ok=True)
         if resume_step is not None and os.path.exists(self.path):
-            kept = [line for line in read_metrics(self.path) if line["step"] <= resume_step]
-            with open(self.path, "w") as f:
+            records, damaged = _parse(self.path)
+            if damaged:
+                copy = f"{self.path}.damaged-{int(time.time())}"
+                shutil.copyfile(self.path, copy)
+                log.warning(
+                    "%s: line(s) %s are torn or garbled (a crash mid-write?); kept the good "
+                    "records, the original is in %s",
+                    self.path,
+                    damaged[:5],
+                    copy,
+                )
+            kept = [line for line in records if line["step"] <= resume_step]
+            tmp = f"{self.path}.tmp"
+            with open(tmp, "w") as f:
                 f.writelines(json.dumps(line) + "\n" for line in kept)
+            os.replace(tmp, self.path)
         elif resume_step is None and os.path.exists(self.path):
             os.remove(self.path)  # A fresh run in an old workdir starts a fresh record.
         if tensorboard:
@@ -70,6 +88,28 @@ class MetricsWriter:
 
 
 def read_metrics(path: str) -> list[dict]:
-    """All records of a metrics.jsonl file, in order."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """All records of a metrics.jsonl file, in order; torn or garbled lines are skipped (with a
+    warning naming them)."""
+    records, damaged = _parse(path)
+    if damaged:
+        log.warning("%s: skipped torn or garbled line(s) %s", path, damaged[:5])
+    return records
+
+
+def _parse(path: str) -> tuple[list[dict], list[int]]:
+    """(records, 1-based numbers of the lines that are not a JSON object with a step)."""
+    records, damaged = [], []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError):
+                damaged.append(number)
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                records.append(record)
+            else:
+                damaged.append(number)
+    return records, damaged

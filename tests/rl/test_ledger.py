@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from composer_jax.rl import ledger as ledger_module
-from composer_jax.rl.ledger import Group, GroupLedger, LedgerError
+from composer_jax.rl.ledger import DamagedGroup, Group, GroupLedger, LedgerError
 
 # Shared by the tests and the killed writer subprocess: group i's content is a function of i.
 _MAKE_GROUP = """
@@ -75,6 +75,7 @@ def test_round_trip_and_reopen(tmp_path):
         "dropped_other": 0,
         "pending": 1,
         "corrupt": 0,
+        "corrupt_records": 0,
     }
     with pytest.raises(LedgerError, match="already in the ledger"):
         again.add(groups[0])
@@ -128,8 +129,44 @@ def test_half_written_and_corrupt_group_files(tmp_path):
     data = bytearray((groups / "g00000.npz").read_bytes())
     data[200] ^= 0xFF  # a flipped bit inside an array: caught by the zip CRC on load
     (groups / "g00000.npz").write_bytes(bytes(data))
-    with pytest.raises(LedgerError, match="g00000"):
-        GroupLedger(str(tmp_path)).load("g00000")
+    led = GroupLedger(str(tmp_path))
+    assert led.pending() == ["g00000"]  # opening reads only the metadata member
+    with pytest.raises(DamagedGroup, match="g00000"):
+        led.load("g00000")
+    assert led.pending() == [] and led.stats()["corrupt"] == 2
+    assert (groups / "g00000.npz.corrupt").exists()
+    assert GroupLedger(str(tmp_path)).pending() == []  # and so it stays on every restart
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [b"", b'{"step": 1, "group_ids": ["g0000', b"\x00\xff garbage", b'["not", "a", "record"]'],
+)
+def test_damaged_consumed_records_are_set_aside(tmp_path, damage):
+    led = GroupLedger(str(tmp_path))
+    for i in range(4):
+        led.add(make_group(Group, i))
+    led.mark_trained(["g00000"], step=1)
+    led.mark_trained(["g00001"], step=2)
+    led.drop(["g00002"], current_version=2, reason="uninformative")
+    consumed = tmp_path / "consumed"
+    (consumed / f"trained-{2:012d}.json").write_bytes(damage)
+    led = GroupLedger(str(tmp_path))
+    assert led.corrupt_records == [f"trained-{2:012d}.json"]
+    assert led.stats()["corrupt_records"] == 1
+    assert led.trained_step("g00000") == 1 and led.trained_step("g00001") is None
+    assert led.pending() == ["g00001", "g00003"]
+    (consumed / "dropped-000000.json").write_bytes(damage)
+    led = GroupLedger(str(tmp_path))
+    assert led.stats()["corrupt_records"] == 2  # counted across restarts
+    led.drop(["g00003"], current_version=3, reason="uninformative")
+    # The next record does not reuse the damaged one's number.
+    assert sorted(p.name for p in consumed.iterdir()) == [
+        "dropped-000000.json.corrupt",
+        "dropped-000001.json",
+        f"trained-{1:012d}.json",
+        f"trained-{2:012d}.json.corrupt",
+    ]
 
 
 def _run_writer_and_kill(directory, start, min_groups):
@@ -199,6 +236,7 @@ def test_staleness_accounting(tmp_path):
         "dropped_other": 0,
         "pending": 3,
         "corrupt": 0,
+        "corrupt_records": 0,
     }
 
 

@@ -84,3 +84,17 @@ def test_weights_scale_the_advantages_of_their_samples():
     _, quarter = policy_objective(logits, half, cfg)
     np.testing.assert_allclose(float(quarter["pg_loss"]), 0.25 * float(plain["pg_loss"]), rtol=1e-6)
     assert not np.isclose(float(scaled["pg_loss"]), float(plain["pg_loss"]))
+
+
+def test_a_damaged_pending_group_is_set_aside_and_its_prompt_redone(tmp_path):
+    rl = dataclasses.replace(RLConfig(), groups_per_step=2)
+    ledger = _ledger(tmp_path, [3, 3, 3])
+    path = tmp_path / "groups" / "g0.npz"
+    data = bytearray(path.read_bytes())
+    data[200] ^= 0xFF  # a flipped byte inside an array
+    path.write_bytes(bytes(data))
+    coordinator = _Coordinator(ledger)
+    groups, weights, dropped = next_groups(coordinator, ledger, rl, version=3)
+    assert [g.group_id for g in groups] == ["g1", "g2"]
+    assert coordinator.redone == ["g0"] and coordinator.released == 1
+    assert ledger.stats()["corrupt"] == 1 and (tmp_path / "groups" / "g0.npz.corrupt").exists()

@@ -1,0 +1,113 @@
+"""Run state that survives damage: torn metrics, damaged checkpoints, refused resumes, bad
+workdirs. The run resumes, or stops with a one-line error naming the file."""
+
+import dataclasses
+import json
+import os
+import shutil
+
+import pytest
+
+from composer_jax.config import ConfigError
+from composer_jax.train import CheckpointError, MetricsWriter, read_metrics, run_pretraining
+from composer_jax.train.checkpoint import CheckpointMismatch
+from composer_jax.train.workdir import prepare_workdir
+from tests.train.helpers import make_corpus, tiny_experiment
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return make_corpus(str(tmp_path_factory.mktemp("corpus")))
+
+
+def _losses(workdir):
+    return {
+        m["step"]: m["loss"]
+        for m in read_metrics(os.path.join(workdir, "metrics.jsonl"))
+        if "loss" in m
+    }
+
+
+@pytest.mark.parametrize("tail", [b'{"step": 4, "lo', b"\x00\xff\xfe garbage\n", b"[1, 2]\n"])
+def test_torn_metrics_tail_is_repaired_on_resume(tmp_path, tail):
+    writer = MetricsWriter(str(tmp_path), tensorboard=False)
+    for step in (1, 2, 3):
+        writer.write(step, {"loss": float(step)})
+    path = tmp_path / "metrics.jsonl"
+    with open(path, "ab") as f:
+        f.write(tail)
+    assert [m["step"] for m in read_metrics(str(path))] == [1, 2, 3]  # readers skip it
+    MetricsWriter(str(tmp_path), resume_step=2, tensorboard=False).write(3, {"loss": 9.0})
+    assert [(m["step"], m["loss"]) for m in read_metrics(str(path))] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 9.0),
+    ]
+    (copy,) = tmp_path.glob("metrics.jsonl.damaged-*")
+    assert copy.read_bytes().endswith(tail)
+
+
+def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, corpus, caplog):
+    workdir = tmp_path / "run"
+    cfg = tiny_experiment(str(workdir), corpus, steps=6)
+    run_pretraining(cfg, progress=False)
+    first = _losses(workdir)
+    checkpoints = workdir / "checkpoints"
+    assert sorted(int(d) for d in os.listdir(checkpoints) if d.isdigit()) == [3, 6]
+    for path in (checkpoints / "6").rglob("*"):  # damage every file of the latest
+        if path.is_file():
+            path.write_bytes(b"\x00" * 7)
+    with open(workdir / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 7, "lo')  # and tear the metrics for good measure
+    resumed = run_pretraining(cfg, progress=False)
+    assert resumed.final_step == 6
+    assert "checkpoints/6 is unreadable" in caplog.text or "restore" in caplog.text
+    assert (checkpoints / "6.damaged").is_dir() and (checkpoints / "6").is_dir()
+    got = _losses(workdir)
+    assert got == first  # steps 4-6 redone bit for bit from checkpoint 3
+
+    for step in ("3", "6"):
+        for path in (checkpoints / step).rglob("*"):
+            if path.is_file():
+                path.write_bytes(b"\x00" * 7)
+    with pytest.raises(CheckpointError, match="no checkpoint in .* restores"):
+        run_pretraining(cfg, progress=False)
+
+
+def test_a_refused_resume_leaves_the_run_as_it_was(tmp_path, corpus):
+    workdir = tmp_path / "run"
+    cfg = tiny_experiment(str(workdir), corpus, steps=3)
+    run_pretraining(cfg, progress=False)
+    before = {p: p.read_bytes() for p in (workdir / "config.json", workdir / "metrics.jsonl")}
+    saved = sorted(os.listdir(workdir / "checkpoints"))
+    other = dataclasses.replace(
+        cfg, steps=6, model=dataclasses.replace(cfg.model, num_layers=cfg.model.num_layers + 1)
+    )
+    with pytest.raises(CheckpointMismatch, match="does not match the model|has shape"):
+        run_pretraining(other, progress=False)
+    assert {p: p.read_bytes() for p in before} == before
+    assert json.loads(before[workdir / "config.json"])["model"]["num_layers"] == (
+        cfg.model.num_layers
+    )
+    assert sorted(os.listdir(workdir / "checkpoints")) == saved  # nothing set aside
+
+
+def test_bad_workdirs_are_one_line_errors(tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(ConfigError, match="workdir: .* is not a folder"):
+        prepare_workdir(str(a_file))
+    with pytest.raises(ConfigError, match="workdir: cannot create"):
+        prepare_workdir(str(a_file / "below"))
+    with pytest.raises(ConfigError, match="workdir: .* is not writable"):
+        prepare_workdir("/proc/self")  # exists, a folder, and no file can be made there
+    assert prepare_workdir(str(tmp_path / "new" / "run")) == str(tmp_path / "new" / "run")
+
+
+def test_a_missing_init_checkpoint_is_named_before_anything_is_written(tmp_path, corpus):
+    cfg = tiny_experiment(str(tmp_path / "run"), corpus, steps=2)
+    cfg = dataclasses.replace(cfg, init_from=str(tmp_path / "no_such_hf_dir"))
+    with pytest.raises(ConfigError, match="init_from"):
+        run_pretraining(cfg, progress=False)
+    assert not (tmp_path / "run" / "config.json").exists()
+    shutil.rmtree(tmp_path / "run", ignore_errors=True)
