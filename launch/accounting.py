@@ -1,14 +1,11 @@
 r"""Parameter, FLOP and memory accounting of a config, from shapes alone (nothing is allocated).
 
-python -m launch.accounting --config=experiments/configs/kimi_k2.py
+python -m launch.accounting [--config=kimi_k2]
 """
 
-from absl import app
-from ml_collections import config_flags
+from launch import cli
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Experiment config file.", lock_config=True
-)
+_CONFIG = cli.define_config("kimi_k2")
 
 
 def main(argv):
@@ -42,4 +39,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

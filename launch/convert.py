@@ -8,7 +8,9 @@ starts from such a checkpoint with `launch.pretrain --config.init_from=path/to/h
 
 import sys
 
-from absl import app, flags
+from absl import flags
+
+from launch import cli
 
 _HF_DIR = flags.DEFINE_string(
     "hf_dir", None, "Folder with config.json and *.safetensors.", required=True
@@ -47,4 +49,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

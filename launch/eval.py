@@ -8,7 +8,9 @@ windows; prints total NLL, bits per byte and perplexity. Defaults to the standar
 
 import sys
 
-from absl import app, flags
+from absl import flags
+
+from launch import cli
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A pretraining run's folder.", required=True)
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
@@ -54,4 +56,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -1,22 +1,18 @@
 r"""Continued pretraining on code.
 
-  python -m launch.pretrain --config=experiments/configs/tiny.py \
-      --config.steps=300 --config.workdir=runs/tiny
+  python -m launch.pretrain [--config=tiny] --config.steps=300 --config.workdir=runs/tiny
 
 Starting again with the same workdir resumes from its latest checkpoint.
 """
 
-import os
 import signal
 import sys
 
-from absl import app, flags
-from ml_collections import config_flags
+from absl import flags
 
-_DEFAULT_CONFIG = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "configs", "tiny.py"
-)
-_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Experiment config file.")
+from launch import cli
+
+_CONFIG = cli.define_config("tiny")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
 
 
@@ -39,4 +35,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -9,19 +9,13 @@ measures the mean reward on held-out tasks, runs asynchronous RL, measures it ag
 with confidence intervals. Starting again with the same workdir resumes.
 """
 
-import os
 import sys
 
-from absl import app, flags
-from ml_collections import config_flags
+from absl import flags
 
-_DEFAULT_CONFIG = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    "experiments",
-    "configs",
-    "rl_tiny.py",
-)
-_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Experiment config file.")
+from launch import cli
+
+_CONFIG = cli.define_config("rl_tiny")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show progress bars.")
 
 
@@ -52,4 +46,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -1,6 +1,6 @@
-"""The `rl_small` preset: RL on the small model (one GPU)."""
+"""The `rl_small` preset (composer_jax/presets.py); override fields with --config.<field>=<value>."""
 
-from experiments.configs.common import preset_config_dict
+from launch.preset_config import preset_config_dict
 
 
 def get_config():

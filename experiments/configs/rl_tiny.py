@@ -1,6 +1,6 @@
-"""The `rl_tiny` preset: the main job of `launch/rl.py` (tiny model, CPU, built-in tasks)."""
+"""The `rl_tiny` preset (composer_jax/presets.py); override fields with --config.<field>=<value>."""
 
-from experiments.configs.common import preset_config_dict
+from launch.preset_config import preset_config_dict
 
 
 def get_config():

@@ -1,6 +1,6 @@
-"""The `small` preset (see composer_jax/config.py); override fields with --config.<field>=<value>."""
+"""The `small` preset (composer_jax/presets.py); override fields with --config.<field>=<value>."""
 
-from experiments.configs.common import preset_config_dict
+from launch.preset_config import preset_config_dict
 
 
 def get_config():
