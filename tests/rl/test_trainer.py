@@ -84,11 +84,13 @@ def test_step_publishes_an_exact_delta_and_resumes(tmp_path):
 
 def test_step_on_eight_devices_equals_one_device(tmp_path):
     """The RL step sharded over the simulated 8-device mesh (FSDP + expert parallel) matches
-    the same step on one device."""
+    the same step on one device. Computed in float32: the claim is equality, so only the
+    summation order may differ between layouts."""
     from composer_jax.parallel import make_layout
     from composer_jax.rl.batch import SegmentKind, Sequence, pack_trajectories
 
     cfg = config.rl_tiny()
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="float32"))
     model = init_model(cfg.model, 3)
     _, params, buffers = split_model(model)
     rng = np.random.default_rng(7)
@@ -126,8 +128,11 @@ def test_step_on_eight_devices_equals_one_device(tmp_path):
         trainer.close()
     (m1, p1), (m8, p8) = results
     assert m1["grad_norm"] > 0 and not all(np.array_equal(a, b) for a, b in zip(p1, _host(params)))
-    for key in ("loss", "pg_loss", "grad_norm", "kl_k1"):
-        np.testing.assert_allclose(m8[key], m1[key], rtol=2e-3, atol=1e-7, err_msg=key)
+    for key in ("loss", "pg_loss", "grad_norm"):
+        np.testing.assert_allclose(m8[key], m1[key], rtol=1e-4, err_msg=key)
+    # k1 is a mean of differences of log-probs of size up to log(vocab) ~ 5.6: its float32
+    # rounding is absolute, about 1e-6 of the log-probs, whatever the KL's own size.
+    np.testing.assert_allclose(m8["kl_k1"], m1["kl_k1"], rtol=0, atol=1e-5 * np.log(259))
     lr = cfg.optim.learning_rate
     moved = 0
     for a, b in zip(p8, p1):
