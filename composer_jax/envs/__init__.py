@@ -14,8 +14,11 @@ from composer_jax.envs.environment import (
 from composer_jax.envs.feature_deletion import (
     candidate_modules,
     default_cache_dir,
+    synthesize_package_tasks,
     synthesize_stdlib_tasks,
 )
+from composer_jax.envs.humaneval import humaneval_tasks
+from composer_jax.envs.jsonl_tasks import JsonlTaskError, load_jsonl_tasks
 from composer_jax.envs.monitors import MonitorFlag, RewardHackMonitor
 from composer_jax.envs.protocol import (
     EpisodeCounts,
@@ -36,11 +39,20 @@ from composer_jax.envs.sandbox import (
     bwrap_available,
     python_executable,
 )
-from composer_jax.envs.task import GradeResult, Task, grade
+from composer_jax.envs.sources import (
+    SOURCES,
+    ListSource,
+    MixtureSource,
+    TaskSource,
+    TaskSourceError,
+    load_task_source,
+)
+from composer_jax.envs.task import GradeResult, Task, TaskError, grade, grade_solution
 from composer_jax.envs.tools import TOOL_SPECS, ToolBox, ToolCallRecord, ToolSpec, check_args
 
 __all__ = [
     "DEFAULT_TOOLS",
+    "SOURCES",
     "TOOL_SPECS",
     "CommandResult",
     "EnvConfig",
@@ -49,12 +61,18 @@ __all__ = [
     "EpisodePool",
     "GradeResult",
     "IsolationUnavailable",
+    "JsonlTaskError",
+    "ListSource",
+    "MixtureSource",
     "MonitorFlag",
     "RewardHackMonitor",
     "Sandbox",
     "SandboxLimits",
     "StepResult",
     "Task",
+    "TaskError",
+    "TaskSource",
+    "TaskSourceError",
     "ToolBox",
     "ToolCall",
     "ToolCallRecord",
@@ -68,6 +86,10 @@ __all__ = [
     "count_bytes",
     "default_cache_dir",
     "grade",
+    "grade_solution",
+    "humaneval_tasks",
+    "load_jsonl_tasks",
+    "load_task_source",
     "make_task",
     "oracle_turns",
     "parse_turn",
@@ -78,5 +100,6 @@ __all__ = [
     "render_turn",
     "run_episode",
     "solution_source",
+    "synthesize_package_tasks",
     "synthesize_stdlib_tasks",
 ]

@@ -9,11 +9,12 @@ spec, so a held-out function never appears in training under another seed.
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import random
 import string
 
-from composer_jax.envs.task import RESULT_PREFIX, Task
+from composer_jax.envs.task import Task, case_tests, encode_value
 
 SOLUTION_FILE = "solution.py"
 VISIBLE_TEST_FILE = "test_solution.py"
@@ -124,23 +125,6 @@ def _split_of(spec: FunctionSpec) -> str:
     return "held_out" if digest % 100 < HELD_OUT_PERCENT else "train"
 
 
-_HIDDEN_TEST = """import json, sys
-sys.path.insert(0, '.')
-cases = json.loads({cases!r})
-results = {{}}
-try:
-    from solution import f
-except BaseException as error:
-    f = None
-for i, (arg, want) in enumerate(cases):
-    try:
-        results[f'case_{{i}}'] = 'pass' if f is not None and f(arg) == want else 'fail'
-    except BaseException:
-        results[f'case_{{i}}'] = 'error'
-print({prefix!r} + json.dumps({{'tests': results}}))
-"""
-
-
 def make_task(seed: int, max_ops: int = MAX_OPS) -> Task:
     """The task of one seed (deterministic). `max_ops` < 3 truncates the chain of transforms
     (an easier family: the same seed gives the first `max_ops` transforms of the full task)."""
@@ -159,7 +143,6 @@ def make_task(seed: int, max_ops: int = MAX_OPS) -> Task:
         f"{_describe(spec)}; return the result.\nExample: f({example!r}) == {example_out!r}\n"
     )
     visible = f"from solution import f\nassert f({example!r}) == {example_out!r}\nprint('ok')\n"
-    hidden_test = _HIDDEN_TEST.format(cases=json.dumps(cases), prefix=RESULT_PREFIX)
     return Task(
         task_id=f"builtin-{seed}",
         prompt=prompt,
@@ -167,8 +150,13 @@ def make_task(seed: int, max_ops: int = MAX_OPS) -> Task:
             SOLUTION_FILE: "def f(x):\n    raise NotImplementedError\n",
             VISIBLE_TEST_FILE: visible,
         },
-        hidden_files={"hidden_test.py": hidden_test},
-        test_command="python3 {hidden}/hidden_test.py",
+        grader={
+            "kind": "cases",
+            "module": SOLUTION_FILE.removesuffix(".py"),
+            "function": "f",
+            "cases": [[[encode_value(arg)], encode_value(want)] for arg, want in cases],
+        },
+        graded_tests=case_tests(len(cases)),
         visible_test_command=f"python3 {VISIBLE_TEST_FILE}",
         protected_paths=(VISIBLE_TEST_FILE,),
         test_literals=tuple(repr(v) for v in hidden if len(repr(v)) >= 3),
@@ -178,21 +166,25 @@ def make_task(seed: int, max_ops: int = MAX_OPS) -> Task:
     )
 
 
-def builtin_tasks(
-    count: int, split: str = "train", seed: int = 0, max_ops: int = MAX_OPS
-) -> list[Task]:
-    """`count` tasks of one split ("train" or "held_out"), deterministic in `seed`, chaining at
-    most `max_ops` transforms."""
+def iter_builtin_tasks(split: str = "train", seed: int = 0, max_ops: int = MAX_OPS):
+    """The tasks of one split ("train" or "held_out") in order, endless, deterministic in
+    `seed`, chaining at most `max_ops` transforms; no prompt twice."""
     if split not in ("train", "held_out"):
         raise ValueError(f"split must be 'train' or 'held_out', got {split!r}")
     if not 1 <= max_ops <= MAX_OPS:
         raise ValueError(f"max_ops must lie in [1, {MAX_OPS}], got {max_ops}")
-    tasks, seen = [], set()
+    seen = set()
     task_seed = seed * 1_000_003
-    while len(tasks) < count:
+    while True:
         task = make_task(task_seed, max_ops)
         task_seed += 1
         if task.split == split and task.prompt not in seen:
             seen.add(task.prompt)
-            tasks.append(task)
-    return tasks
+            yield task
+
+
+def builtin_tasks(
+    count: int, split: str = "train", seed: int = 0, max_ops: int = MAX_OPS
+) -> list[Task]:
+    """The first `count` tasks of `iter_builtin_tasks`."""
+    return list(itertools.islice(iter_builtin_tasks(split, seed, max_ops), count))

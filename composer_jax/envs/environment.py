@@ -14,7 +14,7 @@ import threading
 from composer_jax.envs import protocol
 from composer_jax.envs.monitors import MonitorFlag, RewardHackMonitor
 from composer_jax.envs.sandbox import Sandbox, SandboxLimits, WorkspaceLimitError
-from composer_jax.envs.task import GradeResult, Task, grade
+from composer_jax.envs.task import GRADING_LIMITS, GradeResult, Task, grade
 from composer_jax.envs.tools import TOOL_SPECS, ToolBox, ToolCallRecord
 
 DEFAULT_TOOLS = (
@@ -41,10 +41,7 @@ class EnvConfig:
     max_calls_per_turn: int = 8
     max_output_bytes: int = 2048
     limits: SandboxLimits = SandboxLimits(cpu_seconds=10, wall_seconds=20)
-    # Grading gets the same room as task validation (stdlib suites print a lot).
-    grading_limits: SandboxLimits = SandboxLimits(
-        cpu_seconds=30, wall_seconds=60, memory_bytes=2 << 30, output_bytes=4 << 20
-    )
+    grading_limits: SandboxLimits = GRADING_LIMITS
     backend: str = "auto"
     # Model-written code runs only in an isolating sandbox (bwrap or unshare); False allows the
     # unisolated rlimit fallback, for quick local experiments.

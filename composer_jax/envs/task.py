@@ -1,44 +1,64 @@
-"""What a task is and how it is graded: hidden tests run in the sandbox after the episode.
+"""What a task is and how it is graded.
 
-A task's test command prints one line `CJ_RESULT {"tests": {test_id: outcome}}` (outcome "pass",
-"fail", "error" or "skip"). The reward is the fraction of the graded tests that pass; the hidden
-files are mounted read-only at grading time only, so the agent never sees them.
+Grading runs `harness.py` in a fresh command of the episode's sandbox: the harness receives the
+task's grader spec (expected answers, or the check or test code) and a random nonce as program
+text on stdin, runs the code under test in child processes, and prints one verdict line prefixed
+by the nonce. The reward is the fraction of the task's graded tests (always named by the task)
+that passed. No file of the hidden tests is ever written: neither this sample nor a sibling can
+read them, and nothing the code under test prints can stand in for the verdict.
 """
 
 import dataclasses
 import json
-import shutil
-import tempfile
+import secrets
 from pathlib import Path
 
+from composer_jax.envs import harness
 from composer_jax.envs.sandbox import Sandbox, SandboxLimits
 
-RESULT_PREFIX = "CJ_RESULT "
-HIDDEN_MOUNT = "/hidden"
+GRADER_KINDS = ("cases", "check", "unittest", "file")
+# Grading gets the room of a test suite (stdlib suites print a lot and take seconds).
+GRADING_LIMITS = SandboxLimits(
+    cpu_seconds=30, wall_seconds=60, memory_bytes=2 << 30, output_bytes=4 << 20
+)
+_HARNESS_SOURCE = Path(harness.__file__).read_text(encoding="utf-8")
+_REQUIRED = {
+    "cases": ("module", "function", "cases"),
+    "check": ("module", "function", "check"),
+    "unittest": ("modules",),
+    "file": ("path", "expected"),
+}
+
+
+class TaskError(ValueError):
+    """A task that cannot be graded as written (unknown grader kind, missing fields...)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Task:
     """A coding task.
 
-    files: the initial workspace. hidden_files: test files mounted at grading only.
-    test_command: run at grading, with `{hidden}` replaced by where the hidden files are.
+    files: the initial workspace. grader: how the hidden tests run (see `harness`):
+      {"kind": "cases", "module", "function", "cases": [[args, expected], ...]} (encoded values),
+      {"kind": "check", "module", "function", "check": source, "prelude": source},
+      {"kind": "unittest", "modules": [...], "sources": {module: source}, "packages": [...]},
+      {"kind": "file", "path", "expected": text} (test "exact", score "similarity").
+    graded_tests: the test ids that count (never empty).
     visible_test_command: what the `run_tests` tool runs (None: the tool reports no tests).
-    graded_tests: the test ids that count (None: all reported tests).
     protected_paths: workspace files the agent must not modify or delete.
     hidden_paths: host paths masked inside the sandbox during the episode (the original code).
     grading_hidden_paths: host paths still masked while grading.
     test_literals: literal inputs of the hidden tests (for the special-casing monitor).
     oracle_files: files that solve the task (for SFT data and the oracle test).
+    metadata: JSON-able facts reports group by (e.g. a state-tracking task's history length).
     """
 
     task_id: str
     prompt: str
     files: dict[str, str]
-    hidden_files: dict[str, str]
-    test_command: str
+    grader: dict
+    graded_tests: tuple[str, ...]
     visible_test_command: str | None = None
-    graded_tests: tuple[str, ...] | None = None
     protected_paths: tuple[str, ...] = ()
     hidden_paths: tuple[str, ...] = ()
     grading_hidden_paths: tuple[str, ...] = ()
@@ -46,6 +66,17 @@ class Task:
     oracle_files: dict[str, str] = dataclasses.field(default_factory=dict)
     split: str = "train"
     family: str = ""
+    metadata: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        kind = self.grader.get("kind") if isinstance(self.grader, dict) else None
+        if kind not in GRADER_KINDS:
+            raise TaskError(f"task {self.task_id}: grader.kind must be one of {GRADER_KINDS}")
+        missing = [k for k in _REQUIRED[kind] if k not in self.grader]
+        if missing:
+            raise TaskError(f"task {self.task_id}: a {kind!r} grader needs {missing}")
+        if not self.graded_tests:
+            raise TaskError(f"task {self.task_id}: graded_tests must name at least one test")
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -53,11 +84,26 @@ class Task:
     @classmethod
     def from_json(cls, data: dict) -> "Task":
         data = dict(data)
-        for key in ("graded_tests", "protected_paths", "hidden_paths", "grading_hidden_paths"):
+        for key in (
+            "graded_tests",
+            "protected_paths",
+            "hidden_paths",
+            "grading_hidden_paths",
+            "test_literals",
+        ):
             if data.get(key) is not None:
                 data[key] = tuple(data[key])
-        data["test_literals"] = tuple(data.get("test_literals", ()))
         return cls(**data)
+
+
+def case_tests(num_cases: int) -> tuple[str, ...]:
+    """The test ids of a `cases` grader with `num_cases` cases."""
+    return tuple(f"case_{i}" for i in range(num_cases))
+
+
+def encode_value(value) -> list:
+    """A Python value as the harness's tagged plain data (for `cases` graders)."""
+    return harness.encode(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,42 +113,64 @@ class GradeResult:
     total: int
     outcomes: dict[str, str]
     log: str
+    scores: dict[str, float] = dataclasses.field(default_factory=dict)  # e.g. "similarity"
 
 
-def parse_results(output: str) -> dict[str, str] | None:
-    """The outcomes of the last CJ_RESULT line, or None when there is none (or it is garbage)."""
+def parse_verdict(output: str, nonce: str) -> tuple[dict[str, str], dict[str, float]] | None:
+    """(outcomes, scores) on the harness's verdict line (the last line starting with `nonce`),
+    or None when there is none or it is garbled."""
     for line in reversed(output.splitlines()):
-        if line.startswith(RESULT_PREFIX):
+        if line.startswith(nonce + " "):
             try:
-                tests = json.loads(line[len(RESULT_PREFIX) :])["tests"]
-            except (ValueError, KeyError, TypeError):
+                verdict = json.loads(line[len(nonce) + 1 :])
+                tests, scores = verdict["tests"], verdict.get("scores", {})
+                return (
+                    {str(k): str(v) for k, v in tests.items()},
+                    {str(k): float(v) for k, v in scores.items()},
+                )
+            except (ValueError, KeyError, TypeError, AttributeError):
                 return None
-            if isinstance(tests, dict):
-                return {str(k): str(v) for k, v in tests.items()}
-            return None
     return None
 
 
+def harness_program(grader: dict, nonce: str) -> str:
+    """The program text `python3 -I -B -` reads: the harness and its call."""
+    payload = json.dumps({**grader, "nonce": nonce})
+    return f"{_HARNESS_SOURCE}\nmain({payload!r})\n"
+
+
+def run_grader(
+    sandbox: Sandbox,
+    grader: dict,
+    limits: SandboxLimits | None = None,
+    hidden_paths: tuple[str, ...] = (),
+) -> tuple[dict[str, str], str, dict[str, float]]:
+    """(outcome of every test the harness ran, output log, scores) for `grader` on the
+    workspace."""
+    nonce = secrets.token_hex(16)
+    result = sandbox.run(
+        "exec python3 -I -B -",
+        stdin=harness_program(grader, nonce),
+        limits=limits,
+        hidden_paths=hidden_paths,
+    )
+    outcomes, scores = parse_verdict(result.output, nonce) or ({}, {})
+    return outcomes, result.output.replace(nonce, "<nonce>")[-2000:], scores
+
+
 def grade(sandbox: Sandbox, task: Task, limits: SandboxLimits | None = None) -> GradeResult:
-    """Runs the hidden tests against the sandbox's workspace."""
-    hidden_dir = Path(tempfile.mkdtemp(prefix="cj_hidden_"))
-    try:
-        for name, content in task.hidden_files.items():
-            (hidden_dir / name).write_text(content, encoding="utf-8")
-        if sandbox.isolated:
-            where, binds = HIDDEN_MOUNT, {str(hidden_dir): HIDDEN_MOUNT}
-        else:
-            where, binds = str(hidden_dir), {}
-        result = sandbox.run(
-            task.test_command.format(hidden=where),
-            limits=limits,
-            extra_ro_binds=binds,
-            hidden_paths=task.grading_hidden_paths,
-        )
-    finally:
-        shutil.rmtree(hidden_dir, ignore_errors=True)
-    outcomes = parse_results(result.output) or {}
-    graded = task.graded_tests if task.graded_tests is not None else tuple(outcomes)
-    passed = sum(outcomes.get(test) == "pass" for test in graded)
-    reward = passed / len(graded) if graded else 0.0
-    return GradeResult(reward, passed, len(graded), outcomes, result.output[-2000:])
+    """Runs the task's hidden tests against the sandbox's workspace (a fresh command)."""
+    outcomes, log, scores = run_grader(sandbox, task.grader, limits, task.grading_hidden_paths)
+    passed = sum(outcomes.get(test) == "pass" for test in task.graded_tests)
+    total = len(task.graded_tests)
+    return GradeResult(passed / total, passed, total, outcomes, log, scores)
+
+
+def grade_solution(
+    task: Task, files: dict[str, str], limits: SandboxLimits | None = None, **sandbox_options
+) -> GradeResult:
+    """Grades `files` (relative path -> content, laid over the task's files) in a fresh
+    sandbox; e.g. `grade_solution(task, task.oracle_files).reward == 1.0`."""
+    options = {"hidden_paths": task.hidden_paths, **sandbox_options}
+    with Sandbox.from_files({**task.files, **files}, **options) as sandbox:
+        return grade(sandbox, task, limits or GRADING_LIMITS)

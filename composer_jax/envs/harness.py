@@ -1,0 +1,412 @@
+"""The grading harness: the only program that sees a task's expected answers.
+
+It runs inside the sandbox as `python3 -I -`, its whole input (this source, the expected answers
+and a random nonce) arriving as the program text on stdin, so nothing of it exists as a file any
+other process could read. It makes itself non-dumpable (no ptrace, no /proc/<pid>/mem or fd
+access for other processes), then runs the code under test in child processes that never hold
+the answers, exchanging plain data with them over pipes, and prints exactly one verdict line,
+prefixed by the nonce. The grader trusts that line only: text a candidate prints, an exit at
+import, objects with a forged `__eq__` (every value crosses the pipe as tagged plain data and is
+compared by exact type), patched library functions in its own process, or another sample's
+files cannot produce it.
+
+Kinds of grading:
+- `cases`: call `module.function(*args)` per case, compare with the expected value (exact types).
+- `check`: a HumanEval-style `check(candidate)` runs here, after the task's trusted prelude (its
+  prompt: helper functions the check uses); `candidate` forwards each call to the child.
+- `file`: compare a workspace file with the expected text (nothing of the candidate runs):
+  test "exact", plus a similarity score in [0, 1] (difflib's ratio of lines).
+- `unittest`: the child runs test modules (from the sandbox's system view, or sources served from
+  memory) against the workspace and reports per-test outcomes. The tests call the code under test
+  directly, so they share its process: a candidate could patch the test machinery there. That
+  is what the reward-hack monitors look for; the verdict itself still cannot be forged by output.
+
+Standard library only: this file is shipped as source text.
+"""
+
+import ctypes
+import json
+import math
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+
+_MAX_REPLY = 16 << 20
+
+
+# ----------------------------------------------------------------------------- plain data codec
+# Shared with the child processes as source (this file itself reaches the sandbox as text).
+_CODEC = r'''
+import math
+
+_MAX_DEPTH = 64
+_MAX_ITEMS = 200_000
+
+def encode(value, depth=0):
+    """Tagged plain data ([tag, payload]) for JSON; exact types, so a str subclass or an object
+    with a custom __eq__ never crosses as itself. Raises TypeError for anything else."""
+    if depth > _MAX_DEPTH:
+        raise TypeError("value nested too deeply")
+    kind = type(value)
+    if value is None:
+        return ["none"]
+    if kind is bool:
+        return ["bool", value]
+    if isinstance(value, bool):
+        return ["bool", bool.__bool__(value)]
+    if isinstance(value, int):
+        return ["int", int.__index__(value)]
+    if isinstance(value, float):
+        return ["float", float.hex(float.__float__(value))]
+    if isinstance(value, complex):
+        value = complex.__complex__(value)
+        return ["complex", [float.hex(value.real), float.hex(value.imag)]]
+    if isinstance(value, str):
+        return ["str", str.__str__(value)]
+    if isinstance(value, (bytes, bytearray)):
+        return ["bytes", bytes(value).hex()]
+    for base, tag in ((list, "list"), (tuple, "tuple"), (set, "set"), (frozenset, "frozenset")):
+        if isinstance(value, base):
+            items = list(base.__iter__(value))
+            return [tag, [encode(item, depth + 1) for item in items]]
+    if isinstance(value, dict):
+        return ["dict", [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in dict.items(value)]]
+    raise TypeError(f"a {kind.__name__} is not plain data")
+
+
+def decode(data, depth=0, budget=None):
+    """The value of `encode`'s output, validating every tag and shape (ValueError otherwise)."""
+    budget = budget if budget is not None else [_MAX_ITEMS]
+    budget[0] -= 1
+    if depth > _MAX_DEPTH or budget[0] < 0:
+        raise ValueError("value too large or nested too deeply")
+    if not isinstance(data, list) or not data or not isinstance(data[0], str):
+        raise ValueError("malformed value")
+    tag, rest = data[0], data[1:]
+    if tag == "none" and not rest:
+        return None
+    if len(rest) != 1:
+        raise ValueError(f"malformed {tag!r} value")
+    payload = rest[0]
+    if tag == "bool" and type(payload) is bool:
+        return payload
+    if tag == "int" and type(payload) is int:
+        return payload
+    if tag == "float" and type(payload) is str:
+        return float.fromhex(payload)
+    if tag == "complex" and type(payload) is list and len(payload) == 2:
+        return complex(float.fromhex(payload[0]), float.fromhex(payload[1]))
+    if tag == "str" and type(payload) is str:
+        return payload
+    if tag == "bytes" and type(payload) is str:
+        return bytes.fromhex(payload)
+    if tag in ("list", "tuple", "set", "frozenset") and type(payload) is list:
+        items = [decode(item, depth + 1, budget) for item in payload]
+        return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[tag](items)
+    if tag == "dict" and type(payload) is list:
+        out = {}
+        for pair in payload:
+            if type(pair) is not list or len(pair) != 2:
+                raise ValueError("malformed dict item")
+            out[decode(pair[0], depth + 1, budget)] = decode(pair[1], depth + 1, budget)
+        return out
+    raise ValueError(f"malformed {tag!r} value")
+'''
+_codec: dict = {}
+exec(_CODEC, _codec)  # noqa: S102 -- encode / decode here, from the one source the children get
+encode, decode = _codec["encode"], _codec["decode"]
+
+
+def same(got, want) -> bool:
+    """Equality of plain data with exact types (True is not 1, 2.0 is not 2); NaN equals NaN."""
+    if type(got) is not type(want):
+        return False
+    if type(want) is float:
+        return got == want or (math.isnan(got) and math.isnan(want))
+    if type(want) in (list, tuple):
+        return len(got) == len(want) and all(same(a, b) for a, b in zip(got, want))
+    if type(want) is dict:
+        return got.keys() == want.keys() and all(same(got[k], want[k]) for k in want)
+    return got == want
+
+
+# ------------------------------------------------------------------------- the child processes
+# A child serves calls of one function: a request line {"args": [...]} in, a reply line out, on
+# a private copy of its stdout (what the candidate prints goes to stderr).
+_CALL_CHILD = r"""
+import importlib, json, os, sys
+reply = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+sys.path.insert(0, os.getcwd())
+CODEC
+spec = json.loads(sys.stdin.readline())
+try:
+    function = getattr(importlib.import_module(spec["module"]), spec["function"])
+    ready = {"ok": True}
+except BaseException as error:
+    function, ready = None, {"ok": False, "error": f"import: {type(error).__name__}: {error}"}
+reply.write(json.dumps(ready) + "\n")
+reply.flush()
+for line in sys.stdin:
+    try:
+        args = [decode(a) for a in json.loads(line)["args"]]
+        out = {"ok": True, "value": encode(function(*args))}
+    except BaseException as error:
+        out = {"ok": False, "error": f"{type(error).__name__}: {str(error)[:200]}"}
+    reply.write(json.dumps(out) + "\n")
+    reply.flush()
+"""
+
+# A child that runs test modules and reports {test id: outcome} once, at the end.
+_UNITTEST_CHILD = r"""
+import importlib.abc, importlib.util, json, os, sys, unittest
+reply = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+sys.path.insert(0, os.getcwd())
+spec = json.loads(sys.stdin.readline())
+sources = spec["sources"]
+
+class Served(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    # Test modules served from memory: no file of them exists in the sandbox.
+    def find_spec(self, name, path=None, target=None):
+        if name not in sources:
+            return None
+        return importlib.util.spec_from_loader(name, self, is_package=name in spec["packages"])
+    def create_module(self, spec):
+        return None
+    def exec_module(self, module):
+        exec(compile(sources[module.__name__], "<test " + module.__name__ + ">", "exec"),
+             module.__dict__)
+
+sys.meta_path.insert(0, Served())
+
+class Recorder(unittest.TestResult):
+    def __init__(self):
+        super().__init__()
+        self.outcomes = {}
+    def addSuccess(self, test):
+        self.outcomes.setdefault(test.id(), "pass")
+    def addFailure(self, test, err):
+        self.outcomes[test.id()] = "fail"
+    def addError(self, test, err):
+        self.outcomes[getattr(test, "id", lambda: str(test))()] = "error"
+    def addSkip(self, test, reason):
+        self.outcomes[test.id()] = "skip"
+    def addExpectedFailure(self, test, err):
+        self.outcomes[test.id()] = "pass"
+    def addUnexpectedSuccess(self, test):
+        self.outcomes[test.id()] = "fail"
+    def addSubTest(self, test, subtest, err):
+        if err is not None:
+            self.outcomes[test.id()] = "fail"
+
+result = Recorder()
+for name in spec["modules"]:
+    try:
+        unittest.defaultTestLoader.loadTestsFromName(name).run(result)
+    except BaseException as error:
+        result.outcomes[name] = "error"
+reply.write(json.dumps({"tests": result.outcomes}) + "\n")
+reply.flush()
+"""
+
+
+class CandidateError(Exception):
+    """The code under test raised, crashed, timed out or answered something that is not data."""
+
+
+class Child:
+    """A child interpreter running `program` (with the codec), talking JSON lines."""
+
+    def __init__(self, program: str, first_message: dict, seconds: float):
+        source = program.replace("CODEC", _CODEC)
+        self.seconds = seconds
+        self.log = bytearray()
+        self.process = subprocess.Popen(
+            [sys.executable, "-I", "-B", "-c", source],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            close_fds=True,
+        )
+        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        self._buffer = b""
+        self.send(first_message)
+
+    def _drain_stderr(self):
+        for chunk in iter(lambda: self.process.stderr.read1(65536), b""):
+            self.log += chunk
+            del self.log[: max(0, len(self.log) - 4000)]
+
+    def send(self, message: dict) -> None:
+        try:
+            self.process.stdin.write((json.dumps(message) + "\n").encode())
+            self.process.stdin.flush()
+        except OSError:
+            pass
+
+    def receive(self, seconds: float | None = None) -> dict:
+        deadline = time.monotonic() + (seconds or self.seconds)
+        out = self.process.stdout
+        while b"\n" not in self._buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.close()
+                raise CandidateError("timed out")
+            ready, _, _ = select.select([out], [], [], remaining)
+            if not ready:
+                continue
+            chunk = os.read(out.fileno(), 65536)
+            if not chunk:
+                raise CandidateError(f"exited ({self.process.poll()})")
+            self._buffer += chunk
+            if len(self._buffer) > _MAX_REPLY:
+                self.close()
+                raise CandidateError("reply too large")
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        try:
+            message = json.loads(line)
+        except ValueError:
+            raise CandidateError("garbled reply") from None
+        if not isinstance(message, dict):
+            raise CandidateError("garbled reply")
+        return message
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+
+class Candidate:
+    """The function under test, called in a child process; a call returns plain data."""
+
+    def __init__(self, module: str, function: str, seconds: float):
+        self.target = {"module": module, "function": function}
+        self.seconds = seconds
+        self.child = None
+
+    def _ready_child(self) -> Child:
+        if self.child is None or self.child.process.poll() is not None:
+            self.child = Child(_CALL_CHILD, self.target, self.seconds)
+            ready = self.child.receive()
+            if not ready.get("ok"):
+                raise CandidateError(str(ready.get("error")))
+        return self.child
+
+    def __call__(self, *args):
+        child = self._ready_child()
+        child.send({"args": [encode(a) for a in args]})
+        try:
+            reply = child.receive()
+        except CandidateError:
+            self.child = None
+            raise
+        if reply.get("ok") is not True:
+            raise CandidateError(str(reply.get("error")))
+        try:
+            return decode(reply.get("value"))
+        except ValueError as error:
+            raise CandidateError(str(error)) from None
+
+    def close(self) -> None:
+        if self.child is not None:
+            self.child.close()
+
+
+# ---------------------------------------------------------------------------------- the kinds
+def grade_cases(spec: dict) -> dict:
+    candidate = Candidate(spec["module"], spec["function"], spec.get("call_seconds", 10.0))
+    outcomes = {}
+    try:
+        for i, (args, want) in enumerate(spec["cases"]):
+            name = f"case_{i}"
+            try:
+                got = candidate(*[decode(a) for a in args])
+                outcomes[name] = "pass" if same(got, decode(want)) else "fail"
+            except CandidateError:
+                outcomes[name] = "error"
+    finally:
+        candidate.close()
+    return outcomes
+
+
+def grade_check(spec: dict) -> dict:
+    candidate = Candidate(spec["module"], spec["function"], spec.get("call_seconds", 10.0))
+    namespace = {"__name__": "cj_check"}
+    try:
+        exec(compile(spec.get("prelude", ""), "<prelude>", "exec"), namespace)
+        namespace[spec["function"]] = candidate  # a check may call the function by its name
+        exec(compile(spec["check"], "<check>", "exec"), namespace)
+        namespace[spec.get("check_function", "check")](candidate)
+        outcome = "pass"
+    except CandidateError:
+        outcome = "error"
+    except BaseException:
+        outcome = "fail"
+    finally:
+        candidate.close()
+    return {spec.get("test_name", "check"): outcome}
+
+
+def grade_unittest(spec: dict) -> dict:
+    message = {
+        "modules": spec["modules"],
+        "sources": spec.get("sources", {}),
+        "packages": spec.get("packages", []),
+    }
+    child = Child(_UNITTEST_CHILD, message, spec.get("suite_seconds", 600.0))
+    try:
+        reply = child.receive()
+    except CandidateError:
+        return {}
+    finally:
+        child.close()
+    tests = reply.get("tests")
+    if not isinstance(tests, dict):
+        return {}
+    return {str(k): str(v) for k, v in tests.items() if v in ("pass", "fail", "error", "skip")}
+
+
+def grade_file(spec: dict) -> tuple[dict, dict]:
+    import difflib
+
+    try:
+        with open(spec["path"], encoding="utf-8", errors="replace") as f:
+            got = f.read(_MAX_REPLY)
+    except OSError:
+        return {"exact": "fail"}, {"similarity": 0.0}
+    want = spec["expected"]
+    similarity = difflib.SequenceMatcher(
+        None, got.splitlines(), want.splitlines(), autojunk=False
+    ).ratio()
+    return {"exact": "pass" if got == want else "fail"}, {"similarity": similarity}
+
+
+_KINDS = {
+    "cases": grade_cases,
+    "check": grade_check,
+    "unittest": grade_unittest,
+    "file": grade_file,
+}
+
+
+def _no_dump() -> None:
+    """No other process of this user may read this one's memory or descriptors."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
+    except (OSError, AttributeError):
+        pass
+
+
+def main(payload: str) -> None:
+    spec = json.loads(payload)
+    _no_dump()
+    graded = _KINDS[spec["kind"]](spec)
+    outcomes, scores = graded if isinstance(graded, tuple) else (graded, {})
+    verdict = json.dumps({"tests": outcomes, "scores": scores})
+    sys.stdout.write(f"\n{spec['nonce']} {verdict}\n")
+    sys.stdout.flush()

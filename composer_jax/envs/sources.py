@@ -1,0 +1,238 @@
+"""Where tasks come from: one `TaskSource` interface, chosen by a spec string.
+
+A source yields `Task`s of a split, the same ones for the same seed, and knows its size when it
+is finite. Specs (the same in config flags and in notebooks):
+
+    builtin                       generated function tasks (infinite); builtin:max_ops=2
+    feature_deletion              stdlib feature deletion; feature_deletion:simplejson for a
+                                  third-party package graded by its own tests
+    humaneval                     the 164 HumanEval problems (splits test / train / held_out)
+    state_tracking                reproduce a file from its edit history (see state_tracking)
+    jsonl:PATH                    tasks in a JSONL file (see jsonl_tasks for the schema)
+    builtin:0.7,humaneval:0.3     a weighted mixture (the last `:number` of each part)
+    my_pkg.tasks:make_source      a researcher's own: a callable returning a TaskSource (or an
+                                  iterable of Tasks), given the spec's further `:arg`s
+
+Arguments after the name are `key=value` options or positional strings, separated by ':'.
+Everything that names a task family lives here, in `envs/`: SFT data, RL prompts and held-out
+evaluation all go through `load_task_source`.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+import itertools
+import random
+import re
+from collections.abc import Callable, Iterable, Iterator
+
+from composer_jax.envs import feature_deletion, humaneval, jsonl_tasks
+from composer_jax.envs.builtin_tasks import MAX_OPS, iter_builtin_tasks
+from composer_jax.envs.task import Task
+
+
+class TaskSourceError(ValueError):
+    """A spec that names no source, or a source that cannot be built from its arguments."""
+
+
+class TaskSource(abc.ABC):
+    """Tasks of a split, deterministic in the seed."""
+
+    name: str = ""
+    splits: tuple[str, ...] = ("train", "held_out")
+
+    @abc.abstractmethod
+    def tasks(self, split: str = "train", seed: int = 0) -> Iterator[Task]:
+        """The split's tasks in a fixed order for `seed` (possibly endless)."""
+
+    def size(self, split: str = "train") -> int | None:
+        """How many tasks the split has, or None when it is endless."""
+        return None
+
+    def take(self, count: int, split: str = "train", seed: int = 0) -> list[Task]:
+        """The first `count` tasks (fewer when the split has fewer)."""
+        return list(itertools.islice(self.tasks(split, seed), count))
+
+    def _check_split(self, split: str) -> None:
+        if split not in self.splits:
+            raise TaskSourceError(f"{self.name}: split must be one of {self.splits}, got {split!r}")
+
+
+class ListSource(TaskSource):
+    """A finite list of tasks, each in the split its `split` field names; shuffled by seed."""
+
+    def __init__(self, name: str, tasks: Iterable[Task], splits: tuple[str, ...] | None = None):
+        self.name = name
+        self._tasks = list(tasks)
+        self.splits = splits or tuple(sorted({t.split for t in self._tasks} | {"train"}))
+
+    def _of(self, split: str) -> list[Task]:
+        self._check_split(split)
+        return [t for t in self._tasks if t.split == split]
+
+    def tasks(self, split: str = "train", seed: int = 0) -> Iterator[Task]:
+        chosen = self._of(split)
+        random.Random(seed).shuffle(chosen)
+        return iter(chosen)
+
+    def size(self, split: str = "train") -> int | None:
+        return len(self._of(split))
+
+
+class BuiltinSource(TaskSource):
+    """The generated function tasks (`builtin_tasks`): endless, split by function."""
+
+    name = "builtin"
+
+    def __init__(self, max_ops: int | str = MAX_OPS):
+        self.max_ops = int(max_ops)
+        if not 1 <= self.max_ops <= MAX_OPS:
+            raise TaskSourceError(f"builtin: max_ops must lie in [1, {MAX_OPS}]")
+
+    def tasks(self, split: str = "train", seed: int = 0) -> Iterator[Task]:
+        self._check_split(split)
+        return iter_builtin_tasks(split, seed, self.max_ops)
+
+
+class FeatureDeletionSource(TaskSource):
+    """Verified feature-deletion tasks over the stdlib or an installed package (cached)."""
+
+    def __init__(self, package: str = "stdlib", count: int | str = 64, budget_s: float | str = 600):
+        self.name = f"feature_deletion:{package}"
+        self.package, self.count, self.budget_s = package, int(count), float(budget_s)
+        if package != "stdlib" and package not in feature_deletion.PACKAGES:
+            raise TaskSourceError(
+                f"feature_deletion: package must be stdlib or one of {feature_deletion.PACKAGES}"
+            )
+        self._tasks: list[Task] | None = None
+
+    def _all(self) -> list[Task]:
+        """Synthesised (or read from the cache) on first use."""
+        if self._tasks is None:
+            if self.package == "stdlib":
+                self._tasks = feature_deletion.synthesize_stdlib_tasks(
+                    self.count, time_budget_s=self.budget_s
+                )
+            else:
+                self._tasks = feature_deletion.synthesize_package_tasks(
+                    self.package, self.count, time_budget_s=self.budget_s
+                )
+        return self._tasks
+
+    def tasks(self, split: str = "train", seed: int = 0) -> Iterator[Task]:
+        return ListSource(self.name, self._all(), self.splits).tasks(split, seed)
+
+    def size(self, split: str = "train") -> int | None:
+        return ListSource(self.name, self._all(), self.splits).size(split)
+
+
+class HumanEvalSource(TaskSource):
+    name = "humaneval"
+
+    splits = humaneval.SPLITS
+
+    def tasks(self, split: str = "test", seed: int = 0) -> Iterator[Task]:
+        self._check_split(split)
+        tasks = humaneval.humaneval_tasks(split)
+        random.Random(seed).shuffle(tasks)
+        return iter(tasks)
+
+    def size(self, split: str = "test") -> int | None:
+        return len(humaneval.humaneval_tasks(split))
+
+
+class MixtureSource(TaskSource):
+    """Draws from several sources with fixed weights (deterministic in the seed); a finite part
+    that runs out leaves the others to go on."""
+
+    def __init__(self, parts: list[tuple[TaskSource, float]]):
+        if not parts or any(w <= 0 for _, w in parts):
+            raise TaskSourceError("a mixture needs parts with positive weights")
+        self.parts = parts
+        self.name = ",".join(f"{s.name}:{w:g}" for s, w in parts)
+        self.splits = tuple(sorted(set.intersection(*(set(s.splits) for s, _ in parts))))
+
+    def tasks(self, split: str = "train", seed: int = 0) -> Iterator[Task]:
+        self._check_split(split)
+        rng = random.Random(seed)
+        live = [(s.tasks(split, seed + i), w) for i, (s, w) in enumerate(self.parts)]
+        while live:
+            index = rng.choices(range(len(live)), [w for _, w in live])[0]
+            try:
+                yield next(live[index][0])
+            except StopIteration:
+                del live[index]
+
+    def size(self, split: str = "train") -> int | None:
+        sizes = [s.size(split) for s, _ in self.parts]
+        return None if None in sizes else sum(sizes)
+
+
+def _state_tracking(*args, **options) -> TaskSource:
+    from composer_jax.envs import state_tracking
+
+    return state_tracking.StateTrackingSource(*args, **options)
+
+
+def _jsonl(path: str, *args, **options) -> TaskSource:
+    return ListSource(f"jsonl:{path}", jsonl_tasks.load_jsonl_tasks(path, *args, **options))
+
+
+SOURCES: dict[str, Callable[..., TaskSource]] = {
+    "builtin": BuiltinSource,
+    "feature_deletion": FeatureDeletionSource,
+    "humaneval": HumanEvalSource,
+    "state_tracking": _state_tracking,
+    "jsonl": _jsonl,
+}
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_WEIGHT = re.compile(r"^\d+(\.\d*)?([eE][-+]?\d+)?$|^\.\d+$")
+
+
+def _one(part: str) -> TaskSource:
+    head, _, rest = part.partition(":")
+    if head not in SOURCES and _IMPORT_PATH.match(f"{head}:{rest.split(':')[0]}"):
+        attr, *more = rest.split(":")
+        try:
+            factory = getattr(importlib.import_module(head), attr)
+        except (ImportError, AttributeError) as error:
+            raise TaskSourceError(f"task source {head}:{attr}: {error}") from None
+        return _built(f"{head}:{attr}", factory, more)
+    if head not in SOURCES:
+        raise TaskSourceError(
+            f"unknown task source {head!r}; known: {', '.join(sorted(SOURCES))}, a jsonl:PATH, "
+            "a mixture (a:0.7,b:0.3) or an import path (pkg.module:function)"
+        )
+    return _built(head, SOURCES[head], rest.split(":") if rest else [])
+
+
+def _built(name: str, factory, arguments: list[str]) -> TaskSource:
+    args = [a for a in arguments if "=" not in a]
+    options = dict(a.split("=", 1) for a in arguments if "=" in a)
+    try:
+        made = factory(*args, **options)
+    except TypeError as error:
+        raise TaskSourceError(f"task source {name}: {error}") from None
+    if isinstance(made, TaskSource):
+        return made
+    if isinstance(made, Iterable):
+        return ListSource(name, made)
+    raise TaskSourceError(f"task source {name} returned {type(made).__name__}, not a TaskSource")
+
+
+def load_task_source(spec: str) -> TaskSource:
+    """The source a spec names (see the module docstring)."""
+    spec = spec.strip()
+    if not spec:
+        raise TaskSourceError("empty task source spec")
+    parts = [p.strip() for p in spec.split(",")]
+    if len(parts) == 1:
+        return _one(parts[0])
+    weighted = []
+    for part in parts:
+        body, _, weight = part.rpartition(":")
+        if not body or not _WEIGHT.match(weight):
+            raise TaskSourceError(f"mixture part {part!r} needs a weight: name:0.5")
+        weighted.append((_one(body), float(weight)))
+    return MixtureSource(weighted)
