@@ -55,14 +55,20 @@ def _aligned_grouped_gemm(
             group += (mi >= tile_ends_gmem[g]).astype(jnp.int32)
 
         def accumulate(acc_ref):
+            def step(_, lhs_smem, rhs_smem):
+                plgpu.wgmma(acc_ref, lhs_smem, rhs_smem)
+                # The wgmma of the previous step has finished reading its slot before the
+                # pipeline refills that slot (delay_release=1 below).
+                plgpu.wgmma_wait(1)
+
             plgpu.emit_pipeline(
-                lambda _, lhs_smem, rhs_smem: plgpu.wgmma(acc_ref, lhs_smem, rhs_smem),
+                step,
                 grid=(k // block_k,),
                 in_specs=[
-                    plgpu.BlockSpec((block_m, block_k), lambda ki: (mi, ki)),
-                    plgpu.BlockSpec((block_k, block_n), lambda ki: (ki, ni)),
+                    plgpu.BlockSpec((block_m, block_k), lambda ki: (mi, ki), delay_release=1),
+                    plgpu.BlockSpec((block_k, block_n), lambda ki: (ki, ni), delay_release=1),
                 ],
-                max_concurrent_steps=2,
+                max_concurrent_steps=3,
             )(lhs_gmem, rhs_gmem.at[group])
             return acc_ref[...]
 

@@ -11,6 +11,7 @@ from composer_jax.quant import formats
 from composer_jax.quant.moe_gemm import quantized_expert_gemm
 from kernels_pallas import grouped_layout
 from kernels_pallas import hopper_grouped_gemm as hopper
+from tests.kernels import lowered_mosaic
 
 
 def _random_groups(rng, num_rows, num_groups):
@@ -100,3 +101,42 @@ def test_quantized_op_with_hopper_backend_matches_reference_backend():
         results.append((out, *vjp(grad)))
     for a, b in zip(*results):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2)
+
+
+@pytest.mark.gpu
+def test_many_k_steps_match_reference(interpret):
+    """Six K steps through a three-slot pipeline: every slot is refilled while wgmmas run."""
+    rng = np.random.default_rng()
+    m, k, n, g = 200, 384, 128, 4
+    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((g, k, n)), jnp.bfloat16)
+    sizes = _random_groups(rng, m, g)
+    out = hopper.grouped_gemm(lhs, rhs, sizes, block_k=64, interpret=interpret)
+    want = grouped_layout.grouped_gemm_reference(lhs, rhs, sizes)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4 * np.abs(want).max(), err_msg=sizes)
+
+
+def test_pipeline_waits_for_the_previous_wgmma_before_refilling_its_slot():
+    """In the lowered kernel, the K loop waits on wgmma (<= 1 group left in flight) after its
+    last wgmma and before any TMA load that refills a slot: the slot the load overwrites was read
+    by the wgmma of the previous step (delay_release=1), which that wait has retired."""
+    specs = (
+        jax.ShapeDtypeStruct((256, 512), jnp.bfloat16),
+        jax.ShapeDtypeStruct((4, 512, 128), jnp.bfloat16),
+        jax.ShapeDtypeStruct((4,), jnp.int32),
+    )
+    lowered = jax.jit(hopper.grouped_gemm).trace(*specs).lower(lowering_platforms=("cuda",))
+    loops = [
+        events
+        for module in lowered_mosaic.kernel_modules(lowered)
+        for events in lowered_mosaic.loop_events(module)
+    ]
+    assert loops, "no K loop issuing wgmma found in the lowered kernel"
+    for events in loops:
+        kinds = [e.kind for e in events]
+        last_mma = max(i for i, kind in enumerate(kinds) if kind == "mma")
+        loads = [i for i, kind in enumerate(kinds) if kind == "tma_load"]
+        assert loads, "the K loop refills no slot: not a pipeline"
+        waits = [e.text for e in events[last_mma + 1 : min(loads)] if e.kind == "wait"]
+        assert waits, f"no wgmma wait between the last wgmma and the refill: {kinds}"
+        assert all(int(w.rstrip(";").split()[-1]) <= 1 for w in waits), waits
