@@ -22,17 +22,56 @@ def _random_groups(rng, num_rows, num_groups):
     return jnp.asarray(sizes)
 
 
-@pytest.mark.parametrize("m, k, n, g", [(100, 128, 64, 4), (40, 64, 48, 3)])
-def test_matches_reference_in_interpret_mode(m, k, n, g):
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "m, k, n, g, tiles",
+    [
+        (100, 128, 64, 4, {}),  # the table's choice
+        (40, 64, 48, 3, {}),  # N padded to the tile
+        (301, 200, 128, 5, dict(block_m=128, block_n=128, stages=4)),  # M % 8 != 0, K padded
+        (256, 256, 256, 6, dict(block_m=64, block_n=256, stages=3)),
+        (130, 192, 128, 2, dict(block_m=64, block_n=64, stages=2)),
+    ],
+)
+def test_matches_reference(m, k, n, g, tiles, interpret):
     rng = np.random.default_rng()  # fresh inputs on every run
     lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     rhs = jnp.asarray(rng.standard_normal((g, k, n)), jnp.bfloat16)
     sizes = _random_groups(rng, m, g)
-    out = hopper.grouped_gemm(lhs, rhs, sizes, interpret=True)
+    out = hopper.grouped_gemm(lhs, rhs, sizes, interpret=interpret, **tiles)
     want = grouped_layout.grouped_gemm_reference(lhs, rhs, sizes)
     assert out.shape == (m, n) and out.dtype == jnp.float32
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4 * np.abs(want).max(), err_msg=sizes)
     assert (np.asarray(out)[int(sizes.sum()) :] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, k, n, g", [(150, 128, 128, 4), (64, 64, 64, 1)])
+def test_fused_epilogue_factors_and_cast(m, k, n, g, interpret):
+    """Row and per-group column factors and the bf16 cast happen in the kernel's epilogue."""
+    rng = np.random.default_rng()
+    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((g, k, n)), jnp.bfloat16)
+    rows = jnp.asarray(np.exp(rng.uniform(-3, 3, m)), jnp.float32)
+    cols = jnp.asarray(np.exp(rng.uniform(-3, 3, (g, n))), jnp.float32)
+    sizes = _random_groups(rng, m, g)
+    out = hopper.grouped_gemm(
+        lhs, rhs, sizes, rows, cols, out_dtype=jnp.bfloat16, interpret=interpret
+    )
+    expert = grouped_layout.expert_of_row(sizes, m)
+    want = grouped_layout.grouped_gemm_reference(lhs, rhs, sizes) * rows[:, None] * cols[expert]
+    want = np.where(np.arange(m)[:, None] < int(sizes.sum()), want, 0)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), want, rtol=1e-2, atol=1e-2 * np.abs(want).max()
+    )
+
+
+def test_all_groups_empty_gives_zeros():
+    lhs = jnp.ones((70, 64), jnp.bfloat16)
+    rhs = jnp.ones((3, 64, 64), jnp.bfloat16)
+    out = hopper.grouped_gemm(lhs, rhs, jnp.zeros((3,), jnp.int32), interpret=True)
+    assert (np.asarray(out) == 0).all()
 
 
 @pytest.mark.parametrize("m, k, n, g", [(100, 64, 64, 3), (70, 96, 40, 4)])
