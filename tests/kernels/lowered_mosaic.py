@@ -66,10 +66,11 @@ def _event(op) -> Event | None:
 
 
 def loop_events(module: ir.Module) -> list[list[Event]]:
-    """For each `scf.for` that issues a wgmma: the wgmma / wait / TMA-load events of its body."""
+    """For each loop (`scf.for` / `scf.while`) that issues a wgmma: its wgmma / wait / TMA-load
+    events in program order."""
     loops = []
     for op in _ops(module.operation):
-        if not op.name.endswith("scf.for"):
+        if not op.name.endswith(("scf.for", "scf.while")):
             continue
         events = [e for child in list(_ops(op))[1:] if (e := _event(child)) is not None]
         if any(e.kind == "mma" for e in events):
