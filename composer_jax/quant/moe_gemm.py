@@ -11,8 +11,8 @@ along the axis that GEMM contracts:
                                    a multiple of 32 so no scale block straddles two experts
 
 The NVFP4 per-token (and per-column) FP32 factors are applied after the integer-grid product:
-by the Hopper kernel's epilogue (with the output cast) on `pallas_hopper`, as an XLA multiply
-otherwise; the backends multiply codes times block scales, which bf16 holds exactly. The wgrad
+by the kernel's epilogue (with the output cast) on the Pallas backends, as an XLA multiply
+on `reference`; the backends multiply codes times block scales, which bf16 holds exactly. The wgrad
 runs the Hopper wgrad kernel on `pallas_hopper` and XLA's `ragged_dot_general` otherwise.
 """
 
@@ -103,7 +103,20 @@ def _nvfp4_gemm(lhs_MK, rhs_EKN, group_sizes_E, backend: str) -> jax.Array:
     """Both operands NVFP4 along K; per-token and per-column FP32 factors in the epilogue."""
     lhs_q = formats.quantize_nvfp4(_pad_axis(lhs_MK, 1, formats.NVFP4_BLOCK), axis=1)
     rhs_q = formats.quantize_nvfp4(_pad_axis(rhs_EKN, 1, formats.NVFP4_BLOCK), axis=1)
-    if backend == "pallas_hopper":  # factors and the output cast in the kernel's epilogue
+    if backend == "pallas_blackwell":  # factors and the output cast in the kernel's epilogue
+        from kernels_pallas import blackwell_grouped_gemm
+
+        return blackwell_grouped_gemm.grouped_gemm(
+            lhs_q.values,
+            lhs_q.scales,
+            jnp.swapaxes(rhs_q.values, 1, 2),
+            jnp.swapaxes(rhs_q.scales, 1, 2),
+            group_sizes_E,
+            lhs_q.row_scales[:, 0],
+            rhs_q.row_scales[:, 0, :],
+            out_dtype=lhs_MK.dtype,
+        )
+    if backend == "pallas_hopper":
         from kernels_pallas import hopper_grouped_gemm
 
         return hopper_grouped_gemm.grouped_gemm(
