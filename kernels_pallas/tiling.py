@@ -47,8 +47,9 @@ def hopper_tiles(
     if block_n is None:
         block_n = 64 if n <= 64 else (256 if block_m == 64 and n >= 256 else 128)
     block_k = block_k or 64
-    if block_m % 64 or block_n % 8 or block_k % 64:
-        raise ValueError("wgmma tiles need block_m % 64, block_n % 8, block_k % 64 == 0")
+    if block_m % 64 or block_n % 64 or block_k % 64:
+        # block_n: whole 128-byte rows, so row-exact TMA stores start on aligned SMEM addresses.
+        raise ValueError("tiles need block_m % 64, block_n % 64, block_k % 64 == 0")
     if block_m * block_n > 128 * 128:
         raise ValueError(f"a {block_m} x {block_n} float32 accumulator exceeds the registers")
     stage_bytes = 2 * (block_m * block_k + block_k * block_n)

@@ -77,8 +77,9 @@ def _train_setup(cfg, batch_size: int, seq_len: int, seed: int = 0):
     from composer_jax.model import init_model
     from composer_jax.train import step as step_lib
 
-    schedule = optim.learning_rate_schedule(config_lib.OptimizerConfig(), 1000)
-    optimizer = optim.make_optimizer(config_lib.OptimizerConfig(), schedule)
+    opt_cfg = config_lib.OptimizerConfig(warmup_steps=0)  # every step moves the weights
+    schedule = optim.learning_rate_schedule(opt_cfg, 1000)
+    optimizer = optim.make_optimizer(opt_cfg, schedule)
     m = init_model(cfg, seed=seed)
     graphdef, _, _ = step_lib.split_model(m)
     state = step_lib.init_train_state(m, optimizer)
