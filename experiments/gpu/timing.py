@@ -47,12 +47,10 @@ def device_time_ms(fn, args, iterations: int = 10) -> dict:
     return {"ms": _median_wall_ms(fn, args, iterations), "timer": f"wall ({why})", "kernels": []}
 
 
-def compiled_bytes(fn, args) -> int | None:
-    """Device bytes one call of the compiled `fn` holds: arguments, outputs and temporaries."""
-    import jax
-
+def compiled_bytes(compiled) -> int | None:
+    """Device bytes one call of a compiled function holds: arguments, outputs, temporaries."""
     try:
-        analysis = jax.jit(fn).trace(*args).lower().compile().memory_analysis()
+        analysis = compiled.memory_analysis()
     except Exception:  # noqa: BLE001 -- optional figure; some backends have no analysis
         return None
     if analysis is None:

@@ -1,4 +1,4 @@
-"""Hopper wgmma grouped GEMM under Mosaic GPU interpret mode, against the jnp reference."""
+"""Hopper wgmma grouped GEMMs against the jnp reference: compiled on a GPU, interpreted on CPU."""
 
 from __future__ import annotations
 
@@ -67,22 +67,24 @@ def test_fused_epilogue_factors_and_cast(m, k, n, g, interpret):
     )
 
 
-def test_all_groups_empty_gives_zeros():
+@pytest.mark.gpu
+def test_all_groups_empty_gives_zeros(interpret):
     lhs = jnp.ones((70, 64), jnp.bfloat16)
     rhs = jnp.ones((3, 64, 64), jnp.bfloat16)
-    out = hopper.grouped_gemm(lhs, rhs, jnp.zeros((3,), jnp.int32), interpret=True)
+    out = hopper.grouped_gemm(lhs, rhs, jnp.zeros((3,), jnp.int32), interpret=interpret)
     assert (np.asarray(out) == 0).all()
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("m, k, n, g", [(100, 64, 64, 3), (70, 96, 40, 4)])
-def test_mxfp8_kernel_matches_reference_in_interpret_mode(m, k, n, g):
+def test_mxfp8_kernel_matches_reference(m, k, n, g, interpret):
     rng = np.random.default_rng()  # fresh inputs on every run
     scale_rows = np.exp2(rng.integers(-6, 6, (m, 1)))  # spread the E8M0 scales
     lhs = formats.quantize_mxfp8(jnp.asarray(rng.standard_normal((m, k)) * scale_rows, jnp.float32))
     rhs = formats.quantize_mxfp8(jnp.asarray(rng.standard_normal((g, n, k)), jnp.float32))
     sizes = _random_groups(rng, m, g)
     out = hopper.mxfp8_grouped_gemm(
-        lhs.values, lhs.scales, rhs.values, rhs.scales, sizes, interpret=True
+        lhs.values, lhs.scales, rhs.values, rhs.scales, sizes, interpret=interpret
     )
     want = grouped_layout.grouped_gemm_reference(
         formats.dequantize(lhs), jnp.swapaxes(formats.dequantize(rhs), 1, 2), sizes

@@ -36,12 +36,13 @@ def test_matches_reference(m, k, n, g, tiles, interpret):
     np.testing.assert_array_equal(np.asarray(out)[np.asarray(sizes) == 0], 0)
 
 
-def test_aligned_entry_and_bf16_output():
+@pytest.mark.gpu
+def test_aligned_entry_and_bf16_output(interpret):
     rng = np.random.default_rng()
     sizes = jnp.array([64, 0, 192], jnp.int32)  # already multiples of 64
     lhs = jnp.asarray(rng.standard_normal((256, 64)), jnp.bfloat16)
     grad = jnp.asarray(rng.standard_normal((256, 64)), jnp.bfloat16)
-    out = wgrad.aligned_grouped_wgrad(lhs, grad, sizes, out_dtype=jnp.bfloat16, interpret=True)
+    out = wgrad.aligned_grouped_wgrad(lhs, grad, sizes, out_dtype=jnp.bfloat16, interpret=interpret)
     want = wgrad.grouped_wgrad_reference(lhs, grad, sizes)
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=1e-2, atol=0.1)
