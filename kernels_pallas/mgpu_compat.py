@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -19,3 +21,11 @@ def warp_map(body) -> None:
     if hasattr(plgpu, "warp_map"):
         return plgpu.warp_map(body)
     return pl.core_map(plgpu.WarpMesh(axis_name="warp"))(lambda: body(jax.lax.axis_index("warp")))
+
+
+def load(ref, layout):
+    """Loads a whole SMEM or GMEM ref into registers with `layout` (older JAX took an index)."""
+    params = inspect.signature(plgpu.load).parameters
+    if "idx" in params and params["idx"].default is inspect.Parameter.empty:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)

@@ -10,8 +10,10 @@ along the axis that GEMM contracts:
   wgrad    drhs[e] = lhs_e^T @ g_e both MXFP8 along the token axis, each expert's rows padded to
                                    a multiple of 32 so no scale block straddles two experts
 
-The NVFP4 per-token (and per-column) FP32 factors are applied after the integer-grid product,
-as a GEMM epilogue would; the backends multiply codes times block scales, which bf16 holds exactly.
+The NVFP4 per-token (and per-column) FP32 factors are applied after the integer-grid product:
+by the kernel's epilogue (with the output cast) on the Pallas backends, as an XLA multiply
+on `reference`; the backends multiply codes times block scales, which bf16 holds exactly. The wgrad
+runs the Hopper wgrad kernel on `pallas_hopper` and XLA's `ragged_dot_general` otherwise.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ def _codes_times_scales(q: formats.MXFP8Tensor | formats.NVFP4Tensor) -> jax.Arr
     return _bf16(formats.dequantize(q))
 
 
+def _interpret() -> bool:
+    """Hopper kernels run under Mosaic GPU interpret mode on CPU (slow, exact)."""
+    return jax.default_backend() == "cpu"
+
+
 def _block_scaled_product(lhs_q, rhs_q, group_sizes_E, backend: str) -> jax.Array:
     """float32 sum over K of codes x block scales; lhs [M, K] and rhs [E, K, N] blocked along K."""
     if backend == "pallas_blackwell":
@@ -69,7 +76,7 @@ def _block_scaled_product(lhs_q, rhs_q, group_sizes_E, backend: str) -> jax.Arra
     if backend == "pallas_hopper":
         from kernels_pallas import hopper_grouped_gemm
 
-        interpret = jax.default_backend() == "cpu"  # Mosaic GPU interpret mode: slow, exact
+        interpret = _interpret()
         if isinstance(lhs_q, formats.MXFP8Tensor):  # fp8 wgmma, scales promoted per block
             return hopper_grouped_gemm.mxfp8_grouped_gemm(
                 lhs_q.values,
@@ -96,31 +103,61 @@ def _nvfp4_gemm(lhs_MK, rhs_EKN, group_sizes_E, backend: str) -> jax.Array:
     """Both operands NVFP4 along K; per-token and per-column FP32 factors in the epilogue."""
     lhs_q = formats.quantize_nvfp4(_pad_axis(lhs_MK, 1, formats.NVFP4_BLOCK), axis=1)
     rhs_q = formats.quantize_nvfp4(_pad_axis(rhs_EKN, 1, formats.NVFP4_BLOCK), axis=1)
+    if backend == "pallas_blackwell":  # factors and the output cast in the kernel's epilogue
+        from kernels_pallas import blackwell_grouped_gemm
+
+        return blackwell_grouped_gemm.grouped_gemm(
+            lhs_q.values,
+            lhs_q.scales,
+            jnp.swapaxes(rhs_q.values, 1, 2),
+            jnp.swapaxes(rhs_q.scales, 1, 2),
+            group_sizes_E,
+            lhs_q.row_scales[:, 0],
+            rhs_q.row_scales[:, 0, :],
+            out_dtype=lhs_MK.dtype,
+        )
+    if backend == "pallas_hopper":
+        from kernels_pallas import hopper_grouped_gemm
+
+        return hopper_grouped_gemm.grouped_gemm(
+            _codes_times_scales(lhs_q),
+            _codes_times_scales(rhs_q),
+            group_sizes_E,
+            lhs_q.row_scales[:, 0],
+            rhs_q.row_scales[:, 0, :],
+            out_dtype=lhs_MK.dtype,
+            interpret=_interpret(),
+        )
     acc = _block_scaled_product(lhs_q, rhs_q, group_sizes_E, backend)
     expert = grouped_layout.expert_of_row(group_sizes_E, acc.shape[0])
     return acc * lhs_q.row_scales * rhs_q.row_scales[expert, 0]
 
 
-def _mxfp8_wgrad(lhs_MK, grad_MN, group_sizes_E) -> jax.Array:
+def _mxfp8_wgrad(lhs_MK, grad_MN, group_sizes_E, backend: str) -> jax.Array:
     """drhs[e] = lhs_e^T grad_e with both operands MXFP8 along the token axis, per expert."""
+    # Each expert's rows start on a block boundary so no scale block straddles two experts (the
+    # Hopper kernel also needs whole 64-row token steps; the blocks are the same either way).
+    align = 64 if backend == "pallas_hopper" else formats.MX_BLOCK
     dest, padded_sizes, padded_rows = grouped_layout.aligned_destinations(
-        group_sizes_E, lhs_MK.shape[0], formats.MX_BLOCK
+        group_sizes_E, lhs_MK.shape[0], align
     )
     lhs_p = grouped_layout.to_aligned_rows(lhs_MK, dest, padded_rows)
     grad_p = grouped_layout.to_aligned_rows(grad_MN, dest, padded_rows)
-    lhs_dq = formats.dequantize(formats.quantize_mxfp8(lhs_p, axis=0))
-    grad_dq = formats.dequantize(formats.quantize_mxfp8(grad_p, axis=0))
+    lhs_dq = _bf16(formats.dequantize(formats.quantize_mxfp8(lhs_p, axis=0)))
+    grad_dq = _bf16(formats.dequantize(formats.quantize_mxfp8(grad_p, axis=0)))
+    if backend == "pallas_hopper":
+        from kernels_pallas import hopper_wgrad
+
+        return hopper_wgrad.aligned_grouped_wgrad(
+            lhs_dq, grad_dq, padded_sizes, block_t=align, interpret=_interpret()
+        )
     numbers = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(([0], [0]), ([], [])),
         lhs_ragged_dimensions=[0],
         rhs_group_dimensions=[],
     )
     return jax.lax.ragged_dot_general(
-        _bf16(lhs_dq),
-        _bf16(grad_dq),
-        padded_sizes,
-        numbers,
-        preferred_element_type=jnp.float32,
+        lhs_dq, grad_dq, padded_sizes, numbers, preferred_element_type=jnp.float32
     )
 
 
@@ -144,7 +181,7 @@ def _quantized_gemm_bwd(precision, backend, residuals, grad_MN):
     k, n = lhs_MK.shape[1], grad_MN.shape[1]
     rhs_ENK = jnp.swapaxes(rhs_EKN, 1, 2)
     dlhs = _mxfp8_gemm(grad_MN, rhs_ENK, group_sizes_E, backend)[:, :k]
-    drhs = _mxfp8_wgrad(lhs_MK, grad_MN, group_sizes_E)[:, :k, :n]
+    drhs = _mxfp8_wgrad(lhs_MK, grad_MN, group_sizes_E, backend)[:, :k, :n]
     return dlhs.astype(lhs_MK.dtype), drhs.astype(rhs_EKN.dtype), None
 
 

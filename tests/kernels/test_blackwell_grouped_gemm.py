@@ -54,6 +54,25 @@ def test_lowers_with_other_tiles_and_padding():
     assert "mosaic_gpu" in _lower(kernel, *_specs("nvfp4", 200, 96, 200, 3))
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("block_n", [128, 256])
+def test_lowers_with_fused_factors_and_bf16_output(fmt, block_n):
+    m, k, n, g = 1000, 512, 512, 8
+    factors = (jax.ShapeDtypeStruct((m,), jnp.float32), jax.ShapeDtypeStruct((g, n), jnp.float32))
+    kernel = functools.partial(blackwell.grouped_gemm, out_dtype=jnp.bfloat16, block_n=block_n)
+    assert "mosaic_gpu" in _lower(kernel, *_specs(fmt, m, k, n, g), *factors)
+
+
+def test_tile_table():
+    fp8 = blackwell.blackwell_tiles(2048, jnp.float8_e4m3fn, out_itemsize=2)
+    fp4 = blackwell.blackwell_tiles(2048, jnp.float4_e2m1fn, out_itemsize=2)
+    assert (fp8.block_n, fp8.block_k, fp4.block_n, fp4.block_k) == (256, 128, 256, 128)
+    assert (fp8.stages, fp4.stages) == (4, 6)  # 50 KB and 27 KB a stage
+    assert blackwell.blackwell_tiles(128, jnp.float8_e4m3fn).block_n == 128
+    with pytest.raises(ValueError, match="block_n"):
+        blackwell.blackwell_tiles(2048, jnp.float8_e4m3fn, block_n=384)
+
+
 @pytest.mark.parametrize("precision", moe_gemm.PRECISIONS)
 def test_quantized_op_forward_and_backward_lower_with_blackwell_backend(precision):
     def loss(lhs, rhs, sizes):

@@ -1,4 +1,4 @@
-"""Hopper wgmma grouped GEMM under Mosaic GPU interpret mode, against the jnp reference."""
+"""Hopper wgmma grouped GEMMs against the jnp reference: compiled on a GPU, interpreted on CPU."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from composer_jax.quant import formats
 from composer_jax.quant.moe_gemm import quantized_expert_gemm
 from kernels_pallas import grouped_layout
 from kernels_pallas import hopper_grouped_gemm as hopper
+from tests.kernels import lowered_mosaic
 
 
 def _random_groups(rng, num_rows, num_groups):
@@ -21,28 +22,69 @@ def _random_groups(rng, num_rows, num_groups):
     return jnp.asarray(sizes)
 
 
-@pytest.mark.parametrize("m, k, n, g", [(100, 128, 64, 4), (40, 64, 48, 3)])
-def test_matches_reference_in_interpret_mode(m, k, n, g):
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "m, k, n, g, tiles",
+    [
+        (100, 128, 64, 4, {}),  # the table's choice
+        (40, 64, 48, 3, {}),  # N padded to the tile
+        (301, 200, 128, 5, dict(block_m=128, block_n=128, stages=4)),  # M % 8 != 0, K padded
+        (256, 256, 256, 6, dict(block_m=64, block_n=256, stages=3)),
+        (130, 192, 128, 2, dict(block_m=64, block_n=64, stages=2)),
+    ],
+)
+def test_matches_reference(m, k, n, g, tiles, interpret):
     rng = np.random.default_rng()  # fresh inputs on every run
     lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     rhs = jnp.asarray(rng.standard_normal((g, k, n)), jnp.bfloat16)
     sizes = _random_groups(rng, m, g)
-    out = hopper.grouped_gemm(lhs, rhs, sizes, interpret=True)
+    out = hopper.grouped_gemm(lhs, rhs, sizes, interpret=interpret, **tiles)
     want = grouped_layout.grouped_gemm_reference(lhs, rhs, sizes)
     assert out.shape == (m, n) and out.dtype == jnp.float32
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4 * np.abs(want).max(), err_msg=sizes)
     assert (np.asarray(out)[int(sizes.sum()) :] == 0).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, k, n, g", [(150, 128, 128, 4), (64, 64, 64, 1)])
+def test_fused_epilogue_factors_and_cast(m, k, n, g, interpret):
+    """Row and per-group column factors and the bf16 cast happen in the kernel's epilogue."""
+    rng = np.random.default_rng()
+    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((g, k, n)), jnp.bfloat16)
+    rows = jnp.asarray(np.exp(rng.uniform(-3, 3, m)), jnp.float32)
+    cols = jnp.asarray(np.exp(rng.uniform(-3, 3, (g, n))), jnp.float32)
+    sizes = _random_groups(rng, m, g)
+    out = hopper.grouped_gemm(
+        lhs, rhs, sizes, rows, cols, out_dtype=jnp.bfloat16, interpret=interpret
+    )
+    expert = grouped_layout.expert_of_row(sizes, m)
+    want = grouped_layout.grouped_gemm_reference(lhs, rhs, sizes) * rows[:, None] * cols[expert]
+    want = np.where(np.arange(m)[:, None] < int(sizes.sum()), want, 0)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), want, rtol=1e-2, atol=1e-2 * np.abs(want).max()
+    )
+
+
+@pytest.mark.gpu
+def test_all_groups_empty_gives_zeros(interpret):
+    lhs = jnp.ones((70, 64), jnp.bfloat16)
+    rhs = jnp.ones((3, 64, 64), jnp.bfloat16)
+    out = hopper.grouped_gemm(lhs, rhs, jnp.zeros((3,), jnp.int32), interpret=interpret)
+    assert (np.asarray(out) == 0).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m, k, n, g", [(100, 64, 64, 3), (70, 96, 40, 4)])
-def test_mxfp8_kernel_matches_reference_in_interpret_mode(m, k, n, g):
+def test_mxfp8_kernel_matches_reference(m, k, n, g, interpret):
     rng = np.random.default_rng()  # fresh inputs on every run
     scale_rows = np.exp2(rng.integers(-6, 6, (m, 1)))  # spread the E8M0 scales
     lhs = formats.quantize_mxfp8(jnp.asarray(rng.standard_normal((m, k)) * scale_rows, jnp.float32))
     rhs = formats.quantize_mxfp8(jnp.asarray(rng.standard_normal((g, n, k)), jnp.float32))
     sizes = _random_groups(rng, m, g)
     out = hopper.mxfp8_grouped_gemm(
-        lhs.values, lhs.scales, rhs.values, rhs.scales, sizes, interpret=True
+        lhs.values, lhs.scales, rhs.values, rhs.scales, sizes, interpret=interpret
     )
     want = grouped_layout.grouped_gemm_reference(
         formats.dequantize(lhs), jnp.swapaxes(formats.dequantize(rhs), 1, 2), sizes
@@ -88,15 +130,60 @@ def test_invalid_inputs_are_named():
         hopper.mxfp8_grouped_gemm(codes, scales[:, :1], rhs_codes, rhs_scales, jnp.array([4, 4]))
 
 
-def test_quantized_op_with_hopper_backend_matches_reference_backend():
-    rng = np.random.default_rng(0)
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["mxfp8", "nvfp4_fwd_mxfp8_bwd"])
+def test_quantized_op_with_hopper_backend_matches_reference_backend(precision):
+    """Forward (fp8 kernel, or bf16 kernel with the NVFP4 factors fused), dgrad and the wgrad
+    kernel, against the reference backend on the same quantized operands."""
+    rng = np.random.default_rng()
     lhs = jnp.asarray(rng.standard_normal((40, 64)), jnp.bfloat16)
     rhs = jnp.asarray(rng.standard_normal((3, 64, 32)), jnp.bfloat16)
-    sizes, grad = jnp.array([20, 0, 12], jnp.int32), jnp.ones((40, 32), jnp.bfloat16)
+    sizes = jnp.array([20, 0, 12], jnp.int32)
+    grad = jnp.asarray(rng.standard_normal((40, 32)), jnp.bfloat16)
     results = []
     for backend in ("reference", "pallas_hopper"):
-        fn = lambda x, w: quantized_expert_gemm(x, w, sizes, backend=backend)  # noqa: B023
+        fn = lambda x, w: quantized_expert_gemm(x, w, sizes, precision, backend)  # noqa: B023
         out, vjp = jax.vjp(fn, lhs, rhs)
         results.append((out, *vjp(grad)))
     for a, b in zip(*results):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2)
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2 * np.abs(b).max())
+
+
+@pytest.mark.gpu
+def test_many_k_steps_match_reference(interpret):
+    """Six K steps through a three-slot pipeline: every slot is refilled while wgmmas run."""
+    rng = np.random.default_rng()
+    m, k, n, g = 200, 384, 128, 4
+    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((g, k, n)), jnp.bfloat16)
+    sizes = _random_groups(rng, m, g)
+    out = hopper.grouped_gemm(lhs, rhs, sizes, block_k=64, interpret=interpret)
+    want = grouped_layout.grouped_gemm_reference(lhs, rhs, sizes)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4 * np.abs(want).max(), err_msg=sizes)
+
+
+def test_pipeline_waits_for_the_previous_wgmma_before_refilling_its_slot():
+    """In the lowered kernel, the K loop waits on wgmma (<= 1 group left in flight) after its
+    last wgmma and before any TMA load that refills a slot: the slot the load overwrites was read
+    by the wgmma of the previous step (delay_release=1), which that wait has retired."""
+    specs = (
+        jax.ShapeDtypeStruct((256, 512), jnp.bfloat16),
+        jax.ShapeDtypeStruct((4, 512, 128), jnp.bfloat16),
+        jax.ShapeDtypeStruct((4,), jnp.int32),
+    )
+    lowered = jax.jit(hopper.grouped_gemm).trace(*specs).lower(lowering_platforms=("cuda",))
+    loops = [
+        events
+        for module in lowered_mosaic.kernel_modules(lowered)
+        for events in lowered_mosaic.loop_events(module)
+    ]
+    assert loops, "no K loop issuing wgmma found in the lowered kernel"
+    for events in loops:
+        kinds = [e.kind for e in events]
+        last_mma = max(i for i, kind in enumerate(kinds) if kind == "mma")
+        loads = [i for i, kind in enumerate(kinds) if kind == "tma_load"]
+        assert loads, "the K loop refills no slot: not a pipeline"
+        waits = [e.text for e in events[last_mma + 1 : min(loads)] if e.kind == "wait"]
+        assert waits, f"no wgmma wait between the last wgmma and the refill: {kinds}"
+        assert all(int(w.rstrip(";").split()[-1]) <= 1 for w in waits), waits
