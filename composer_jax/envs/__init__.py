@@ -7,9 +7,11 @@ from composer_jax.envs.environment import (
     Episode,
     EpisodePool,
     StepResult,
+    episode_prompt,
     oracle_turns,
     random_turns,
     run_episode,
+    sft_example,
 )
 from composer_jax.envs.feature_deletion import (
     candidate_modules,
@@ -91,7 +93,9 @@ __all__ = [
     "load_jsonl_tasks",
     "load_task_source",
     "make_task",
+    "episode_prompt",
     "oracle_turns",
+    "sft_example",
     "parse_turn",
     "python_executable",
     "random_turns",

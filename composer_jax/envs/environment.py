@@ -15,7 +15,7 @@ from composer_jax.envs import protocol
 from composer_jax.envs.monitors import MonitorFlag, RewardHackMonitor
 from composer_jax.envs.sandbox import Sandbox, SandboxLimits, WorkspaceLimitError
 from composer_jax.envs.task import GRADING_LIMITS, GradeResult, Task, grade
-from composer_jax.envs.tools import TOOL_SPECS, ToolBox, ToolCallRecord
+from composer_jax.envs.tools import TOOL_SPECS, ToolBox, ToolCallRecord, describe_tools
 
 DEFAULT_TOOLS = (
     "read_file",
@@ -102,7 +102,7 @@ class Episode:
     @property
     def prompt(self) -> str:
         """The first observation: the task and the tools."""
-        return f"{self.task.prompt}{self.tools.describe()}\n"
+        return episode_prompt(self.task, self.config)
 
     @property
     def call_log(self) -> list[ToolCallRecord]:
@@ -226,6 +226,16 @@ class EpisodePool:
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+def episode_prompt(task: Task, config: EnvConfig = EnvConfig()) -> str:
+    """An episode's first observation (the task and the tools), without making an episode."""
+    return f"{task.prompt}{describe_tools(config.tools)}\n"
+
+
+def sft_example(task: Task, config: EnvConfig = EnvConfig()) -> tuple[str, str]:
+    """(first observation, the oracle's first turn): a supervised example of the agent's turn."""
+    return episode_prompt(task, config), oracle_turns(task)[0]
 
 
 def oracle_turns(task: Task) -> list[str]:

@@ -104,6 +104,11 @@ TOOL_SPECS = {
 }
 
 
+def describe_tools(tool_names: tuple[str, ...]) -> str:
+    """The tools line of an episode's first observation."""
+    return "Tools: " + " ".join(TOOL_SPECS[name].signature() for name in tool_names)
+
+
 @dataclasses.dataclass(frozen=True)
 class ToolCallRecord:
     """Log entry of one call: what, whether it worked, how long, how big."""
@@ -172,7 +177,7 @@ class ToolBox:
         self.log: list[ToolCallRecord] = []
 
     def describe(self) -> str:
-        return "Tools: " + " ".join(spec.signature() for spec in self.specs.values())
+        return describe_tools(tuple(self.specs))
 
     def call(self, tool: str, args: dict[str, str]) -> tuple[str, ToolCallRecord]:
         """Runs one call; returns the text for the agent and the log record."""
