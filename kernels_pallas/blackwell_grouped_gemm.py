@@ -192,13 +192,16 @@ def _ragged_kernel(units, lhs, lhs_sc, rhs, rhs_sc, row, col, *, m, tiles, out_d
                     plgpu.wait_load_tmem()
                     if row_gmem is not None:
                         rows = mgpu_compat.load(
-                            row_gmem.at[m_slice], plgpu.Layout.TCGEN05.reduce(1)
+                            row_gmem.at[m_slice],
+                            plgpu.Layout.TCGEN05.reduce(1),
+                            optimized=False,
                         )
                         acc = acc * jax.lax.broadcast_in_dim(rows, acc.shape, [0])
                     if col_gmem is not None:
                         cols = mgpu_compat.load(
                             col_gmem.at[group, pl.ds(ni * block_n + j * EPILOGUE_N, EPILOGUE_N)],
                             plgpu.Layout.TCGEN05.reduce(0),
+                            optimized=False,
                         )
                         acc = acc * jax.lax.broadcast_in_dim(cols, acc.shape, [1])
                     out_smem[...] = acc.astype(out_dtype)

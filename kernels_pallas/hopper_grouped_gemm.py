@@ -82,12 +82,16 @@ def _ragged_kernel(units, lhs, rhs, row_scale, col_scale, *, m, tiles, out_dtype
             acc = pl.run_scoped(accumulate, plgpu.ACC((bm, bn)))
             if row_gmem is not None:
                 rows = mgpu_compat.load(
-                    row_gmem.at[pl.ds(block * bm, bm)], plgpu.Layout.WGMMA.reduce(1)
+                    row_gmem.at[pl.ds(block * bm, bm)],
+                    plgpu.Layout.WGMMA.reduce(1),
+                    optimized=False,
                 )
                 acc = acc * jax.lax.broadcast_in_dim(rows, (bm, bn), [0])
             if col_gmem is not None:
                 cols = mgpu_compat.load(
-                    col_gmem.at[jnp.maximum(group, 0), n_slice], plgpu.Layout.WGMMA.reduce(0)
+                    col_gmem.at[jnp.maximum(group, 0), n_slice],
+                    plgpu.Layout.WGMMA.reduce(0),
+                    optimized=False,
                 )
                 acc = acc * jax.lax.broadcast_in_dim(cols, (bm, bn), [1])
             out_smem[...] = acc.astype(out_dtype)
