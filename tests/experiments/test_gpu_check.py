@@ -19,7 +19,10 @@ CI_CASES = [
     "tests/kernels",
     "gemm/dry_128x64_e4_t40/ragged_dot_bf16",
     "gemm/dry_128x64_e4_t40/hopper_bf16",
+    "gemm/dry_128x64_e4_t40/hopper_bf16_persistent",
     "gemm/dry_128x64_e4_t40/blackwell_nvfp4",
+    "gemm/dry_128x64_e4_t40/blackwell_mxfp8_2cta",
+    "gemm/dry_128x64_e4_t40/blackwell_wgrad_mxfp8",
     "gemm/dry_128x64_e4_t40/quantize_mxfp8",
     "collective/*",
     "train_check/bf16",
@@ -143,6 +146,9 @@ def test_dry_run_of_one_case_of_each_kind(tmp_path):
     modes = {r["name"].split("/")[-1]: r.get("mode", "") for r in data["results"]}
     assert modes["blackwell_nvfp4"].startswith("lowered")
     assert modes["hopper_bf16"].startswith("timed (interpret")
+    assert modes["hopper_bf16_persistent"].startswith("timed (interpret")
+    assert modes["blackwell_mxfp8_2cta"].startswith("lowered")
+    assert modes["blackwell_wgrad_mxfp8"].startswith("lowered")
     assert "## Grouped GEMM" in (out / "report.md").read_text()
 
 
