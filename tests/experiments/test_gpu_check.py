@@ -95,6 +95,16 @@ def test_runner_survives_hangs_crashes_and_errors(tmp_path):
     assert len(seen) == len(cases)
 
 
+def test_runner_ignores_results_left_in_a_reused_out_folder(tmp_path):
+    case = dict(name="x", kind="tests.experiments.fake_cases:ok", group="x", timeout_s=60,
+                params={"value": 7})  # fmt: skip
+    (tmp_path / "logs").mkdir()
+    stale = {"event": "result", "name": "x", "status": "fail", "error": "from an older run"}
+    (tmp_path / "logs" / "00-0.events").write_text(json.dumps(stale) + "\n")
+    results = runner.run_plan([case], str(tmp_path), dry_run=True, budget_s=120, env=_env())
+    assert [(r["status"], r.get("value")) for r in results] == [("ok", 7)]
+
+
 def test_cases_past_the_budget_are_skipped(tmp_path):
     cases = [
         dict(name="x", kind="tests.experiments.fake_cases:ok", group="x", timeout_s=5, params={})
