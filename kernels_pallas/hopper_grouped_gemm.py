@@ -11,9 +11,9 @@ Hopper has no block-scaled MMA, so two kernels:
       epilogue: optional per-row and per-(group, column) float32 factors (the NVFP4 outer
       scales), the cast to the output dtype, and rows stored straight to their destinations.
       With `num_sms` the grid is persistent: that many CTAs loop over the (unit, N tile) pairs
-      of the used units only, and a tile's stores overlap the next tile's K loop. (Not done:
-      warpgroup specialisation -- a producer warpgroup and two consumer warpgroups on 128 x 256
-      tiles; one warpgroup issues both TMA and wgmma here.)
+      of the used units only, and a tile's stores overlap the next tile's K loop. One warpgroup
+      issues both TMA and wgmma here; `hopper_warp_specialized` is the same GEMM with a
+      producer warpgroup and two consumer warpgroups on 128 x 256 tiles.
   `mxfp8_grouped_gemm`: fp8 codes straight from memory; one fp8 wgmma per 32-wide scale block,
       its partial product promoted into the float32 accumulator times the row (token) scales and
       column scales of that block. Each M tile belongs to one group via a `block_m`-aligned
