@@ -33,6 +33,7 @@ BACKENDS = [
     "ragged_dot_bf16",
     "hopper_bf16",
     "hopper_bf16_persistent",
+    "hopper_bf16_ws",
     "jax_ragged_dot_mgpu",
     "hopper_mxfp8",
     "hopper_nvfp4",
@@ -131,6 +132,14 @@ def _backend(name: str, lhs, rhs, grad, sizes, arch: str, dry_run: bool, num_sms
         _needs(arch, "hopper")
         fn = functools.partial(
             hopper_grouped_gemm.grouped_gemm, out_dtype=bf16, num_sms=num_sms, interpret=dry_run
+        )
+        return fn, (lhs, rhs, sizes), ref(lhs, rhs, sizes), "bf16", "run"
+    if name == "hopper_bf16_ws":  # producer + two consumer warpgroups, 128 x 256 tiles
+        _needs(arch, "hopper")
+        from kernels_pallas import hopper_warp_specialized
+
+        fn = functools.partial(
+            hopper_warp_specialized.grouped_gemm, out_dtype=bf16, interpret=dry_run
         )
         return fn, (lhs, rhs, sizes), ref(lhs, rhs, sizes), "bf16", "run"
     if name == "jax_ragged_dot_mgpu":

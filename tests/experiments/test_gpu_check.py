@@ -20,6 +20,7 @@ CI_CASES = [
     "gemm/dry_128x64_e4_t40/ragged_dot_bf16",
     "gemm/dry_128x64_e4_t40/hopper_bf16",
     "gemm/dry_128x64_e4_t40/hopper_bf16_persistent",
+    "gemm/dry_128x64_e4_t40/hopper_bf16_ws",
     "gemm/dry_128x64_e4_t40/blackwell_nvfp4",
     "gemm/dry_128x64_e4_t40/blackwell_mxfp8_2cta",
     "gemm/dry_128x64_e4_t40/blackwell_wgrad_mxfp8",
@@ -157,6 +158,7 @@ def test_dry_run_of_one_case_of_each_kind(tmp_path):
     assert modes["blackwell_nvfp4"].startswith("lowered")
     assert modes["hopper_bf16"].startswith("timed (interpret")
     assert modes["hopper_bf16_persistent"].startswith("timed (interpret")
+    assert modes["hopper_bf16_ws"].startswith("timed (interpret")
     assert modes["blackwell_mxfp8_2cta"].startswith("lowered")
     assert modes["blackwell_wgrad_mxfp8"].startswith("lowered")
     assert "## Grouped GEMM" in (out / "report.md").read_text()
