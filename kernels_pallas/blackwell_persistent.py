@@ -85,6 +85,8 @@ def persistent_tiles(
 
 
 def _kernel(units, count, lhs, lhs_sc, rhs, rhs_sc, row, col, *, m, tiles, num_ctas, out_dtype):
+    """out[m, N]; `num_ctas` programs (CTA pairs when tiles.block_m is 256) loop over the
+    (unit, N tile) pairs of the first `count` units."""
     k, n = lhs.shape[1], rhs.shape[1]
     unit_m, block_n, block_k, stages = tiles.block_m, tiles.block_n, tiles.block_k, tiles.stages
     collective = unit_m == 2 * TILE_M
@@ -117,8 +119,8 @@ def _kernel(units, count, lhs, lhs_sc, rhs, rhs_sc, row, col, *, m, tiles, num_c
             group, mi, first, rows = ragged_tiles.read_unit(units_gmem, u, unit_m)
             computes = group >= 0
             group = jnp.maximum(group, 0)
-            acc = acc_tmem.at[:, pl.ds(jax.lax.rem(tile, 2) * block_n, block_n)]
             acc_half = jax.lax.rem(tile, 2)
+            acc = acc_tmem.at[:, pl.ds(acc_half * block_n, block_n)]
 
             @pl.when(computes & (wg == MMA_WG))
             def _loads_and_mmas():
