@@ -15,8 +15,9 @@ warpgroup 1 waits for the last MMA and runs the epilogue in 64-column chunks: op
 and per-(group, column) float32 factors (the NVFP4 outer scales), the cast to the output dtype,
 and only the unit's rows stored.
 
-Not done yet (documented in experiments/RESULTS.md): a persistent grid with a double-buffered
-TMEM accumulator (the epilogue of one tile overlapping the MMAs of the next) and 2-CTA MMA.
+The persistent variant (a fixed grid looping over the units, a double-buffered TMEM accumulator
+so the epilogue of one tile overlaps the MMAs of the next, optional 2-CTA MMA) is
+`blackwell_persistent`; this one keeps 256-wide N tiles, which a double buffer cannot hold.
 
 Numerics of this kernel need Blackwell hardware: block-scaled tcgen05 MMAs cannot be interpreted
 on CPU, so the tests only check that it lowers for CUDA and rejects bad inputs.
@@ -192,13 +193,16 @@ def _ragged_kernel(units, lhs, lhs_sc, rhs, rhs_sc, row, col, *, m, tiles, out_d
                     plgpu.wait_load_tmem()
                     if row_gmem is not None:
                         rows = mgpu_compat.load(
-                            row_gmem.at[m_slice], plgpu.Layout.TCGEN05.reduce(1)
+                            row_gmem.at[m_slice],
+                            plgpu.Layout.TCGEN05.reduce(1),
+                            optimized=False,
                         )
                         acc = acc * jax.lax.broadcast_in_dim(rows, acc.shape, [0])
                     if col_gmem is not None:
                         cols = mgpu_compat.load(
                             col_gmem.at[group, pl.ds(ni * block_n + j * EPILOGUE_N, EPILOGUE_N)],
                             plgpu.Layout.TCGEN05.reduce(0),
+                            optimized=False,
                         )
                         acc = acc * jax.lax.broadcast_in_dim(cols, acc.shape, [1])
                     out_smem[...] = acc.astype(out_dtype)

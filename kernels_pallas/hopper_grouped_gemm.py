@@ -10,6 +10,10 @@ Hopper has no block-scaled MMA, so two kernels:
       multi-stage TMA ring (`pipeline`), block sizes from `tiling` by shape class, and a fused
       epilogue: optional per-row and per-(group, column) float32 factors (the NVFP4 outer
       scales), the cast to the output dtype, and rows stored straight to their destinations.
+      With `num_sms` the grid is persistent: that many CTAs loop over the (unit, N tile) pairs
+      of the used units only, and a tile's stores overlap the next tile's K loop. One warpgroup
+      issues both TMA and wgmma here; `hopper_warp_specialized` is the same GEMM with a
+      producer warpgroup and two consumer warpgroups on 128 x 256 tiles.
   `mxfp8_grouped_gemm`: fp8 codes straight from memory; one fp8 wgmma per 32-wide scale block,
       its partial product promoted into the float32 accumulator times the row (token) scales and
       column scales of that block. Each M tile belongs to one group via a `block_m`-aligned
@@ -44,16 +48,35 @@ def _check(lhs_MK, rhs_GKN, group_sizes_G, row_scale_M, col_scale_GN) -> None:
         raise ValueError(f"col_scale must be [{num_groups}, {n}], got {col_scale_GN.shape}")
 
 
-def _ragged_kernel(units, lhs, rhs, row_scale, col_scale, *, m, tiles, out_dtype, interpret):
-    """out[m, N] = per unit, its tile of lhs times rhs[group], scaled, cast, rows stored."""
+def _ragged_kernel(
+    units, used, lhs, rhs, row_scale, col_scale, *, m, tiles, out_dtype, num_ctas, interpret
+):
+    """out[m, N] = per unit, its tile of lhs times rhs[group], scaled, cast, rows stored.
+
+    `num_ctas` None: one program per (unit slot, N tile). Otherwise persistent: `num_ctas`
+    programs stride over the (unit, N tile) pairs of the `used` units; a tile's row stores then
+    run while the next tile's K loop does (the staging tile is waited on only before reuse).
+    """
     k = lhs.shape[1]
     n = rhs.shape[2]
     bm, bn, bk, stages = tiles.block_m, tiles.block_n, tiles.block_k, tiles.stages
     k_steps = k // bk
 
-    def body(units_gmem, lhs_gmem, rhs_gmem, row_gmem, col_gmem, out_gmem, *scratch):
+    def body(units_gmem, used_gmem, lhs_gmem, rhs_gmem, row_gmem, col_gmem, out_gmem, *scratch):
+        if num_ctas is None:
+            tile(jax.lax.axis_index("m"), jax.lax.axis_index("n"), units_gmem, lhs_gmem,
+                 rhs_gmem, row_gmem, col_gmem, out_gmem, *scratch)  # fmt: skip
+        else:
+
+            @plgpu.nd_loop((used_gmem[0], n // bn), collective_axes="cta")
+            def _(info):
+                tile(*info.index, units_gmem, lhs_gmem, rhs_gmem, row_gmem, col_gmem, out_gmem,
+                     *scratch)  # fmt: skip
+
+        plgpu.wait_smem_to_gmem(0)
+
+    def tile(u, ni, units_gmem, lhs_gmem, rhs_gmem, row_gmem, col_gmem, out_gmem, *scratch):
         lhs_smem, rhs_smem, out_smem, loaded = scratch
-        u, ni = jax.lax.axis_index("m"), jax.lax.axis_index("n")
         group, block, first, count = ragged_tiles.read_unit(units_gmem, u, bm)
         n_slice = pl.ds(ni * bn, bn)
 
@@ -82,25 +105,30 @@ def _ragged_kernel(units, lhs, rhs, row_scale, col_scale, *, m, tiles, out_dtype
             acc = pl.run_scoped(accumulate, plgpu.ACC((bm, bn)))
             if row_gmem is not None:
                 rows = mgpu_compat.load(
-                    row_gmem.at[pl.ds(block * bm, bm)], plgpu.Layout.WGMMA.reduce(1)
+                    row_gmem.at[pl.ds(block * bm, bm)],
+                    plgpu.Layout.WGMMA.reduce(1),
+                    optimized=False,
                 )
                 acc = acc * jax.lax.broadcast_in_dim(rows, (bm, bn), [0])
             if col_gmem is not None:
                 cols = mgpu_compat.load(
-                    col_gmem.at[jnp.maximum(group, 0), n_slice], plgpu.Layout.WGMMA.reduce(0)
+                    col_gmem.at[jnp.maximum(group, 0), n_slice],
+                    plgpu.Layout.WGMMA.reduce(0),
+                    optimized=False,
                 )
                 acc = acc * jax.lax.broadcast_in_dim(cols, (bm, bn), [1])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores read it
             out_smem[...] = acc.astype(out_dtype)
 
         @pl.when((count > 0) & (group < 0))
         def _zero_fill():
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             out_smem[...] = jnp.zeros((bm, bn), out_dtype)
 
         @pl.when(count > 0)
         def _store():
             plgpu.commit_smem()
             ragged_tiles.store_rows(out_smem, out_gmem, block * bm, first, count, bm, n_slice)
-            plgpu.wait_smem_to_gmem(0)
 
     scratch = [
         plgpu.SMEM((stages, bm, bk), jnp.bfloat16),
@@ -108,7 +136,7 @@ def _ragged_kernel(units, lhs, rhs, row_scale, col_scale, *, m, tiles, out_dtype
         plgpu.SMEM((bm, bn), out_dtype),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
     ]
-    args = [units, lhs, rhs, row_scale, col_scale]
+    args = [units, used, lhs, rhs, row_scale, col_scale]
     present = [a is not None for a in args]
 
     def kernel_body(*refs):
@@ -116,12 +144,15 @@ def _ragged_kernel(units, lhs, rhs, row_scale, col_scale, *, m, tiles, out_dtype
         full = [refs.pop(0) if p else None for p in present]
         return body(*full, *refs)
 
+    if num_ctas is None:
+        grid = dict(grid=(units.shape[1], n // bn), grid_names=("m", "n"))
+    else:
+        grid = dict(grid=(num_ctas,), grid_names=("cta",))
     kernel = plgpu.kernel(
         kernel_body,
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(units.shape[1], n // bn),
-        grid_names=("m", "n"),
         scratch_types=scratch,
+        **grid,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
@@ -130,7 +161,15 @@ def _ragged_kernel(units, lhs, rhs, row_scale, col_scale, *, m, tiles, out_dtype
 
 @functools.partial(
     jax.jit,
-    static_argnames=("out_dtype", "block_m", "block_n", "block_k", "stages", "interpret"),
+    static_argnames=(
+        "out_dtype",
+        "block_m",
+        "block_n",
+        "block_k",
+        "stages",
+        "num_sms",
+        "interpret",
+    ),
 )
 def grouped_gemm(
     lhs_MK: jax.Array,
@@ -144,14 +183,18 @@ def grouped_gemm(
     block_n: int | None = None,
     block_k: int | None = None,
     stages: int | None = None,
+    num_sms: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Grouped GEMM on Hopper tensor cores: out[r] = (lhs[r] @ rhs[g(r)]) * row[r] * col[g(r)].
 
     bf16 operands, float32 accumulation, factors (optional, float32) and the cast to `out_dtype`
     in the epilogue; rows past the groups are zero. Block sizes default to `tiling.hopper_tiles`
-    for the shape; `interpret` runs the kernel on CPU.
+    for the shape; `num_sms` makes the grid persistent (at most that many CTAs, each looping over
+    work units; H100/H200 have 132 SMs); `interpret` runs the kernel on CPU.
     """
+    if num_sms is not None and num_sms < 1:
+        raise ValueError(f"num_sms must be positive, got {num_sms}")
     _check(lhs_MK, rhs_GKN, group_sizes_G, row_scale_M, col_scale_GN)
     out_dtype = jnp.dtype(out_dtype)
     m, k = lhs_MK.shape
@@ -178,8 +221,12 @@ def grouped_gemm(
     if col_scale_GN is not None:
         col_scale_GN = jnp.pad(col_scale_GN.astype(jnp.float32), ((0, 0), (0, pad_n)))
     units = ragged_tiles.work_units(group_sizes_G, m, bm)
+    num_ctas = None
+    if num_sms is not None:
+        num_ctas = min(num_sms, units.shape[1] * (rhs_GKN.shape[2] // bn))
     out = _ragged_kernel(
         units,
+        ragged_tiles.used_units(units),
         lhs_MK,
         rhs_GKN,
         row_scale_M,
@@ -187,6 +234,7 @@ def grouped_gemm(
         m=m,
         tiles=tiles,
         out_dtype=out_dtype,
+        num_ctas=num_ctas,
         interpret=interpret,
     )
     return out[:, :n] if pad_n else out

@@ -23,9 +23,13 @@ def warp_map(body) -> None:
     return pl.core_map(plgpu.WarpMesh(axis_name="warp"))(lambda: body(jax.lax.axis_index("warp")))
 
 
-def load(ref, layout):
-    """Loads a whole SMEM or GMEM ref into registers with `layout` (older JAX took an index)."""
+def load(ref, layout, *, optimized: bool = True):
+    """Loads a whole SMEM or GMEM ref into registers with `layout` (older JAX took an index).
+
+    JAX 0.11 loads with its own layout first and casts afterwards, so a small GMEM vector (the
+    epilogue's factors) has no "optimized" transfer there: pass optimized=False for those.
+    """
     params = inspect.signature(plgpu.load).parameters
     if "idx" in params and params["idx"].default is inspect.Parameter.empty:
-        return plgpu.load(ref, (), layout=layout)
-    return plgpu.load(ref, layout=layout)
+        return plgpu.load(ref, (), layout=layout, optimized=optimized)
+    return plgpu.load(ref, layout=layout, optimized=optimized)

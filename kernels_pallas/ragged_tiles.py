@@ -8,7 +8,9 @@ produce no unit, so skewed routing wastes at most one partial tile per group bou
 past the last one (the static grid is an upper bound) exit at once.
 
 A unit is four int32s: (group, m block, first row, end row); group -1 marks a zero-fill unit and
-first == end an unused slot.
+first == end an unused slot. Used units come first, in row order, so the zero-fill units are the
+last used ones: a persistent kernel looping over the first `used_units` units in order meets
+every MMA unit before any zero-fill unit.
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ def work_units(group_sizes_G: jax.Array, num_rows: int, block_m: int) -> jax.Arr
     ).astype(jnp.int32)
 
 
+def used_units(units: jax.Array) -> jax.Array:
+    """int32 [1]: how many leading units of a `work_units` table are used."""
+    return jnp.sum(units[3] > units[2], dtype=jnp.int32)[None]
+
+
 def read_unit(units_gmem, u, block_m: int):
     """(group, m block, first row within the tile, rows to store) of unit `u`, as scalars."""
     group, block = units_gmem[0, u], units_gmem[1, u]
@@ -66,12 +73,23 @@ def read_unit(units_gmem, u, block_m: int):
     return group, block, first - block * block_m, end - first
 
 
-def store_rows(tile_smem, out_gmem, tile_row0, first, count, max_rows: int, n_slice) -> None:
+def cta_rows(first, count, cta, rows_per_cta: int):
+    """(first, end) of a unit's rows [first, first + count) within CTA `cta`'s slice of the tile,
+    relative to that slice, when consecutive CTAs own consecutive `rows_per_cta` rows."""
+    offset = cta * rows_per_cta
+    lo = jnp.clip(first - offset, 0, rows_per_cta)
+    return lo, jnp.clip(first + count - offset, lo, rows_per_cta)
+
+
+def store_rows(
+    tile_smem, out_gmem, tile_row0, first, count, max_rows: int, n_slice, *, commit_group=True
+) -> None:
     """Copies tile rows [first, first + count) to out rows tile_row0 + [first, first + count).
 
     TMA copies have static shapes, so the count is decomposed into powers of two (at most
     log2(max_rows) + 1 copies), each issued only when its bit is set. The caller commits SMEM
-    before and waits for the copies after.
+    before and waits for the copies after; with `commit_group=False` the caller also commits the
+    copies as one bulk group (so one wait covers a whole tile whatever its row count).
     """
     start = first
     size = 1 << (max_rows.bit_length() - 1)
@@ -82,6 +100,7 @@ def store_rows(tile_smem, out_gmem, tile_row0, first, count, max_rows: int, n_sl
             plgpu.copy_smem_to_gmem(
                 tile_smem.at[pl.ds(start, size)],
                 out_gmem.at[pl.ds(tile_row0 + start, size), n_slice],
+                commit_group=commit_group,
             )
 
         start = start + (count & size)

@@ -13,7 +13,9 @@ along the axis that GEMM contracts:
 The NVFP4 per-token (and per-column) FP32 factors are applied after the integer-grid product:
 by the kernel's epilogue (with the output cast) on the Pallas backends, as an XLA multiply
 on `reference`; the backends multiply codes times block scales, which bf16 holds exactly. The wgrad
-runs the Hopper wgrad kernel on `pallas_hopper` and XLA's `ragged_dot_general` otherwise.
+runs the Hopper wgrad kernel (bf16 wgmma on codes x scales) on `pallas_hopper`, the Blackwell
+MXFP8 wgrad kernel (block-scaled fp8 MMAs on the codes) on `pallas_blackwell`, and XLA's
+`ragged_dot_general` on `reference`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from kernels_pallas import grouped_layout
 
 PRECISIONS = ("mxfp8", "nvfp4_fwd_mxfp8_bwd")
 BACKENDS = ("reference", "pallas_hopper", "pallas_blackwell")
+# Rows per token step of each wgrad kernel: every expert's rows start on such a boundary.
+_WGRAD_ALIGN = {"pallas_hopper": 64, "pallas_blackwell": 128}
 # Platforms each kernel backend runs on (None: any); the Hopper kernel is interpreted on CPU.
 _BACKEND_PLATFORMS = {
     "reference": None,
@@ -136,15 +140,26 @@ def _nvfp4_gemm(lhs_MK, rhs_EKN, group_sizes_E, backend: str) -> jax.Array:
 def _mxfp8_wgrad(lhs_MK, grad_MN, group_sizes_E, backend: str) -> jax.Array:
     """drhs[e] = lhs_e^T grad_e with both operands MXFP8 along the token axis, per expert."""
     # Each expert's rows start on a block boundary so no scale block straddles two experts (the
-    # Hopper kernel also needs whole 64-row token steps; the blocks are the same either way).
-    align = 64 if backend == "pallas_hopper" else formats.MX_BLOCK
+    # Hopper kernel also needs whole 64-row token steps, the Blackwell one 128-row steps; the
+    # blocks, hence the codes and scales, are the same whatever the alignment).
+    align = _WGRAD_ALIGN.get(backend, formats.MX_BLOCK)
     dest, padded_sizes, padded_rows = grouped_layout.aligned_destinations(
         group_sizes_E, lhs_MK.shape[0], align
     )
-    lhs_p = grouped_layout.to_aligned_rows(lhs_MK, dest, padded_rows)
-    grad_p = grouped_layout.to_aligned_rows(grad_MN, dest, padded_rows)
-    lhs_dq = _bf16(formats.dequantize(formats.quantize_mxfp8(lhs_p, axis=0)))
-    grad_dq = _bf16(formats.dequantize(formats.quantize_mxfp8(grad_p, axis=0)))
+    lhs_q = formats.quantize_mxfp8(
+        grouped_layout.to_aligned_rows(lhs_MK, dest, padded_rows), axis=0
+    )
+    grad_q = formats.quantize_mxfp8(
+        grouped_layout.to_aligned_rows(grad_MN, dest, padded_rows), axis=0
+    )
+    if backend == "pallas_blackwell":  # block-scaled fp8 MMAs contracting the tokens
+        from kernels_pallas import blackwell_wgrad
+
+        return blackwell_wgrad.aligned_grouped_wgrad(
+            lhs_q.values, lhs_q.scales, grad_q.values, grad_q.scales, padded_sizes
+        )
+    lhs_dq = _bf16(formats.dequantize(lhs_q))
+    grad_dq = _bf16(formats.dequantize(grad_q))
     if backend == "pallas_hopper":
         from kernels_pallas import hopper_wgrad
 

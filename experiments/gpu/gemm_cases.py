@@ -32,14 +32,21 @@ DRY_SHAPES = [
 BACKENDS = [
     "ragged_dot_bf16",
     "hopper_bf16",
+    "hopper_bf16_persistent",
+    "hopper_bf16_ws",
     "jax_ragged_dot_mgpu",
     "hopper_mxfp8",
     "hopper_nvfp4",
     "blackwell_mxfp8",
+    "blackwell_mxfp8_persistent",
+    "blackwell_mxfp8_2cta",
     "blackwell_nvfp4",
+    "blackwell_nvfp4_persistent",
+    "blackwell_nvfp4_2cta",
     "jax_blackwell_ragged_dot_mgpu",
     "xla_wgrad_bf16",
     "hopper_wgrad",
+    "blackwell_wgrad_mxfp8",
     "quantize_mxfp8",
     "quantize_nvfp4",
     "moe_op_nvfp4_hopper",
@@ -104,8 +111,9 @@ def _quantized(lhs, rhs, fmt: str):
     return formats.quantize_nvfp4(lhs, axis=1), formats.quantize_nvfp4(rhs, axis=1)
 
 
-def _backend(name: str, lhs, rhs, grad, sizes, arch: str, dry_run: bool):
-    """(fn, args, reference output, MMA format, how: "run" | "lower", flops multiplier)."""
+def _backend(name: str, lhs, rhs, grad, sizes, arch: str, dry_run: bool, num_sms: int):
+    """(fn, args, reference output, MMA format, how: "run" | "lower"); persistent kernels launch
+    at most `num_sms` CTAs."""
     import jax
     import jax.numpy as jnp
 
@@ -119,6 +127,20 @@ def _backend(name: str, lhs, rhs, grad, sizes, arch: str, dry_run: bool):
     if name == "hopper_bf16":
         _needs(arch, "hopper")
         fn = functools.partial(hopper_grouped_gemm.grouped_gemm, out_dtype=bf16, interpret=dry_run)
+        return fn, (lhs, rhs, sizes), ref(lhs, rhs, sizes), "bf16", "run"
+    if name == "hopper_bf16_persistent":
+        _needs(arch, "hopper")
+        fn = functools.partial(
+            hopper_grouped_gemm.grouped_gemm, out_dtype=bf16, num_sms=num_sms, interpret=dry_run
+        )
+        return fn, (lhs, rhs, sizes), ref(lhs, rhs, sizes), "bf16", "run"
+    if name == "hopper_bf16_ws":  # producer + two consumer warpgroups, 128 x 256 tiles
+        _needs(arch, "hopper")
+        from kernels_pallas import hopper_warp_specialized
+
+        fn = functools.partial(
+            hopper_warp_specialized.grouped_gemm, out_dtype=bf16, interpret=dry_run
+        )
         return fn, (lhs, rhs, sizes), ref(lhs, rhs, sizes), "bf16", "run"
     if name == "jax_ragged_dot_mgpu":
         _needs(arch, "hopper")
@@ -163,8 +185,8 @@ def _backend(name: str, lhs, rhs, grad, sizes, arch: str, dry_run: bool):
         )
         fn = functools.partial(brd.ragged_dot_kernel, config=config)
         return fn, (lhs, rhs, sizes), ref(lhs, rhs, sizes), "bf16", "run"
-    if name in ("hopper_mxfp8", "blackwell_mxfp8", "hopper_nvfp4", "blackwell_nvfp4"):
-        fmt = name.split("_")[1]
+    if name.split("_")[0] in ("hopper", "blackwell") and name.split("_")[1] in ("mxfp8", "nvfp4"):
+        _, fmt, *variant = name.split("_")
         lhs_q, rhs_q = _quantized(lhs, rhs, fmt)
         if fmt == "mxfp8":
             want = ref(formats.dequantize(lhs_q), formats.dequantize(rhs_q), sizes)
@@ -193,9 +215,17 @@ def _backend(name: str, lhs, rhs, grad, sizes, arch: str, dry_run: bool):
             rhs_cs = formats.dequantize_nvfp4_unscaled(rhs_q).astype(bf16)
             return fn, (lhs_cs, rhs_cs, sizes, lhs_row, rhs_col), want, "bf16", "run"
         _needs(arch, "blackwell")
-        from kernels_pallas import blackwell_grouped_gemm
+        from kernels_pallas import blackwell_grouped_gemm, blackwell_persistent
 
-        fn = functools.partial(blackwell_grouped_gemm.grouped_gemm, out_dtype=bf16)
+        if not variant:
+            fn = functools.partial(blackwell_grouped_gemm.grouped_gemm, out_dtype=bf16)
+        else:  # persistent, 1-CTA or CTA-pair MMAs
+            fn = functools.partial(
+                blackwell_persistent.grouped_gemm,
+                out_dtype=bf16,
+                collective=variant == ["2cta"],
+                num_sms=num_sms,
+            )
         args = (*codes, *rhs_t, sizes) + ((lhs_row, rhs_col) if fmt == "nvfp4" else ())
         return fn, args, want, "fp8" if fmt == "mxfp8" else "fp4", "lower" if dry_run else "run"
     if name in ("xla_wgrad_bf16", "hopper_wgrad"):
@@ -206,6 +236,21 @@ def _backend(name: str, lhs, rhs, grad, sizes, arch: str, dry_run: bool):
             _needs(arch, "hopper")
             fn = functools.partial(hopper_wgrad.grouped_wgrad, interpret=dry_run)
         return fn, (lhs, grad, sizes), want, "bf16", "run"
+    if name == "blackwell_wgrad_mxfp8":  # both operands MXFP8 along the tokens, 128-row aligned
+        _needs(arch, "blackwell")
+        from kernels_pallas import blackwell_wgrad
+
+        dest, aligned, padded = grouped_layout.aligned_destinations(
+            sizes, lhs.shape[0], blackwell_wgrad.TOKEN_STEP
+        )
+        lhs_q, grad_q = (
+            formats.quantize_mxfp8(grouped_layout.to_aligned_rows(x, dest, padded), axis=0)
+            for x in (lhs, grad)
+        )
+        args = (lhs_q.values, lhs_q.scales, grad_q.values, grad_q.scales, aligned)
+        want = blackwell_wgrad.aligned_wgrad_reference(*args)
+        how = "lower" if dry_run else "run"
+        return blackwell_wgrad.aligned_grouped_wgrad, args, want, "fp8", how
     if name.startswith("moe_op_nvfp4_"):
         from composer_jax.quant import moe_gemm
 
@@ -268,8 +313,9 @@ def run(params: dict, ctx: dict) -> dict:
     )
     if name.startswith("quantize_"):
         return _quantize_case(name, lhs, device)
+    num_sms = 4 if dry_run or device is None else device.num_sms  # dry run: tiles per CTA > 1
     try:
-        fn, args, want, fmt, how = _backend(name, lhs, rhs, grad, sizes, arch, dry_run)
+        fn, args, want, fmt, how = _backend(name, lhs, rhs, grad, sizes, arch, dry_run, num_sms)
     except NotAvailable as why:
         return {"status": "n/a", "reason": str(why)}
     flops = 2.0 * int(sizes.sum()) * shape["k"] * shape["n"]

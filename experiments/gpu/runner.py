@@ -91,6 +91,8 @@ def run_plan(
             spec_path, events_path, log_path = stem + ".json", stem + ".events", stem + ".log"
             with open(spec_path, "w") as f:
                 json.dump({"dry_run": dry_run, "cases": pending}, f)
+            if os.path.exists(events_path):  # a reused --out folder: never read old results
+                os.remove(events_path)
             with open(log_path, "w") as log:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "experiments.gpu.worker", spec_path, events_path],

@@ -19,7 +19,11 @@ CI_CASES = [
     "tests/kernels",
     "gemm/dry_128x64_e4_t40/ragged_dot_bf16",
     "gemm/dry_128x64_e4_t40/hopper_bf16",
+    "gemm/dry_128x64_e4_t40/hopper_bf16_persistent",
+    "gemm/dry_128x64_e4_t40/hopper_bf16_ws",
     "gemm/dry_128x64_e4_t40/blackwell_nvfp4",
+    "gemm/dry_128x64_e4_t40/blackwell_mxfp8_2cta",
+    "gemm/dry_128x64_e4_t40/blackwell_wgrad_mxfp8",
     "gemm/dry_128x64_e4_t40/quantize_mxfp8",
     "collective/*",
     "train_check/bf16",
@@ -92,6 +96,16 @@ def test_runner_survives_hangs_crashes_and_errors(tmp_path):
     assert len(seen) == len(cases)
 
 
+def test_runner_ignores_results_left_in_a_reused_out_folder(tmp_path):
+    case = dict(name="x", kind="tests.experiments.fake_cases:ok", group="x", timeout_s=60,
+                params={"value": 7})  # fmt: skip
+    (tmp_path / "logs").mkdir()
+    stale = {"event": "result", "name": "x", "status": "fail", "error": "from an older run"}
+    (tmp_path / "logs" / "00-0.events").write_text(json.dumps(stale) + "\n")
+    results = runner.run_plan([case], str(tmp_path), dry_run=True, budget_s=120, env=_env())
+    assert [(r["status"], r.get("value")) for r in results] == [("ok", 7)]
+
+
 def test_cases_past_the_budget_are_skipped(tmp_path):
     cases = [
         dict(name="x", kind="tests.experiments.fake_cases:ok", group="x", timeout_s=5, params={})
@@ -143,6 +157,10 @@ def test_dry_run_of_one_case_of_each_kind(tmp_path):
     modes = {r["name"].split("/")[-1]: r.get("mode", "") for r in data["results"]}
     assert modes["blackwell_nvfp4"].startswith("lowered")
     assert modes["hopper_bf16"].startswith("timed (interpret")
+    assert modes["hopper_bf16_persistent"].startswith("timed (interpret")
+    assert modes["hopper_bf16_ws"].startswith("timed (interpret")
+    assert modes["blackwell_mxfp8_2cta"].startswith("lowered")
+    assert modes["blackwell_wgrad_mxfp8"].startswith("lowered")
     assert "## Grouped GEMM" in (out / "report.md").read_text()
 
 

@@ -65,14 +65,24 @@ def _event(op) -> Event | None:
     return None
 
 
-def loop_events(module: ir.Module) -> list[list[Event]]:
+def _is_loop(op) -> bool:
+    return op.name.endswith(("scf.for", "scf.while"))
+
+
+def _issues_mma(op) -> bool:
+    return any((e := _event(child)) is not None and e.kind == "mma" for child in _ops(op))
+
+
+def loop_events(module: ir.Module, innermost: bool = False) -> list[list[Event]]:
     """For each loop (`scf.for` / `scf.while`) that issues a wgmma: its wgmma / wait / TMA-load
-    events in program order."""
+    events in program order. `innermost` keeps only loops with no wgmma-issuing loop inside (the
+    K loops of a persistent kernel, not the loop over its tiles)."""
     loops = []
     for op in _ops(module.operation):
-        if not op.name.endswith(("scf.for", "scf.while")):
+        if not _is_loop(op) or not _issues_mma(op):
             continue
-        events = [e for child in list(_ops(op))[1:] if (e := _event(child)) is not None]
-        if any(e.kind == "mma" for e in events):
-            loops.append(events)
+        nested = list(_ops(op))[1:]
+        if innermost and any(_is_loop(child) and _issues_mma(child) for child in nested):
+            continue
+        loops.append([e for child in nested if (e := _event(child)) is not None])
     return loops

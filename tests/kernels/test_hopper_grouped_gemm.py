@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,6 +70,38 @@ def test_fused_epilogue_factors_and_cast(m, k, n, g, interpret):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    "m, k, n, g, num_sms, tiles",
+    [
+        (300, 192, 128, 5, 3, {}),  # several tiles per CTA, one empty group, rows past the groups
+        (200, 128, 256, 4, 2, dict(block_m=64, block_n=256, stages=3)),
+        (40, 64, 48, 6, 132, {}),  # more SMs than tiles; groups smaller than a tile
+    ],
+)
+def test_persistent_grid_matches_reference(m, k, n, g, num_sms, tiles, interpret):
+    """A fixed grid of CTAs looping over the used (unit, N tile) pairs, each tile's stores
+    overlapping the next tile's K loop, with the fused factors and bf16 cast."""
+    rng = np.random.default_rng()
+    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((g, k, n)), jnp.bfloat16)
+    rows = jnp.asarray(np.exp(rng.uniform(-2, 2, m)), jnp.float32)
+    cols = jnp.asarray(np.exp(rng.uniform(-2, 2, (g, n))), jnp.float32)
+    sizes = _random_groups(rng, m, g)
+    out = hopper.grouped_gemm(
+        lhs, rhs, sizes, rows, cols, out_dtype=jnp.bfloat16, num_sms=num_sms, interpret=interpret,
+        **tiles,
+    )  # fmt: skip
+    expert = grouped_layout.expert_of_row(sizes, m)
+    want = grouped_layout.grouped_gemm_reference(lhs, rhs, sizes) * rows[:, None] * cols[expert]
+    valid = int(sizes.sum())
+    got = np.asarray(out, np.float32)
+    np.testing.assert_allclose(
+        got[:valid], want[:valid], rtol=1e-2, atol=1e-2 * np.abs(want).max(), err_msg=sizes
+    )
+    assert (got[valid:] == 0).all()
+
+
+@pytest.mark.gpu
 def test_all_groups_empty_gives_zeros(interpret):
     lhs = jnp.ones((70, 64), jnp.bfloat16)
     rhs = jnp.ones((3, 64, 64), jnp.bfloat16)
@@ -121,6 +155,8 @@ def test_invalid_inputs_are_named():
         hopper.grouped_gemm(lhs, rhs, jnp.array([8]))
     with pytest.raises(ValueError, match="block_m"):
         hopper.grouped_gemm(lhs, rhs, jnp.array([4, 4]), block_m=32)
+    with pytest.raises(ValueError, match="num_sms"):
+        hopper.grouped_gemm(lhs, rhs, jnp.array([4, 4]), num_sms=0)
     codes, scales = lhs.astype(jnp.float8_e4m3fn), jnp.zeros((8, 2), jnp.uint8)
     rhs_codes = jnp.zeros((2, 16, 64), jnp.float8_e4m3fn)
     rhs_scales = jnp.zeros((2, 16, 2), jnp.uint8)
@@ -163,7 +199,8 @@ def test_many_k_steps_match_reference(interpret):
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4 * np.abs(want).max(), err_msg=sizes)
 
 
-def test_pipeline_waits_for_the_previous_wgmma_before_refilling_its_slot():
+@pytest.mark.parametrize("num_sms", [None, 132])
+def test_pipeline_waits_for_the_previous_wgmma_before_refilling_its_slot(num_sms):
     """In the lowered kernel, the K loop waits on wgmma (<= 1 group left in flight) after its
     last wgmma and before any TMA load that refills a slot: the slot the load overwrites was read
     by the wgmma of the previous step (delay_release=1), which that wait has retired."""
@@ -172,11 +209,12 @@ def test_pipeline_waits_for_the_previous_wgmma_before_refilling_its_slot():
         jax.ShapeDtypeStruct((4, 512, 128), jnp.bfloat16),
         jax.ShapeDtypeStruct((4,), jnp.int32),
     )
-    lowered = jax.jit(hopper.grouped_gemm).trace(*specs).lower(lowering_platforms=("cuda",))
+    kernel = functools.partial(hopper.grouped_gemm, num_sms=num_sms)
+    lowered = jax.jit(kernel).trace(*specs).lower(lowering_platforms=("cuda",))
     loops = [
         events
         for module in lowered_mosaic.kernel_modules(lowered)
-        for events in lowered_mosaic.loop_events(module)
+        for events in lowered_mosaic.loop_events(module, innermost=True)
     ]
     assert loops, "no K loop issuing wgmma found in the lowered kernel"
     for events in loops:
