@@ -42,16 +42,28 @@ def __getattr__(name):
     raise AttributeError(f"module 'composer_jax.data' has no attribute {name!r}")
 
 
-__all__ = sorted(
-    [
-        "ByteTokenizer",
-        "HFTokenizer",
-        "TiktokenTokenizer",
-        "Tokenizer",
-        "TokenizerError",
-        "check_vocab",
-        "get_tokenizer",
-        "load_tokenizer",
-        *_LAZY,
-    ]
-)
+__all__ = [
+    "ArrayRecordDocuments",
+    "ByteTokenizer",
+    "ChatFormat",
+    "CodeCorpus",
+    "HFTokenizer",
+    "JsonlDocuments",
+    "ParquetDocuments",
+    "TiktokenTokenizer",
+    "Tokenizer",
+    "TokenizerError",
+    "chat_format_for",
+    "check_vocab",
+    "default_code_root",
+    "document_dataset",
+    "get_tokenizer",
+    "iterator_state_to_json",
+    "list_source_files",
+    "load_tokenizer",
+    "make_pretrain_dataset",
+    "make_pretrain_iterator",
+    "open_documents",
+    "read_source",
+    "restore_iterator_from_json",
+]

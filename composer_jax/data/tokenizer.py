@@ -313,7 +313,11 @@ class _FolderTokenizer(Tokenizer):
         names = list(TOKENIZER_FILES) + [
             n for n in os.listdir(self.folder) if n.startswith("tokenization") and n.endswith(".py")
         ]
-        return [os.path.join(self.folder, n) for n in names if os.path.exists(os.path.join(self.folder, n))]
+        return [
+            os.path.join(self.folder, n)
+            for n in names
+            if os.path.exists(os.path.join(self.folder, n))
+        ]
 
 
 class HFTokenizer(_FolderTokenizer):
@@ -511,7 +515,7 @@ def available_shipped() -> list[str]:
 
 
 def load_tokenizer(path_or_name: str) -> Tokenizer:
-    """"byte", a shipped tokenizer's name, or a folder holding `tokenizer.json` (HF) or
+    """ "byte", a shipped tokenizer's name, or a folder holding `tokenizer.json` (HF) or
     `tiktoken.model` (with its tokenizer_config.json)."""
     folder = resolve_tokenizer_folder(path_or_name)
     if folder is None:

@@ -20,7 +20,7 @@ TRICKY_TEXTS = (
     "héllo wörld, ça va? naïve café",
     "中文字符测试，混合English和数字123456789",
     "emoji 😀🐍 and combining e\u0301 marks",
-    "<call tool=\"write_file\"><arg name=\"path\">a.py</arg></call>",
+    '<call tool="write_file"><arg name="path">a.py</arg></call>',
     "x" * 300 + " " * 40 + "y",
     "日本語のテキスト and ß ẞ Ωmega",
 )
@@ -28,8 +28,8 @@ TRICKY_TEXTS = (
 TRAINING_TEXT = [
     "def add(a, b):\n    return a + b\n",
     "class Foo:\n    def __init__(self):\n        self.x = 1\n",
-    "<think>let me write it</think>\n<call tool=\"write_file\"><arg name=\"path\">a.py</arg>",
-    "<arg name=\"content\">\nimport os\nprint(os.getcwd())\n</arg></call>\n<final>Done.</final>",
+    '<think>let me write it</think>\n<call tool="write_file"><arg name="path">a.py</arg>',
+    '<arg name="content">\nimport os\nprint(os.getcwd())\n</arg></call>\n<final>Done.</final>',
     "The quick brown fox jumps over the lazy dog. Ça va très bien, merci.",
     "中文字符测试 日本語のテキスト 한국어 텍스트",
     "for i in range(10):\n\tif i % 2 == 0:\n\t\tprint(i)\n",
@@ -43,7 +43,9 @@ CHATML_TEMPLATE = (
 )
 
 
-def train_bpe(vocab_size: int = 400, special=("<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>")):
+def train_bpe(
+    vocab_size: int = 400, special=("<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>")
+):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -153,12 +155,12 @@ def make_tiktoken_folder(folder, chat_template: str | None = KIMI_TEMPLATE, rese
         config["chat_template"] = chat_template
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=1)
-    parts = ",\n".join(f"            r\"\"\"{p}\"\"\"" for p in KIMI_PATTERN_PARTS)
+    parts = ",\n".join(f'            r"""{p}"""' for p in KIMI_PATTERN_PARTS)
     with open(os.path.join(folder, "tokenization_kimi.py"), "w") as f:
         f.write(
             "import tiktoken\n\n\nclass TikTokenTokenizer:\n"
             f"    num_reserved_special_tokens = {reserved}\n"
-            f"    pat_str = \"|\".join(\n        [\n{parts},\n        ]\n    )\n"
+            f'    pat_str = "|".join(\n        [\n{parts},\n        ]\n    )\n'
         )
     special = {
         KIMI_NAMED.get(i - base, f"<|reserved_token_{i}|>"): i for i in range(base, base + reserved)

@@ -126,7 +126,7 @@ def test_render_supports_hf_template_helpers():
         "{% for m in messages %}{% generation %}{{ m['content'] | tojson }}{% endgeneration %}"
         "{% if loop.index > 5 %}{% break %}{% endif %}{% endfor %}"
     )
-    text = render_chat_template(template, [{"role": "user", "content": "é\"x"}])
-    assert text == json.dumps("é\"x", ensure_ascii=False)
+    text = render_chat_template(template, [{"role": "user", "content": 'é"x'}])
+    assert text == json.dumps('é"x', ensure_ascii=False)
     with pytest.raises(ChatTemplateError, match="boom"):
         render_chat_template("{{ raise_exception('boom') }}", [])
