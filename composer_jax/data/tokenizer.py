@@ -20,6 +20,7 @@ import ast
 import base64
 import codecs
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -126,8 +127,22 @@ class Tokenizer:
             context, start = start, i + 1
         return pieces
 
+    def fingerprint(self) -> str:
+        """A hash of the defining files: the same tokenizer in two folders has one fingerprint."""
+        digest = hashlib.sha256()
+        for path in sorted(self.files(), key=os.path.basename):
+            if os.path.basename(path) in (
+                "tokenizer.json",
+                "tiktoken.model",
+                "tokenizer_config.json",
+            ):
+                digest.update(os.path.basename(path).encode())
+                with open(path, "rb") as f:
+                    digest.update(f.read())
+        return digest.hexdigest()
+
     def save(self, directory: str) -> None:
-        """Copies the defining files into `directory` (nothing for the byte tokenizer)."""
+        """Copies the defining files into `directory`."""
         os.makedirs(directory, exist_ok=True)
         for path in self.files():
             target = os.path.join(directory, os.path.basename(path))
@@ -171,6 +186,9 @@ class ByteTokenizer(Tokenizer):
     @property
     def special_tokens(self) -> dict[str, int]:
         return dict(self.SPECIAL)
+
+    def fingerprint(self) -> str:
+        return BYTE
 
     def _encode(self, text: str) -> list[int]:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).tolist()

@@ -34,6 +34,7 @@ from composer_jax.parallel.packing import balanced_row_order
 from composer_jax.parallel.report import sharding_table
 from composer_jax.train.checkpoint import Checkpointer, CheckpointError
 from composer_jax.train.metrics import MetricsWriter
+from composer_jax.train.runs import resolve_tokenizer, save_run_tokenizer
 from composer_jax.train.step import TrainState, eval_step, init_train_state, split_model, train_step
 
 
@@ -96,14 +97,18 @@ SFT_EXAMPLES = 2000
 
 
 class _Corpora:
-    """Train/eval corpora and the tokenizer, built once per run."""
+    """Train/eval documents and the tokenizer, built once per run."""
 
-    def __init__(self, cfg: config_lib.ExperimentConfig):
+    def __init__(self, cfg: config_lib.ExperimentConfig, tokenizer):
         root = cfg.data.corpus_root or data_lib.default_code_root()
-        self.tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
-        kwargs = dict(extensions=tuple(cfg.data.extensions), eval_fraction=cfg.data.eval_fraction)
-        self.train = data_lib.CodeCorpus(root, split="train", **kwargs)
-        self.eval = data_lib.CodeCorpus(root, split="eval", **kwargs)
+        self.tokenizer = tokenizer
+        kwargs = dict(
+            extensions=tuple(cfg.data.extensions),
+            eval_fraction=cfg.data.eval_fraction,
+            text_field=cfg.data.text_field,
+        )
+        self.train = data_lib.open_documents(root, "train", **kwargs)
+        self.eval = data_lib.open_documents(root, "eval", **kwargs)
         self._sft_examples = None
         self._seed = cfg.seed
         self._max_ops = cfg.data.task_max_ops
@@ -281,11 +286,7 @@ def load_trained_model(workdir: str, step: int | None = None) -> tuple[Transform
 def run_pretraining(cfg: config_lib.ExperimentConfig, progress: bool = True) -> PretrainResult:
     """Trains (or resumes) the run described by `cfg` in `cfg.workdir`."""
     config_lib.validate(cfg, jax.device_count())
-    if cfg.model.vocab_size < data_lib.get_tokenizer(cfg.data.tokenizer).vocab_size:
-        raise config_lib.ConfigError(
-            f"model.vocab_size: {cfg.model.vocab_size} is smaller than the "
-            f"{cfg.data.tokenizer!r} tokenizer's vocabulary"
-        )
+    tokenizer = resolve_tokenizer(cfg)
     setup = make_train_setup(cfg)
     layout, bounds = setup.layout, setup.bounds
     workdir = os.path.abspath(cfg.workdir)
@@ -294,6 +295,7 @@ def run_pretraining(cfg: config_lib.ExperimentConfig, progress: bool = True) -> 
         os.makedirs(workdir, exist_ok=True)
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(config_lib.to_dict(cfg), f, indent=2)
+        save_run_tokenizer(tokenizer, workdir)
 
     if cfg.print_sharding and is_main:
         print(sharding_table(setup.abstract_state.params), flush=True)
@@ -309,7 +311,7 @@ def run_pretraining(cfg: config_lib.ExperimentConfig, progress: bool = True) -> 
     step_fn = setup.jit_train_step()
     eval_fn = jax.jit(functools.partial(eval_step, setup.graphdef, layout))
 
-    corpora = _Corpora(cfg)
+    corpora = _Corpora(cfg, tokenizer)
     eval_batches = _eval_batches(cfg, corpora, layout)
     writer = MetricsWriter(workdir, resume_step, is_writer=is_main)
 
