@@ -702,6 +702,7 @@ from composer_jax.presets import (  # noqa: E402, F401
     kimi_k2_model,
     rl_small,
     rl_tiny,
+    rl_tiny_bpe,
     small,
     tiny,
 )
