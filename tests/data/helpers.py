@@ -64,7 +64,12 @@ def make_hf_folder(folder, chat_template: str | None = CHATML_TEMPLATE, vocab_si
     os.makedirs(folder, exist_ok=True)
     tokenizer = train_bpe(vocab_size)
     tokenizer.save(os.path.join(folder, "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "pad_token": "<pad>"}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",  # what transformers builds from the folder
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
+    }
     if chat_template is not None:
         config["chat_template"] = chat_template
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:

@@ -95,6 +95,17 @@ def test_hf_tokenizer_equals_the_library(tmp_path):
         ours.token_id("<|nope|>")
 
 
+def test_special_tokens_named_in_the_added_token_form(tmp_path):
+    """tokenizer_config.json may name a special token as an AddedToken dict (DeepSeek-V3 does)."""
+    make_hf_folder(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["eos_token"] = {"__type": "AddedToken", "content": "<|im_end|>", "special": True}
+    config.pop("pad_token")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = load_tokenizer(str(tmp_path))
+    assert tokenizer.eos_id == tokenizer.pad_id == tokenizer.token_id("<|im_end|>")
+
+
 def test_tiktoken_tokenizer_equals_the_library(tmp_path):
     ranks, pattern, special = make_tiktoken_folder(tmp_path)
     ours = load_tokenizer(str(tmp_path))
