@@ -38,8 +38,10 @@ TOKENIZER_FILES = (
 )
 # Kimi-K2 reserves this many ids after the rank table for special tokens (tokenization_kimi.py).
 DEFAULT_RESERVED_SPECIAL_TOKENS = 256
-# A tokenizer decodes at most this many tokens in a row that end inside one UTF-8 character.
+# `token_texts`: at most this many tokens in a row end inside one UTF-8 character, and at most
+# this many tokens before a token are decoded with it as context.
 _MAX_PENDING = 8
+_MAX_CONTEXT = 16
 
 
 class TokenizerError(ValueError):
@@ -114,17 +116,22 @@ class Tokenizer:
         inside a character adds "" and the token completing the character carries it."""
         ids = _as_id_list(ids)
         pieces: list[str] = []
-        # decode(ids[context:start]) is already attributed; ids[start:i+1] is being resolved.
-        context = start = 0
+        start = 0  # ids[:start] are attributed; ids[start:i+1] are being resolved
         for i in range(len(ids)):
-            known = self.decode(ids[context:start])
+            # Decode from a few tokens back, as far as needed for the context to show some text:
+            # decoders render a decoding's first token differently (sentencepiece drops its
+            # leading space), so that token must be one already attributed.
+            context, known = start, ""
+            while context > 0 and not known and start - context < _MAX_CONTEXT:
+                context -= 1
+                known = self.decode(ids[context:start])
             text = self.decode(ids[context : i + 1])
             pending = i + 1 - start
             if text.endswith("\ufffd") and i + 1 < len(ids) and pending < _MAX_PENDING:
                 pieces.append("")
                 continue
-            pieces.append(text[len(known) :] if text.startswith(known) else text)
-            context, start = start, i + 1
+            pieces.append(text[len(os.path.commonprefix([known, text])) :])
+            start = i + 1
         return pieces
 
     def fingerprint(self) -> str:

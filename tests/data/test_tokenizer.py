@@ -163,6 +163,31 @@ def test_token_texts_join_to_the_decoding(tmp_path, kind):
     assert "".join(pieces) == "ab<final>Done" and pieces[-1] == ""
 
 
+def test_token_texts_with_a_sentencepiece_style_decoder(tmp_path):
+    """Metaspace decoders drop the leading space of a decoding's first token: the pieces still
+    join to the decoding."""
+    from tokenizers import Tokenizer as Core
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from tests.data.helpers import TRAINING_TEXT
+
+    core = Core(models.BPE(unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Metaspace()
+    core.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"])
+    core.train_from_iterator(TRAINING_TEXT, trainer)
+    core.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+    tokenizer = load_tokenizer(str(tmp_path))
+    for text in [*TRICKY_TEXTS, *_random_texts()]:
+        ids = tokenizer.encode(text)
+        assert "".join(tokenizer.token_texts(ids)) == tokenizer.decode(ids)
+    ids = tokenizer.encode("def add(a, b): return a")
+    assert tokenizer.token_texts(ids)[1:] == [
+        tokenizer.decode(ids[: i + 1])[len(tokenizer.decode(ids[:i])) :] for i in range(1, len(ids))
+    ]
+
+
 def test_save_copies_the_defining_files(tmp_path):
     make_tiktoken_folder(tmp_path / "src")
     source = load_tokenizer(str(tmp_path / "src"))
