@@ -9,6 +9,7 @@ name the offending field and run before anything is compiled. Presets: `composer
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from typing import Any
@@ -132,8 +133,14 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    tokenizer: str = "byte"
-    corpus_root: str = ""  # Empty: the running interpreter's standard library.
+    # "auto" (the init_from checkpoint's tokenizer when its folder has one, else the RL warm
+    # start run's, else "byte"), "byte", a tokenizer shipped in composer_jax/data/tokenizers/, or
+    # a folder with tokenizer.json (HF) or tiktoken.model. Saved with the run.
+    tokenizer: str = "auto"
+    # Empty: the running interpreter's standard library. A folder of code, or JSONL / Parquet /
+    # ArrayRecord documents (a file or a folder of them; the text in `text_field`).
+    corpus_root: str = ""
+    text_field: str = "text"
     extensions: tuple[str, ...] = (".py",)
     eval_fraction: float = 0.02
     # Built-in coding tasks (SFT phases, RL prompts, held-out evaluation) chain at most this many
@@ -596,6 +603,8 @@ def validate(cfg: ExperimentConfig, num_devices: int | None = None) -> None:
         _check(getattr(t, name) > 0, f"train.{name}", "must be positive")
     _check(0 < cfg.data.eval_fraction < 1, "data.eval_fraction", "must lie in (0, 1)")
     _check(1 <= cfg.data.task_max_ops <= 3, "data.task_max_ops", "must lie in [1, 3]")
+    _check_tokenizer_spec(cfg.data.tokenizer)
+    _check(bool(cfg.data.text_field), "data.text_field", "must name a field")
     for axis in cfg.mesh.ep:
         _check(axis in ("replica", "fsdp", "cp"), "mesh.ep", f"unknown mesh axis {axis!r}")
     _check(len(set(cfg.mesh.ep)) == len(cfg.mesh.ep), "mesh.ep", "repeats an axis")
@@ -637,6 +646,22 @@ def validate(cfg: ExperimentConfig, num_devices: int | None = None) -> None:
                 f"train.phases[{i}].seq_len",
                 f"{p.seq_len} must be divisible by 2*cp={2 * shape['cp']} for load-balanced CP",
             )
+
+
+def _check_tokenizer_spec(spec: str) -> None:
+    from composer_jax.data.tokenizer import BYTE, available_shipped
+
+    if spec in ("auto", BYTE) or spec in available_shipped():
+        return
+    has_files = os.path.isfile(os.path.join(spec, "tokenizer.json")) or os.path.isfile(
+        os.path.join(spec, "tiktoken.model")
+    )
+    _check(
+        has_files,
+        "data.tokenizer",
+        f"{spec!r} is not 'auto', 'byte', a shipped tokenizer ({', '.join(available_shipped())})"
+        " or a folder with tokenizer.json / tiktoken.model",
+    )
 
 
 def mesh_shape(mesh: MeshConfig, num_devices: int) -> dict[str, int]:
@@ -682,6 +707,7 @@ from composer_jax.presets import (  # noqa: E402, F401
     kimi_k2_model,
     rl_small,
     rl_tiny,
+    rl_tiny_bpe,
     small,
     tiny,
 )

@@ -169,12 +169,12 @@ def _rl_step_preset(name: str) -> bool:
     import numpy as np
 
     from composer_jax import config, envs
-    from composer_jax.data import get_tokenizer
     from composer_jax.infer import InferenceEngine, SamplingParams
     from composer_jax.model import init_model
     from composer_jax.rl.rollout import collect_batch
     from composer_jax.rl.trainer import RLTrainer
     from composer_jax.rl.weight_sync import WeightPublisher, WeightSubscriber, open_store
+    from composer_jax.train.runs import resolve_tokenizer
     from composer_jax.train.step import split_model
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -207,7 +207,7 @@ def _rl_step_preset(name: str) -> bool:
             _GROUP.value,
             sampling,
             max_turns=1,
-            tokenizer=get_tokenizer(cfg.data.tokenizer),
+            tokenizer=resolve_tokenizer(cfg),
             seq_len=_SEQ_LEN.value,
             num_rows=-(-samples // dp) * dp,  # a prompt fills most of a row
         )

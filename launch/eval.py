@@ -3,7 +3,8 @@ r"""Codebase perplexity of a trained run (the report's base-model metric).
   python -m launch.eval --workdir=runs/tiny [--eval_dir=path/to/code] [--window=256 --stride=128]
 
 Concatenates the directory's source files in alphabetical order and scores them with rolling
-windows; prints total NLL, bits per byte and perplexity. Defaults to the standard library.
+windows under the run's tokenizer; prints total NLL, bits per byte and perplexity. Defaults to the
+standard library.
 """
 
 import sys
@@ -31,16 +32,18 @@ def main(argv):
     from composer_jax.eval import codebase_perplexity
     from composer_jax.train import CheckpointError
     from composer_jax.train.loop import load_trained_model
+    from composer_jax.train.runs import run_tokenizer
 
     try:
         m, step = load_trained_model(_WORKDIR.value, _STEP.value)
-    except (CheckpointError, config_lib.ConfigError, OSError) as e:
+        tokenizer = run_tokenizer(_WORKDIR.value)
+    except (CheckpointError, config_lib.ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     root = _EVAL_DIR.value or data.default_code_root()
     result = codebase_perplexity(
         lambda tokens: model.compute_logits(m, tokens),
-        data.get_tokenizer("byte"),
+        tokenizer,
         root,
         window=_WINDOW.value,
         stride=_STRIDE.value,

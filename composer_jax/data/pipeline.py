@@ -1,7 +1,8 @@
-"""Grain pipeline for causal-LM pretraining on a code corpus.
+"""Grain pipeline for causal-LM pretraining on a document source (a code folder, JSONL, Parquet or
+ArrayRecord files: `composer_jax.data.sources`).
 
-files -> shard by process -> shuffle (reseeded every epoch) -> repeat -> tokenize lazily
-[bos] + bytes + [eos] -> cut into chunks of at most seq_len -> first-fit pack into rows of seq_len
+documents -> shard by process -> shuffle (reseeded every epoch) -> repeat -> tokenize lazily
+[bos] + tokens + [eos] (the run's tokenizer) -> cut into chunks of at most seq_len -> first-fit pack into rows of seq_len
 -> batch. Rows carry `segment_ids` / `positions` so attention and next-token targets stay inside
 one document piece; a chunk of a long document is its own segment with positions from 0.
 Everything runs in this process (file reads on a few prefetch threads), and the iterator state is
@@ -15,8 +16,6 @@ from typing import Any
 import grain
 import numpy as np
 
-from composer_jax.data.corpus import CodeCorpus
-
 # Rows packed before a packed group is emitted in shuffled order: larger mixes more files into
 # each batch; the cost is that a resumed iterator re-packs at most this many rows.
 DEFAULT_PACKING_BINS = 256
@@ -28,7 +27,7 @@ class _TokenizeDocument(grain.transforms.Map):
         self._tokenizer = tokenizer
 
     def map(self, text: str) -> np.ndarray:
-        return self._tokenizer.encode(text, add_bos=True, add_eos=True)
+        return np.asarray(self._tokenizer.encode(text, add_bos=True, add_eos=True), np.int32)
 
 
 class _SplitIntoChunks(grain.experimental.FlatMapTransform):
@@ -67,14 +66,15 @@ class PackedRowFields(grain.transforms.Map):
 
 
 def document_dataset(
-    corpus: CodeCorpus,
+    corpus,
     tokenizer,
     seed: int,
     shard_index: int = 0,
     shard_count: int = 1,
     num_epochs: int | None = None,
 ) -> grain.MapDataset:
-    """This process's tokenized documents, reshuffled every epoch; endless if num_epochs is None."""
+    """This process's tokenized documents, reshuffled every epoch; endless if num_epochs is None.
+    `corpus`: any random-access source of texts (`CodeCorpus`, `sources.open_documents(...)`)."""
     if not 0 <= shard_index < shard_count:
         raise ValueError(f"need 0 <= shard_index < shard_count, got {shard_index}/{shard_count}")
     files = grain.MapDataset.source(corpus)[shard_index::shard_count]
@@ -86,7 +86,7 @@ def document_dataset(
 
 
 def make_pretrain_dataset(
-    corpus: CodeCorpus,
+    corpus,
     tokenizer,
     seq_len: int,
     batch_size: int,
@@ -121,7 +121,7 @@ def make_pretrain_dataset(
 
 
 def make_pretrain_iterator(
-    corpus: CodeCorpus,
+    corpus,
     tokenizer,
     seq_len: int,
     batch_size: int,

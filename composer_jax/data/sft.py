@@ -1,7 +1,9 @@
 """Supervised fine-tuning data: (prompt, completion) pairs packed like pretraining rows.
 
-Each example becomes [bos] + prompt + completion + [eos]; `loss_mask` marks the completion and
-eos, so the model learns to answer, not to repeat prompts. The built-in source renders the coding
+Each example is rendered by the tokenizer's chat format (`composer_jax.data.chat`): in the generic
+format [bos] + prompt + completion + [eos], with a chat template the rendered user message and
+generation prompt, then the completion and the template's end of turn. `loss_mask` marks the
+completion and what closes it, so the model learns to answer, not to repeat prompts. The built-in source renders the coding
 tasks of `composer_jax.envs` as the agent's first turn (a `write_file` call with the oracle
 solution), which is what warm-starts a tiny policy before RL.
 """
@@ -9,6 +11,7 @@ solution), which is what warm-starts a tiny policy before RL.
 import grain
 import numpy as np
 
+from composer_jax.data.chat import chat_format_for
 from composer_jax.data.pipeline import DEFAULT_PACKING_BINS, PackedRowFields
 
 
@@ -29,15 +32,13 @@ def builtin_task_examples(
 
 
 class _TokenizeExample(grain.transforms.Map):
-    def __init__(self, tokenizer, seq_len: int):
-        self._tokenizer = tokenizer
+    def __init__(self, chat, seq_len: int):
+        self._chat = chat
         self._seq_len = seq_len
 
     def map(self, example: tuple[str, str]) -> dict[str, np.ndarray]:
-        prompt, completion = example
-        head = self._tokenizer.encode(prompt, add_bos=True)
-        tail = self._tokenizer.encode(completion, add_eos=True)
-        tokens = np.concatenate([head, tail])[: self._seq_len]
+        head, tail = self._chat.sft_example(*example)
+        tokens = np.asarray([*head, *tail], np.int32)[: self._seq_len]
         mask = np.concatenate([np.zeros(len(head), np.int32), np.ones(len(tail), np.int32)])
         return {"tokens": tokens.astype(np.int32), "loss_mask": mask[: self._seq_len]}
 
@@ -60,7 +61,7 @@ def make_sft_iterator(
     rows = grain.experimental.FirstFitPackIterDataset(
         source.shuffle(seed=seed)
         .repeat(None)
-        .map(_TokenizeExample(tokenizer, seq_len))
+        .map(_TokenizeExample(chat_format_for(tokenizer), seq_len))
         .to_iter_dataset(),
         length_struct={"tokens": seq_len, "loss_mask": seq_len},
         num_packing_bins=DEFAULT_PACKING_BINS,

@@ -198,7 +198,11 @@ def parse_turn(text: str) -> Turn:
 
 @dataclasses.dataclass
 class EpisodeCounts:
-    """What the length penalty needs. Untagged text counts as thinking (free-form reasoning)."""
+    """The episode's token counts by kind, in the unit of `count_tokens` (any `text -> int`, e.g.
+    a tokenizer's `count_tokens`; an `Episode` counts UTF-8 bytes unless given one). Untagged text
+    counts as thinking (free-form reasoning). The trainer's length penalty does not read these:
+    it counts the policy's own tokens by kind in the rollout's token buffers, whatever the
+    tokenizer (`composer_jax.rl.rollout.token_kinds`)."""
 
     thinking_tokens: int = 0
     tool_call_tokens: int = 0

@@ -10,6 +10,7 @@ from composer_jax.infer.engine import Completion, InferenceEngine
 from composer_jax.infer.reference import recompute_generate
 from composer_jax.infer.sampling import SamplingParams, sampling_log_probs
 from composer_jax.infer.speculative import SpeculativeStats, speculative_generate
+from composer_jax.infer.text import generate
 
 __all__ = [
     "Completion",
@@ -19,6 +20,7 @@ __all__ = [
     "SpeculativeStats",
     "cache_bytes_per_token",
     "full_kv_bytes_per_token",
+    "generate",
     "init_cache",
     "recompute_generate",
     "sampling_log_probs",

@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from composer_jax.data.tokenizer import Tokenizer, cached_tokenizer
 from composer_jax.infer import sampling
 from composer_jax.infer.cache import LatentCache, init_cache
 from composer_jax.infer.forward import forward_chunk
@@ -59,10 +60,22 @@ class Completion:
         self.experts.append(np.asarray(experts_LK))
 
 
-def finish_reason(tokens: list[int], params: SamplingParams) -> str | None:
-    """ "stop" when `tokens` end with a stop sequence, "length" at the token budget, else None."""
+# Tokens decoded beyond a stop string's byte length when looking for it at the end of a turn (a
+# token adds at least one byte; the slack covers tokens that end inside a character).
+_STOP_SLACK = 8
+
+
+def finish_reason(tokens: list[int], params: SamplingParams, decode=None) -> str | None:
+    """ "stop" when `tokens` end with a stop sequence or their text (`decode`) now contains a stop
+    string, "length" at the token budget, else None. Called after every token, so a stop string
+    can only first appear in the text of the last few tokens, which is all that is decoded."""
     if any(len(tokens) >= len(s) and tokens[-len(s) :] == list(s) for s in params.stop_sequences):
         return "stop"
+    if params.stop_strings:
+        longest = max(len(s.encode("utf-8")) for s in params.stop_strings)
+        tail = decode(tokens[-(longest + _STOP_SLACK) :])
+        if any(s in tail for s in params.stop_strings):
+            return "stop"
     if len(tokens) >= params.max_new_tokens:
         return "length"
     return None
@@ -116,6 +129,7 @@ class InferenceEngine:
     `prefill_buckets` / `prefill_batch_sizes`: the chunk lengths and row counts prefill pads to
     (default row counts: powers of two up to num_slots); each pair compiles once.
     `absorbed`: decode and prefill in latent space (`absorbed_attend`) instead of expanding K/V.
+    `tokenizer`: decodes turns for `SamplingParams.stop_strings` (else the params name one).
     """
 
     def __init__(
@@ -130,8 +144,10 @@ class InferenceEngine:
         mesh: Mesh | None = None,
         param_shardings=None,
         trace_context: Callable[[], ContextManager] | None = None,
+        tokenizer: Tokenizer | None = None,
     ):
         self.cfg = model.cfg
+        self.tokenizer = tokenizer
         self.num_slots, self.max_len = num_slots, max_len
         self.buckets = tuple(sorted(b for b in prefill_buckets if b <= max_len)) or (max_len,)
         if prefill_batch_sizes is None:
@@ -161,6 +177,7 @@ class InferenceEngine:
         """Queues a request; it joins the running batch at the next `step`."""
         if not 0 < len(prompt) < self.max_len:
             raise ValueError(f"prompt length {len(prompt)} must be in [1, max_len={self.max_len})")
+        self._decoder(params)
         rid = self._new_completion(list(prompt), 0)
         self._queue.append(_Slot(rid, params, list(prompt), feed=list(prompt)))
         return rid
@@ -174,6 +191,7 @@ class InferenceEngine:
         slot = self._slots[index]
         if slot is None or not slot.parked:
             raise ValueError(f"request {request_id} is not finished with keep_cache=True")
+        self._decoder(params)
         feed = slot.context[slot.length :] + list(appended)
         if slot.length + len(feed) >= self.max_len:
             raise ValueError(f"continuation would exceed max_len={self.max_len}")
@@ -201,6 +219,7 @@ class InferenceEngine:
             raise ValueError(f"keep={keep} must lie in [1, {slot.length}] (the cached tokens)")
         if keep + len(appended) >= self.max_len:
             raise ValueError(f"restart would exceed max_len={self.max_len}")
+        self._decoder(params)
         rid = self._new_completion(list(appended), keep)
         context = slot.context[:keep] + list(appended)
         self._slots[index] = _Slot(rid, params, context, keep, feed=list(appended))
@@ -266,6 +285,19 @@ class InferenceEngine:
         return [self.completions[i] for i in ids]
 
     # ------------------------------------------------------------------ internals
+
+    def _decoder(self, params: SamplingParams):
+        """What decodes a turn for the request's stop strings (None when it has none)."""
+        if not params.stop_strings:
+            return None
+        if self.tokenizer is not None:
+            return self.tokenizer.decode
+        if params.tokenizer:
+            return cached_tokenizer(params.tokenizer).decode
+        raise ValueError(
+            "stop_strings need a tokenizer: InferenceEngine(tokenizer=...) or "
+            "SamplingParams(tokenizer=<its spec>)"
+        )
 
     def _new_completion(self, prompt: list[int], start_position: int) -> int:
         rid = self._next_id
@@ -393,7 +425,7 @@ class InferenceEngine:
             experts_LK,
         )
         slot.context.append(token)
-        reason = finish_reason(completion.tokens, slot.params)
+        reason = finish_reason(completion.tokens, slot.params, self._decoder(slot.params))
         if reason is None and len(slot.context) >= self.max_len:
             reason = "max_len"
         if reason is None:

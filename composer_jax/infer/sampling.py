@@ -26,6 +26,10 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 64
     stop_sequences: tuple[tuple[int, ...], ...] = ()  # token sequences that end generation
+    # Texts that end generation once the decoded turn contains one (whatever tokens spell it);
+    # decoded with the engine's tokenizer, else with `load_tokenizer(tokenizer)`.
+    stop_strings: tuple[str, ...] = ()
+    tokenizer: str = ""
     seed: int = 0
     keep_cache: bool = False  # hold the slot when finished so the request can be continued
 

@@ -1,4 +1,5 @@
-"""Checkpoint import from the Hugging Face DeepSeek-V3 / Kimi-K2 format."""
+"""Checkpoint import from and export to the Hugging Face DeepSeek-V3 / Kimi-K2 format (the
+tokenizer of such a folder loads with `composer_jax.data.load_tokenizer(folder)`)."""
 
 from composer_jax.interop.export import export_hf_checkpoint
 from composer_jax.interop.hf import (

@@ -1,8 +1,11 @@
-"""composer-jax models -> Hugging Face DeepSeek-V3 format (config.json + model.safetensors).
+"""composer-jax models -> Hugging Face DeepSeek-V3 format (config.json + model.safetensors, and
+with a tokenizer its files and generation_config.json).
 
 The exact inverse of `hf.params_from_hf`, so a model survives an export/import round trip, and a
-model trained here can be served by tools that read DeepSeek-V3 checkpoints. MTP heads have no
-counterpart in that format and are not written.
+model trained here can be served by tools that read DeepSeek-V3 checkpoints (`transformers` loads
+the folder). MTP heads have no counterpart in that format and are not written. The tokenizer's own
+files are copied (the byte tokenizer is written as an equivalent `tokenizer.json`), and its
+bos / eos / pad ids go into config.json and generation_config.json.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from composer_jax.config import ModelConfig
+from composer_jax.data.tokenizer import Tokenizer, check_vocab
 from composer_jax.model.transformer import Transformer
 
 
@@ -130,9 +134,29 @@ def hf_tensors(m: Transformer) -> dict[str, np.ndarray]:
     return out
 
 
-def export_hf_checkpoint(m: Transformer, path: str | os.PathLike) -> None:
-    """Writes `config.json` and `model.safetensors` (float32) into `path`."""
+def generation_config(tokenizer: Tokenizer) -> dict:
+    """generation_config.json: the special ids generation needs (greedy by default)."""
+    out = {"eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id, "do_sample": False}
+    if tokenizer.bos_id is not None:
+        out["bos_token_id"] = tokenizer.bos_id
+    return out
+
+
+def export_hf_checkpoint(
+    m: Transformer, path: str | os.PathLike, tokenizer: Tokenizer | None = None
+) -> None:
+    """Writes `config.json` and `model.safetensors` (float32) into `path`; with `tokenizer`, also
+    its files and `generation_config.json`."""
     os.makedirs(path, exist_ok=True)
+    config = hf_config(m.cfg)
+    if tokenizer is not None:
+        check_vocab(tokenizer, m.cfg.vocab_size)
+        config.update(
+            {k: v for k, v in generation_config(tokenizer).items() if k.endswith("token_id")}
+        )
+        tokenizer.save(os.fspath(path))
+        with open(os.path.join(path, "generation_config.json"), "w") as f:
+            json.dump(generation_config(tokenizer), f, indent=2)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf_config(m.cfg), f, indent=2)
+        json.dump(config, f, indent=2)
     save_file(hf_tensors(m), os.path.join(path, "model.safetensors"))

@@ -251,11 +251,16 @@ def compute_logits(
     positions_BT: jax.Array | None = None,
     segment_ids_BT: jax.Array | None = None,
 ) -> jax.Array:
-    """Float32 logits of the main head [B, T, V], jitted; MTP heads are skipped."""
+    """Float32 logits of the main head [B, T, V], jitted; MTP heads are skipped. A 1-D token
+    array (one sequence, with 1-D positions / segment ids if given) gives [T, V]."""
+    tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
+    if tokens_BT.ndim == 1:
+        add_batch = lambda x: None if x is None else jnp.asarray(x)[None]  # noqa: E731
+        return compute_logits(
+            m, tokens_BT[None], add_batch(positions_BT), add_batch(segment_ids_BT)
+        )[0]
     graphdef, state = nnx.split(m)
-    return _logits_jit(
-        graphdef, state, jnp.asarray(tokens_BT, jnp.int32), positions_BT, segment_ids_BT
-    )
+    return _logits_jit(graphdef, state, tokens_BT, positions_BT, segment_ids_BT)
 
 
 @jax.jit(static_argnums=0)

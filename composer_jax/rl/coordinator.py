@@ -35,7 +35,8 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from composer_jax.data import ByteTokenizer
+from composer_jax.data.chat import chat_format_for
+from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.envs import EnvConfig, Task
 from composer_jax.infer import Completion, SamplingParams
 from composer_jax.rl import feedback, inflight
@@ -45,14 +46,13 @@ from composer_jax.rl.env_workers import EnvironmentPool, EnvWorkerError
 from composer_jax.rl.ledger import GroupLedger
 from composer_jax.rl.lifecycle import Counters, GroupSlot, Sample
 from composer_jax.rl.ray_backend import SamplerLostError
-from composer_jax.rl.rollout import token_kinds, turn_stop_sequences
+from composer_jax.rl.rollout import segment_kind, token_kinds, turn_sampling
 from composer_jax.rl.sampler import Sampler
 from composer_jax.rl.samples import SampleResult, make_group
 
 SUMMARY_OPEN, SUMMARY_CLOSE = "<summary>", "</summary>"
-SUMMARY_REQUEST = (
+SUMMARY_NOTE = (
     "\n[context budget reached: summarise the task and your progress for a fresh start]\n"
-    + SUMMARY_OPEN
 )
 
 
@@ -74,7 +74,7 @@ class Coordinator:
         env_pool: EnvironmentPool,
         ledger: GroupLedger,
         prompts: list[tuple[str, Task]],
-        tokenizer: ByteTokenizer,
+        tokenizer: Tokenizer,
         num_moe_layers: int,
         experts_per_token: int,
         env_config: EnvConfig = EnvConfig(),
@@ -85,6 +85,7 @@ class Coordinator:
         self.cfg = cfg
         self.sampler, self.env_pool, self.ledger = sampler, env_pool, ledger
         self.tokenizer = tokenizer
+        self.chat = chat_format_for(tokenizer)  # how prompts and tool outputs become tokens
         self.num_moe_layers, self.k = num_moe_layers, experts_per_token
         self.env_config = dataclasses.replace(env_config, max_turns=cfg.max_turns)
         self.seed = seed
@@ -124,17 +125,17 @@ class Coordinator:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        stops = turn_stop_sequences(tokenizer)
-        summary_stop = (tuple(int(t) for t in tokenizer.encode(SUMMARY_CLOSE)),)
-        self._turn_params = SamplingParams(
+        base = SamplingParams(
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             max_new_tokens=cfg.max_new_tokens,
-            stop_sequences=stops,
             keep_cache=True,
         )
-        self._summary_params = dataclasses.replace(
-            self._turn_params, max_new_tokens=cfg.summary_max_tokens, stop_sequences=summary_stop
+        self._turn_params = turn_sampling(base, self.chat)
+        self._summary_params = turn_sampling(
+            dataclasses.replace(base, max_new_tokens=cfg.summary_max_tokens),
+            self.chat,
+            markers=(SUMMARY_CLOSE,),
         )
         self.first_token_time: float | None = None
 
@@ -478,7 +479,7 @@ class Coordinator:
                 continue
             if sample.state == "scheduled":
                 if sample.resume_from is None:
-                    prompt = self.tokenizer.encode(result).tolist()
+                    prompt = self.chat.prompt(result)
                     sample.prompt_tokens = prompt
                     sample.add_context(prompt, SegmentKind.PROMPT)
                 self._waiting.append(sample)
@@ -498,7 +499,7 @@ class Coordinator:
             sample.truncated, sample.reward = True, 0.0
             sample.routes = sample.routes[: max(len(sample.tokens) - 1, 0)]
             if not sample.tokens:  # never started: an empty generation cannot be trained on
-                sample.add_context(self.tokenizer.encode("\n").tolist(), SegmentKind.PROMPT)
+                sample.add_context(self.tokenizer.encode("\n"), SegmentKind.PROMPT)
             while len(sample.routes) < len(sample.tokens) - 1:
                 sample.routes.append(np.zeros((self.num_moe_layers, self.k), np.int32))
             self._finish(sample)
@@ -539,19 +540,22 @@ class Coordinator:
         if result.done:
             self._finish(sample)
             return
-        appended = self.tokenizer.encode(f"\n{result.observation}\n").tolist()
+        generated = sample.tokens[-1:]  # did the turn end with the template's end of turn?
+        segments = self.chat.after_turn(result.observation, generated)
+        appended = [i for segment in segments for i in segment.ids]
         full = sample.finish_reason == "max_len"
         room = self.sampler.max_len - len(sample.tokens) - len(appended) - 1
         if cfg.summary_budget and sample.summaries < cfg.max_summaries:
             if len(sample.tokens) + len(appended) >= cfg.summary_budget and not full:
-                self._request_summary(sample, appended)
+                self._request_summary(sample, result.observation, generated)
                 return
         if full or room < 16:
             sample.truncated = True  # no room for another turn: reward 0
             sample.reward = 0.0
             self._finish(sample)
             return
-        sample.add_context(appended, SegmentKind.TOOL_OUTPUT)
+        for segment in segments:
+            sample.add_context(segment.ids, segment_kind(segment))
         params = dataclasses.replace(
             self._params_for(sample), max_new_tokens=min(cfg.max_new_tokens, room)
         )
@@ -563,18 +567,20 @@ class Coordinator:
         self._by_request[sample.request_id] = sample
         sample.state = "generating"
 
-    def _request_summary(self, sample: Sample, observation: list[int]) -> None:
+    def _request_summary(self, sample: Sample, observation: str, generated: list[int]) -> None:
         """Appends the tool output and the summary request; the next turn is the summary."""
-        request = self.tokenizer.encode(SUMMARY_REQUEST).tolist()
-        appended = observation + request
+        segments = self.chat.after_turn(
+            observation, generated, note=SUMMARY_NOTE, assistant_prefix=SUMMARY_OPEN
+        )
+        appended = [i for segment in segments for i in segment.ids]
         room = self.sampler.max_len - len(sample.tokens) - len(appended) - 1
         if room < 8:  # the budget leaves no room for a summary: the sample is truncated
             sample.truncated = True
             sample.reward = 0.0
             self._finish(sample)
             return
-        sample.add_context(observation, SegmentKind.TOOL_OUTPUT)
-        sample.add_context(request, SegmentKind.PROMPT)
+        for segment in segments:
+            sample.add_context(segment.ids, segment_kind(segment))
         sample.summarising = True
         params = dataclasses.replace(
             self._params_for(sample, summary=True),
@@ -595,7 +601,7 @@ class Coordinator:
             self.counters.summaries += 1
         keep = len(sample.prompt_tokens)
         prefix_routes = sample.routes[:keep]
-        appended = self.tokenizer.encode(f"{SUMMARY_OPEN}{summary}\n").tolist()
+        appended = self.tokenizer.encode(f"{SUMMARY_OPEN}{summary}\n")
         for name in ("tokens", "kinds", "policy", "logprobs", "versions", "routes", "flagged"):
             setattr(sample, name, [])
         sample.add_context(sample.prompt_tokens, SegmentKind.PROMPT)

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from composer_jax.data import ByteTokenizer
+from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.envs import EnvConfig, Task
 from composer_jax.infer import InferenceEngine, SamplingParams
 from composer_jax.model.transformer import Transformer
@@ -56,7 +56,7 @@ class Evaluator:
         self,
         cfg: RLConfig,
         tasks: list[Task],
-        tokenizer: ByteTokenizer,
+        tokenizer: Tokenizer,
         samples: int,
         temperature: float,
         env_config: EnvConfig = EnvConfig(),
@@ -73,6 +73,7 @@ class Evaluator:
             num_slots=cfg.num_slots,
             max_len=cfg.context_len,
             prefill_buckets=tuple(sorted({64, 256, cfg.context_len})),
+            tokenizer=self.tokenizer,
         )
         sampling = SamplingParams(
             temperature=self.temperature,

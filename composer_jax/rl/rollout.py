@@ -1,8 +1,9 @@
 """Synchronous multi-turn rollouts: the inference engine plays episodes, the result is packed.
 
 Each episode is one request that keeps its cache slot between turns: the policy writes a turn
-(generation stops at a closing marker of the protocol), the environment runs it, and the tool
-output is appended with `continue_request`, so only new tokens are prefilled. An episode becomes
+(generation stops once its text holds a closing marker of the protocol, or at eos / the chat
+template's end of turn), the environment runs it, and the tool output, rendered by the
+tokenizer's chat format, is appended with `continue_request`, so only new tokens are prefilled. An episode becomes
 one `Sequence`: policy tokens are trainable with the sampler's log-probs, versions and routed
 experts; prompt and tool output are context. Episodes of every group in a wave run side by side,
 as many as the engine has slots (a parked episode holds its slot until it ends).
@@ -14,7 +15,8 @@ import dataclasses
 
 import numpy as np
 
-from composer_jax.data import ByteTokenizer
+from composer_jax.data.chat import OBSERVATION, ChatFormat, Segment, chat_format_for
+from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.envs import EnvConfig, Episode, Task, protocol
 from composer_jax.infer import Completion, InferenceEngine, SamplingParams
 from composer_jax.rl.batch import SegmentKind, Sequence, TrajectoryBatch, pack_trajectories
@@ -29,8 +31,22 @@ _SPANS = (
 )
 
 
-def turn_stop_sequences(tokenizer: ByteTokenizer) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(int(t) for t in tokenizer.encode(m)) for m in TURN_END_MARKERS)
+def turn_sampling(
+    params: SamplingParams, chat: ChatFormat, markers: tuple[str, ...] = TURN_END_MARKERS
+) -> SamplingParams:
+    """`params` that end a turn at the protocol's closing markers (by text, so any tokenization
+    of them stops) and at the chat format's end-of-turn tokens."""
+    return dataclasses.replace(
+        params,
+        stop_sequences=tuple((i,) for i in chat.stop_token_ids),
+        stop_strings=markers,
+        tokenizer=chat.tokenizer.spec,
+    )
+
+
+def segment_kind(segment: Segment) -> SegmentKind:
+    """Tool output counts as such for the length penalty; the chat scaffolding is prompt."""
+    return SegmentKind.TOOL_OUTPUT if segment.role == OBSERVATION else SegmentKind.PROMPT
 
 
 def text_kinds(text: str) -> np.ndarray:
@@ -51,10 +67,11 @@ def text_kinds(text: str) -> np.ndarray:
     return kinds
 
 
-def token_kinds(tokens: list[int], tokenizer: ByteTokenizer) -> np.ndarray:
-    """Kinds of generated tokens: each token takes the kind of the first character it decodes to
-    (a token that decodes to nothing takes the kind of the text at its place)."""
-    pieces = [tokenizer.decode([t]) for t in tokens]
+def token_kinds(tokens: list[int], tokenizer: Tokenizer) -> np.ndarray:
+    """Kinds of generated tokens: each token takes the kind of the first character it adds to
+    the turn's text (`Tokenizer.token_texts`; a token that adds nothing, e.g. the first bytes of
+    a character or a special token, takes the kind of the text at its place)."""
+    pieces = tokenizer.token_texts(tokens)
     kinds = text_kinds("".join(pieces))
     starts = np.cumsum([0] + [len(p) for p in pieces[:-1]])
     if len(kinds) == 0:
@@ -134,7 +151,7 @@ def _play(
     tasks: list[Task],
     sampling: SamplingParams,
     max_turns: int,
-    tokenizer: ByteTokenizer,
+    tokenizer: Tokenizer,
     env_config: EnvConfig,
     first_seed: int,
 ) -> list[_Trace]:
@@ -142,7 +159,8 @@ def _play(
     if len(tasks) > engine.num_slots:
         raise ValueError(f"{len(tasks)} episodes need as many engine slots ({engine.num_slots})")
     config = dataclasses.replace(env_config, max_turns=max_turns)  # the last turn is graded
-    base = dataclasses.replace(sampling, stop_sequences=turn_stop_sequences(tokenizer))
+    chat = chat_format_for(tokenizer)
+    base = turn_sampling(sampling, chat)
     traces = []
     try:
         for i, task in enumerate(tasks):
@@ -150,7 +168,7 @@ def _play(
             params = dataclasses.replace(base, seed=seed, keep_cache=True)
             traces.append(_Trace(episode=Episode(task, config), params=params))
         for trace in traces:
-            prompt = tokenizer.encode(trace.episode.prompt).tolist()
+            prompt = chat.prompt(trace.episode.prompt)
             trace.add_context(prompt, SegmentKind.PROMPT)
             trace.request_id = engine.submit(prompt, trace.params)
         while True:
@@ -160,7 +178,8 @@ def _play(
                 trace.add_turn(completion, token_kinds(completion.tokens, tokenizer))
                 result = trace.episode.step(tokenizer.decode(completion.tokens))
                 trace.counts, trace.reward = result.counts, result.reward
-                appended = tokenizer.encode(f"\n{result.observation}\n").tolist()
+                segments = chat.after_turn(result.observation, completion.tokens)
+                appended = [i for segment in segments for i in segment.ids]
                 full = completion.finish_reason == "max_len"
                 if full or len(trace.tokens) + len(appended) + 1 >= engine.max_len:
                     trace.truncated = not result.done  # no room for another turn: reward 0
@@ -168,7 +187,8 @@ def _play(
                     trace.done = True
                     engine.release(trace.request_id)
                     continue
-                trace.add_context(appended, SegmentKind.TOOL_OUTPUT)
+                for segment in segments:
+                    trace.add_context(segment.ids, segment_kind(segment))
                 trace.request_id = engine.continue_request(trace.request_id, appended, trace.params)
             if all(t.done for t in traces):
                 return traces
@@ -183,7 +203,7 @@ def collect_group(
     group_size: int,
     sampling: SamplingParams,
     max_turns: int,
-    tokenizer: ByteTokenizer,
+    tokenizer: Tokenizer,
     env_config: EnvConfig = EnvConfig(),
     first_sample: int = 0,
 ) -> tuple[list[Sequence], dict[str, np.ndarray]]:
@@ -217,7 +237,7 @@ def collect_batch(
     group_size: int,
     sampling: SamplingParams,
     max_turns: int,
-    tokenizer: ByteTokenizer,
+    tokenizer: Tokenizer,
     seq_len: int | None = None,
     num_rows: int | None = None,
     env_config: EnvConfig = EnvConfig(),

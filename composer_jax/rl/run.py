@@ -28,7 +28,6 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from composer_jax import config as config_lib
-from composer_jax import data as data_lib
 from composer_jax import envs
 from composer_jax.rl.coordinator import Coordinator
 from composer_jax.rl.env_workers import make_environment_pool
@@ -40,6 +39,7 @@ from composer_jax.rl.samples import groups_to_batch
 from composer_jax.rl.trainer import RLTrainer
 from composer_jax.train.loop import StopRequest, load_trained_model, run_pretraining
 from composer_jax.train.metrics import MetricsWriter, read_metrics
+from composer_jax.train.runs import resolve_tokenizer, save_run_tokenizer
 from composer_jax.train.step import split_model
 from composer_jax.train.workdir import check_run_folder, prepare_workdir, write_config
 
@@ -264,7 +264,8 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
     if rl.warm_start:  # before the workdir exists: a typo must not leave an empty run behind
         check_run_folder(rl.warm_start, "rl.warm_start")
     prepare_workdir(cfg.workdir)
-    tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
+    tokenizer = resolve_tokenizer(cfg)  # the warm start's unless data.tokenizer names one
+    save_run_tokenizer(tokenizer, cfg.workdir)
     model = _warm_start(cfg, progress)
     _check_model(cfg, model)
     _, warm_params, warm_buffers = split_model(model)

@@ -1,8 +1,9 @@
-"""Pretraining step, loop, metrics and checkpointing."""
+"""Pretraining step, loop, metrics, checkpointing, and runs read back (`load_run`)."""
 
 from composer_jax.train.checkpoint import Checkpointer, CheckpointError
 from composer_jax.train.loop import NonFiniteLossError, PretrainResult, run_pretraining
 from composer_jax.train.metrics import MetricsWriter, read_metrics
+from composer_jax.train.runs import Run, load_run
 from composer_jax.train.step import TrainState, eval_step, pretrain_loss, train_step
 
 __all__ = [
@@ -11,8 +12,10 @@ __all__ = [
     "MetricsWriter",
     "NonFiniteLossError",
     "PretrainResult",
+    "Run",
     "TrainState",
     "eval_step",
+    "load_run",
     "pretrain_loss",
     "read_metrics",
     "run_pretraining",

@@ -34,6 +34,7 @@ from composer_jax.parallel.packing import balanced_row_order
 from composer_jax.parallel.report import sharding_table
 from composer_jax.train.checkpoint import Checkpointer, CheckpointError
 from composer_jax.train.metrics import MetricsWriter
+from composer_jax.train.runs import resolve_tokenizer, save_run_tokenizer
 from composer_jax.train.step import TrainState, eval_step, init_train_state, split_model, train_step
 from composer_jax.train.workdir import check_run_folder, prepare_workdir, write_config
 
@@ -97,14 +98,18 @@ SFT_EXAMPLES = 2000
 
 
 class _Corpora:
-    """Train/eval corpora and the tokenizer, built once per run."""
+    """Train/eval documents and the tokenizer, built once per run."""
 
-    def __init__(self, cfg: config_lib.ExperimentConfig):
+    def __init__(self, cfg: config_lib.ExperimentConfig, tokenizer):
         root = cfg.data.corpus_root or data_lib.default_code_root()
-        self.tokenizer = data_lib.get_tokenizer(cfg.data.tokenizer)
-        kwargs = dict(extensions=tuple(cfg.data.extensions), eval_fraction=cfg.data.eval_fraction)
-        self.train = data_lib.CodeCorpus(root, split="train", **kwargs)
-        self.eval = data_lib.CodeCorpus(root, split="eval", **kwargs)
+        self.tokenizer = tokenizer
+        kwargs = dict(
+            extensions=tuple(cfg.data.extensions),
+            eval_fraction=cfg.data.eval_fraction,
+            text_field=cfg.data.text_field,
+        )
+        self.train = data_lib.open_documents(root, "train", **kwargs)
+        self.eval = data_lib.open_documents(root, "eval", **kwargs)
         self._sft_examples = None
         self._seed = cfg.seed
         self._max_ops = cfg.data.task_max_ops
@@ -286,14 +291,10 @@ def load_trained_model(workdir: str, step: int | None = None) -> tuple[Transform
 def run_pretraining(cfg: config_lib.ExperimentConfig, progress: bool = True) -> PretrainResult:
     """Trains (or resumes) the run described by `cfg` in `cfg.workdir`."""
     config_lib.validate(cfg, jax.device_count())
-    if cfg.model.vocab_size < data_lib.get_tokenizer(cfg.data.tokenizer).vocab_size:
-        raise config_lib.ConfigError(
-            f"model.vocab_size: {cfg.model.vocab_size} is smaller than the "
-            f"{cfg.data.tokenizer!r} tokenizer's vocabulary"
-        )
-    workdir = prepare_workdir(cfg.workdir)
     if cfg.init_from and not os.path.isdir(cfg.init_from):
         raise config_lib.ConfigError(f"init_from: {cfg.init_from!r} is not a folder")
+    tokenizer = resolve_tokenizer(cfg)
+    workdir = prepare_workdir(cfg.workdir)
     setup = make_train_setup(cfg)
     layout, bounds = setup.layout, setup.bounds
     is_main = jax.process_index() == 0
@@ -307,13 +308,14 @@ def run_pretraining(cfg: config_lib.ExperimentConfig, progress: bool = True) -> 
     else:
         resume_step, state, data_position = restored
         print(f"Resumed from {ckpt.directory}/{resume_step}", flush=True)
-    if is_main:  # only now: a refused resume must leave the old run's config as it was
+    if is_main:  # only now: a refused resume must leave the old run's files as they were
         write_config(workdir, cfg)
+        save_run_tokenizer(tokenizer, workdir)
 
     step_fn = setup.jit_train_step()
     eval_fn = jax.jit(functools.partial(eval_step, setup.graphdef, layout))
 
-    corpora = _Corpora(cfg)
+    corpora = _Corpora(cfg, tokenizer)
     eval_batches = _eval_batches(cfg, corpora, layout)
     writer = MetricsWriter(workdir, resume_step, is_writer=is_main)
 

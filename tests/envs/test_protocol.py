@@ -121,3 +121,20 @@ def test_episode_step_never_raises(turns):
             if result.done:
                 assert 0.0 <= result.reward <= 1.0
                 break
+
+
+def test_counts_in_any_tokenizers_tokens(tmp_path):
+    """`count_tokens` may be a real tokenizer's: each kind counts that tokenizer's tokens."""
+    from composer_jax.data import load_tokenizer
+    from tests.data.helpers import make_hf_folder
+
+    make_hf_folder(tmp_path)
+    tokenizer = load_tokenizer(str(tmp_path))
+    output = "hm " + render_turn("plan é中", (("write_file", {"path": "a.py", "content": "x=1"}),))
+    turn = parse_turn(output)
+    counts = EpisodeCounts()
+    counts.add_turn(turn, tokenizer.count_tokens)
+    count = tokenizer.count_tokens
+    assert counts.thinking_tokens == count(turn.think_text) + count(turn.untagged) > 0
+    assert counts.tool_call_tokens == count(turn.calls[0].text) > 0
+    assert counts.tool_call_tokens < count_bytes(turn.calls[0].text)  # BPE merges bytes

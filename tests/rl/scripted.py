@@ -71,7 +71,7 @@ class ScriptedSampler(Sampler):
             req = self._requests[rid]
             prompt_text = self.tokenizer.decode(req.context)
             text = self.script(prompt_text, req.turn)
-            tokens = self.tokenizer.encode(text).tolist()[: req.params.max_new_tokens]
+            tokens = list(self.tokenizer.encode(text))[: req.params.max_new_tokens]
             route = np.tile(np.arange(self.k, dtype=np.int32), (self.moe_layers, 1))
             c = Completion(rid, req.prompt, req.start)
             c.prompt_experts = [route] * len(req.prompt)

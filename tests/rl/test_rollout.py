@@ -25,7 +25,7 @@ def model():
 
 def test_token_kinds_follow_the_protocol():
     turn = render_turn("plan", (("run_tests", {}),), "done")
-    kinds = token_kinds(ByteTokenizer().encode("x" + turn).tolist(), ByteTokenizer())
+    kinds = token_kinds(ByteTokenizer().encode("x" + turn), ByteTokenizer())
     want = np.concatenate([[SegmentKind.THINKING], text_kinds(turn)])
     np.testing.assert_array_equal(kinds, want)
     assert kinds[1 : 1 + len("<think>plan</think>")].tolist() == [SegmentKind.THINKING] * 19

@@ -1,0 +1,113 @@
+"""A run's tokenizer, and a finished run back as (model, tokenizer, config, metrics).
+
+One tokenizer per run: `data.tokenizer` names it ("auto" takes the `init_from` checkpoint's
+tokenizer when that folder has one, else the RL warm start run's, else the byte tokenizer); the
+run keeps a copy of its files in `<workdir>/tokenizer/` (nothing for the byte tokenizer), so
+`load_run`, a warm start and `launch.export` find it even if the source folder moves. A tokenizer
+that differs from the one the checkpoint or warm start was trained with is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from composer_jax import config as config_lib
+from composer_jax.data.tokenizer import (
+    BYTE,
+    ByteTokenizer,
+    Tokenizer,
+    TokenizerError,
+    check_vocab,
+    load_tokenizer,
+)
+
+TOKENIZER_DIR = "tokenizer"
+AUTO = "auto"
+
+
+def has_tokenizer_files(folder: str) -> bool:
+    return any(
+        os.path.isfile(os.path.join(folder, name)) for name in ("tokenizer.json", "tiktoken.model")
+    )
+
+
+def run_tokenizer(workdir: str) -> Tokenizer:
+    """The tokenizer a run was trained with: its saved copy, else its config's (old runs)."""
+    saved = os.path.join(workdir, TOKENIZER_DIR)
+    if has_tokenizer_files(saved):
+        return load_tokenizer(saved)
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        raise TokenizerError(f"{workdir}: not a run folder (no config.json)")
+    with open(path) as f:
+        spec = json.load(f).get("data", {}).get("tokenizer", BYTE)
+    return ByteTokenizer() if spec in (AUTO, BYTE, "") else load_tokenizer(spec)
+
+
+def _inherited(cfg: config_lib.ExperimentConfig) -> list[tuple[str, Tokenizer]]:
+    """(where, tokenizer) of what this run starts from: an HF checkpoint, an RL warm start."""
+    found = []
+    if cfg.init_from and has_tokenizer_files(cfg.init_from):
+        found.append(("init_from", load_tokenizer(cfg.init_from)))
+    if cfg.rl.warm_start:
+        found.append(("rl.warm_start", run_tokenizer(cfg.rl.warm_start)))
+    return found
+
+
+def resolve_tokenizer(cfg: config_lib.ExperimentConfig) -> Tokenizer:
+    """The run's tokenizer (see the module docstring); errors name the config field."""
+    try:
+        inherited = _inherited(cfg)
+        if cfg.data.tokenizer == AUTO:
+            tokenizer = inherited[0][1] if inherited else ByteTokenizer()
+        else:
+            tokenizer = load_tokenizer(cfg.data.tokenizer)
+        for where, other in inherited:
+            if other.fingerprint() != tokenizer.fingerprint():
+                raise config_lib.ConfigError(
+                    f"data.tokenizer: {tokenizer.spec!r} is not the tokenizer {where} was "
+                    f"trained with ({other.spec!r}); leave data.tokenizer='auto' to use it"
+                )
+        check_vocab(tokenizer, cfg.model.vocab_size)
+    except TokenizerError as e:
+        raise config_lib.ConfigError(f"data.tokenizer: {e}") from None
+    return tokenizer
+
+
+def save_run_tokenizer(tokenizer: Tokenizer, workdir: str) -> None:
+    """Keeps a copy of the tokenizer's files with the run (the byte tokenizer needs none)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return
+    folder = os.path.join(workdir, TOKENIZER_DIR)
+    if (
+        has_tokenizer_files(folder)
+        and load_tokenizer(folder).fingerprint() == tokenizer.fingerprint()
+    ):
+        return
+    tokenizer.save(folder)
+
+
+@dataclasses.dataclass
+class Run:
+    model: object  # composer_jax.model.Transformer
+    tokenizer: Tokenizer
+    config: config_lib.ExperimentConfig
+    metrics: list[dict]
+    step: int
+
+
+def load_run(workdir: str, step: int | None = None) -> Run:
+    """A training run's model (latest checkpoint unless `step`), tokenizer, config and metrics."""
+    from composer_jax.train.loop import load_trained_model
+    from composer_jax.train.metrics import read_metrics
+
+    with open(os.path.join(workdir, "config.json")) as f:
+        cfg = config_lib.from_dict(config_lib.ExperimentConfig, json.load(f))
+    model, step = load_trained_model(workdir, step)
+    tokenizer = run_tokenizer(workdir)
+    check_vocab(tokenizer, model.cfg.vocab_size)
+    metrics_path = os.path.join(workdir, "metrics.jsonl")
+    metrics = read_metrics(metrics_path) if os.path.exists(metrics_path) else []
+    return Run(model, tokenizer, cfg, metrics, step)

@@ -1,0 +1,196 @@
+"""Against `transformers` itself (the `golden` extra: transformers + torch; skipped without it):
+a random DeepSeek-V3 built by transformers with a BPE tokenizer, imported here, encodes and
+greedy-generates like transformers; a model trained here, exported, loads in transformers and
+greedy-generates what this project's engine does."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+from composer_jax import interop  # noqa: E402
+from composer_jax.data import load_tokenizer  # noqa: E402
+from composer_jax.data.chat import chat_format_for  # noqa: E402
+from composer_jax.infer import InferenceEngine, SamplingParams  # noqa: E402
+from composer_jax.train import load_run, run_pretraining  # noqa: E402
+from tests.data.helpers import TRICKY_TEXTS, make_hf_folder  # noqa: E402
+from tests.train.helpers import make_corpus, tiny_experiment  # noqa: E402
+
+VOCAB = 416
+NEW_TOKENS = 24
+PROMPTS = ("def add(a, b):", "class Foo:\n    def", "héllo wörld, 中文", "<think>")
+# A step's top-2 logits closer than this are a tie: the two implementations may break it
+# differently, so tokens are compared up to the first tie only.
+TIE = 1e-3
+
+HF_CONFIG = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 12,
+    "num_hidden_layers": 3,
+    "first_k_dense_replace": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 24,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 6,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+}
+
+
+def _load_hf(folder):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        folder,
+        dtype=torch.float32,
+        attn_implementation="eager",
+        experts_implementation="eager",
+        output_loading_info=True,
+    )
+    assert not any(info.values()), f"{folder}: loading problems {info}"
+    return model.eval()
+
+
+def _randomise(model, seed):
+    """Weights that keep activations O(1) and route decisively (see make_hf_golden.py)."""
+    rng = np.random.default_rng(seed)
+    state = {}
+    for name, value in model.state_dict().items():
+        shape = tuple(value.shape)
+        if name.endswith("norm.weight"):
+            new = 1.0 + 0.25 * rng.standard_normal(shape)
+        elif name.endswith("e_score_correction_bias"):
+            new = 0.3 * rng.standard_normal(shape)
+        elif name.endswith("mlp.gate.weight"):
+            new = 3.0 / math.sqrt(shape[-1]) * rng.standard_normal(shape)
+        elif name == "model.embed_tokens.weight":
+            new = rng.standard_normal(shape)
+        elif len(shape) >= 2:
+            new = rng.standard_normal(shape) / math.sqrt(shape[-1])
+        else:
+            new = value.numpy()
+        state[name] = torch.from_numpy(np.asarray(new, np.float32))
+    model.load_state_dict(state)
+
+
+def _hf_greedy(model, prompt, eos):
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    gaps = []
+    for logits in out.logits:
+        top2 = torch.topk(logits[0].float(), 2).values
+        gaps.append(float(top2[0] - top2[1]))
+    return tokens, gaps
+
+
+def _ours_greedy(model, tokenizer, prompts):
+    engine = InferenceEngine(model, num_slots=4, max_len=128, prefill_buckets=(16, 128))
+    params = SamplingParams(
+        temperature=0.0, max_new_tokens=NEW_TOKENS, stop_sequences=((tokenizer.eos_id,),)
+    )
+    return [c.tokens for c in engine.generate(prompts, params)]
+
+
+def _compare_greedy(hf_model, ours_model, tokenizer):
+    prompts = [tokenizer.encode(p, add_bos=True) for p in PROMPTS]
+    ours = _ours_greedy(ours_model, tokenizer, prompts)
+    compared = 0
+    for prompt, got in zip(prompts, ours):
+        want, gaps = _hf_greedy(hf_model, prompt, tokenizer.eos_id)
+        untied = next((i for i, g in enumerate(gaps) if g < TIE), len(want))
+        assert got[: untied + 1] == want[: untied + 1], (prompt, got, want, untied)
+        compared += untied + 1
+    assert compared >= len(PROMPTS) * NEW_TOKENS // 2, f"only {compared} tokens were untied"
+
+
+def test_transformers_model_and_tokenizer_imported_here(tmp_path):
+    make_hf_folder(tmp_path, vocab_size=400)
+    config = transformers.DeepseekV3Config(**HF_CONFIG)
+    hf_model = transformers.DeepseekV3ForCausalLM(config)
+    _randomise(hf_model, seed=0)
+    hf_model.save_pretrained(tmp_path)
+    hf_model = _load_hf(tmp_path)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+
+    ours = load_tokenizer(str(tmp_path))
+    for text in TRICKY_TEXTS:
+        assert ours.encode(text) == hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = ours.encode(text)
+        assert ours.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
+    assert (ours.bos_id, ours.eos_id, ours.pad_id) == (
+        hf_tokenizer.bos_token_id,
+        hf_tokenizer.eos_token_id,
+        hf_tokenizer.pad_token_id,
+    )
+    # The chat template renders as transformers renders it.
+    chat = chat_format_for(ours, system="Be brief.")
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Write f."},
+        {"role": "assistant", "content": "<final>ok</final>"},
+        {"role": "tool", "content": "[ok]"},
+    ]
+    for generation_prompt in (False, True):
+        assert chat.render(messages, generation_prompt) == hf_tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
+    assert chat.prompt("Write f.") == hf_tokenizer.apply_chat_template(
+        messages[:2], tokenize=True, add_generation_prompt=True, return_dict=False
+    )
+
+    ours_model = interop.load_hf_checkpoint(tmp_path)
+    _compare_greedy(hf_model, ours_model, ours)
+
+
+@pytest.mark.parametrize("tokenizer_kind", ["bpe", "byte"])
+def test_model_trained_here_serves_in_transformers(tmp_path, tokenizer_kind):
+    corpus = make_corpus(str(tmp_path / "corpus"))
+    cfg = tiny_experiment(str(tmp_path / "run"), corpus, steps=4)
+    if tokenizer_kind == "bpe":
+        make_hf_folder(tmp_path / "tok", vocab_size=400)
+        cfg = dataclasses.replace(
+            cfg,
+            model=dataclasses.replace(cfg.model, vocab_size=VOCAB),
+            data=dataclasses.replace(cfg.data, tokenizer=str(tmp_path / "tok")),
+        )
+    run_pretraining(cfg, progress=False)
+    run = load_run(cfg.workdir)
+    out = tmp_path / "exported"
+    interop.export_hf_checkpoint(run.model, out, run.tokenizer)
+
+    hf_model = _load_hf(out)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    for text in TRICKY_TEXTS:
+        want = run.tokenizer.encode(text)
+        assert hf_tokenizer(text, add_special_tokens=False)["input_ids"] == want
+    assert hf_model.generation_config.eos_token_id == run.tokenizer.eos_id
+    ours_model = interop.load_hf_checkpoint(out)  # float32, like the transformers model
+    _compare_greedy(hf_model, ours_model, run.tokenizer)
