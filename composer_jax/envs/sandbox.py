@@ -248,8 +248,10 @@ class Sandbox:
             finally:
                 _kill_group(proc)
                 proc.wait()
+                out_of_memory = cgroup.out_of_memory()
+                cgroup.kill_and_remove()  # nothing of the command may still write while we trim
             code = proc.returncode
-            if killed is None and cgroup.out_of_memory():
+            if killed is None and out_of_memory:
                 killed = "memory"
             cpu_killed = (
                 -signal.SIGXCPU,
