@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import signal
 import threading
@@ -36,7 +35,7 @@ from composer_jax.train.checkpoint import Checkpointer, CheckpointError
 from composer_jax.train.metrics import MetricsWriter
 from composer_jax.train.runs import resolve_tokenizer, save_run_tokenizer
 from composer_jax.train.step import TrainState, eval_step, init_train_state, split_model, train_step
-from composer_jax.train.workdir import check_run_folder, prepare_workdir, write_config
+from composer_jax.train.workdir import prepare_workdir, read_run_config, write_config
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -281,9 +280,7 @@ def _check_same_architecture(ours: config_lib.ModelConfig, theirs: config_lib.Mo
 
 def load_trained_model(workdir: str, step: int | None = None) -> tuple[Transformer, int]:
     """The model of a training run's checkpoint (the latest intact one unless `step`)."""
-    check_run_folder(workdir, "workdir")
-    with open(os.path.join(workdir, "config.json")) as f:
-        cfg = config_lib.from_dict(config_lib.ExperimentConfig, json.load(f))
+    cfg = read_run_config(workdir)
     setup = make_train_setup(
         cfg, make_layout(dataclasses.replace(cfg.mesh, replica=1, fsdp=-1, cp=1))
     )
