@@ -143,17 +143,18 @@ class DataConfig:
     text_field: str = "text"
     extensions: tuple[str, ...] = (".py",)
     eval_fraction: float = 0.02
-    # Built-in coding tasks (SFT phases, RL prompts, held-out evaluation) chain at most this many
-    # transforms (1..3): fewer make an easier family for small models.
-    task_max_ops: int = 3
+    # The coding tasks of SFT phases: a task source spec (`composer_jax.envs.load_task_source`:
+    # builtin[:max_ops=N], feature_deletion[:package], humaneval, jsonl:PATH, a weighted mixture
+    # a:0.7,b:0.3, or pkg.module:function). RL prompts and held-out evaluation default to it.
+    tasks: str = "builtin"
 
 
 @dataclasses.dataclass(frozen=True)
 class PhaseConfig:
     """One stage of training; phases run in order and split `ExperimentConfig.steps` by fraction.
 
-    `data`: "corpus" (packed source files, every token a target) or "builtin_tasks" (SFT on the
-    built-in coding tasks: prompt -> the agent's oracle turn, loss on the turn only).
+    `data`: "corpus" (packed source files, every token a target) or "tasks" (SFT on the coding
+    tasks of `data.tasks`: first observation -> the agent's oracle turn, loss on the turn only).
     """
 
     name: str = "main"
@@ -232,7 +233,6 @@ class RLObjectiveConfig:
 RL_BACKENDS = ("threads", "ray")
 ENV_WORKER_KINDS = ("process", "thread")
 STALE_POLICIES = ("drop", "reweight")
-HELDOUT_SPLITS = ("functions", "instances")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,6 +250,8 @@ class RLConfig(RLObjectiveConfig):
     # Model-written code runs only in an isolating sandbox (bubblewrap or util-linux unshare);
     # False allows the unisolated fallback, for quick local experiments.
     require_sandbox: bool = True
+    # The RL prompts' task source spec (empty: data.tasks), their split "train".
+    tasks: str = ""
     # Scheduling: one epoch over `num_prompts` distinct training tasks (0: steps x groups_per_step),
     # `group_size` samples each; a step trains on `groups_per_step` finished groups.
     group_size: int = 4
@@ -296,11 +298,14 @@ class RLConfig(RLObjectiveConfig):
     warm_start: str = ""
     warm_start_steps: int = 300
     warm_start_lr: float = 3e-3
-    # Held-out evaluation before RL and at the end: tasks x samples each. "functions": the task
-    # family's held-out split (functions never trained on); "instances": fresh tasks of training
-    # functions (seeds used by neither the warm start nor the RL prompts).
-    heldout_split: str = "functions"
-    heldout_tasks: int = 32
+    # Held-out evaluation before RL and at the end: `heldout_num_tasks` tasks of the
+    # `heldout_split` split of `heldout_tasks` (a task source spec; empty: the RL tasks'), each
+    # sampled `heldout_samples` times. The split "held_out" holds tasks never trained on (for
+    # builtin: other functions); "train" with the held-out seed gives fresh instances of training
+    # tasks. Seeds: SFT draws from cfg.seed, RL prompts cfg.seed + 1, held-out cfg.seed + 2.
+    heldout_tasks: str = ""
+    heldout_split: str = "held_out"
+    heldout_num_tasks: int = 32
     heldout_samples: int = 2
     heldout_temperature: float = 1.0
 
@@ -529,7 +534,6 @@ def validate_rl(cfg: RLConfig, where: str = "rl") -> None:
         ("env_workers", ENV_WORKER_KINDS),
         ("stale_policy", STALE_POLICIES),
         ("weight_delta", ("xor", "add")),
-        ("heldout_split", HELDOUT_SPLITS),
     ):
         value = getattr(cfg, name)
         _check(value in allowed, f"{where}.{name}", f"{value!r} is not one of {allowed}")
@@ -544,7 +548,7 @@ def validate_rl(cfg: RLConfig, where: str = "rl") -> None:
         "summary_max_tokens",
         "snapshot_every",
         "warm_start_steps",
-        "heldout_tasks",
+        "heldout_num_tasks",
         "heldout_samples",
     ):
         _check(getattr(cfg, name) > 0, f"{where}.{name}", "must be positive")
@@ -594,15 +598,15 @@ def validate(cfg: ExperimentConfig, num_devices: int | None = None) -> None:
         _check(p.seq_len > 1, f"train.phases[{i}].seq_len", "must be > 1")
         _check(p.batch_size > 0, f"train.phases[{i}].batch_size", "must be positive")
         _check(
-            p.data in ("corpus", "builtin_tasks"),
+            p.data in ("corpus", "tasks"),
             f"train.phases[{i}].data",
-            f"must be 'corpus' or 'builtin_tasks', got {p.data!r}",
+            f"must be 'corpus' or 'tasks', got {p.data!r}",
         )
     _check(t.mtp_loss in ("distill", "ce"), "train.mtp_loss", f"unknown MTP loss {t.mtp_loss!r}")
     for name in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "eval_batches"):
         _check(getattr(t, name) > 0, f"train.{name}", "must be positive")
     _check(0 < cfg.data.eval_fraction < 1, "data.eval_fraction", "must lie in (0, 1)")
-    _check(1 <= cfg.data.task_max_ops <= 3, "data.task_max_ops", "must lie in [1, 3]")
+    _check(bool(cfg.data.tasks.strip()), "data.tasks", "must name a task source")
     _check_tokenizer_spec(cfg.data.tokenizer)
     _check(bool(cfg.data.text_field), "data.text_field", "must name a field")
     for axis in cfg.mesh.ep:

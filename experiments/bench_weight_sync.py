@@ -196,7 +196,7 @@ def _rl_step_preset(name: str) -> bool:
         engine = InferenceEngine(
             model, num_slots=samples, max_len=_SEQ_LEN.value, prefill_buckets=(_SEQ_LEN.value,)
         )
-        tasks = envs.builtin_tasks(_TASKS.value, "train", cfg.seed, cfg.data.task_max_ops)
+        tasks = envs.load_task_source(cfg.data.tasks).take(_TASKS.value, "train", cfg.seed)
         sampling = SamplingParams(
             temperature=cfg.rl.temperature, top_p=cfg.rl.top_p, max_new_tokens=_NEW_TOKENS.value
         )

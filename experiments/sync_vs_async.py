@@ -63,7 +63,7 @@ def main(argv):
             warm_start_steps=400,
             skip_uniform_groups=False,  # every group trains: a fixed workload per step
             num_prompts=0,
-            heldout_tasks=2,
+            heldout_num_tasks=2,
             heldout_samples=1,
         ),
     )

@@ -31,13 +31,14 @@ SPECIAL = ("<|pad|>", "<|bos|>", "<|eos|>")
 
 
 def training_text(tasks: int, seed: int, max_ops: int):
+    from composer_jax import envs
     from composer_jax.data.corpus import CodeCorpus
-    from composer_jax.data.sft import builtin_task_examples
 
     corpus = CodeCorpus(split="train")
     for i in range(len(corpus)):
         yield corpus[i]
-    for prompt, turn in builtin_task_examples(tasks, seed=seed, max_ops=max_ops):
+    for task in envs.builtin_tasks(tasks, seed=seed, max_ops=max_ops):
+        prompt, turn = envs.sft_example(task)
         yield prompt + turn
 
 
@@ -47,10 +48,7 @@ def heldout_text(max_ops: int) -> dict[str, list[str]]:
 
     corpus = CodeCorpus(split="eval")
     tasks = envs.builtin_tasks(200, "train", seed=2, max_ops=max_ops)  # the held-out instances
-    episodes = []
-    for task in tasks:
-        with envs.Episode(task, envs.EnvConfig()) as episode:
-            episodes.append(episode.prompt + envs.oracle_turns(task)[0])
+    episodes = ["".join(envs.sft_example(task)) for task in tasks]
     return {"stdlib eval split": [corpus[i] for i in range(len(corpus))], "task episodes": episodes}
 
 

@@ -3,9 +3,9 @@
 Each example is rendered by the tokenizer's chat format (`composer_jax.data.chat`): in the generic
 format [bos] + prompt + completion + [eos], with a chat template the rendered user message and
 generation prompt, then the completion and the template's end of turn. `loss_mask` marks the
-completion and what closes it, so the model learns to answer, not to repeat prompts. The built-in source renders the coding
-tasks of `composer_jax.envs` as the agent's first turn (a `write_file` call with the oracle
-solution), which is what warm-starts a tiny policy before RL.
+completion and what closes it, so the model learns to answer, not to repeat prompts. The caller
+supplies the examples (the training loop renders tasks of `data.tasks` as the agent's first turn,
+a `write_file` call with the oracle solution, which is what warm-starts a tiny policy before RL).
 """
 
 import grain
@@ -13,22 +13,6 @@ import numpy as np
 
 from composer_jax.data.chat import chat_format_for
 from composer_jax.data.pipeline import DEFAULT_PACKING_BINS, PackedRowFields
-
-
-def builtin_task_examples(
-    count: int, seed: int = 0, split: str = "train", max_ops: int = 3
-) -> list[tuple[str, str]]:
-    """(episode prompt, oracle first turn) for `count` generated coding tasks."""
-    from composer_jax import envs
-
-    examples = []
-    for task in envs.builtin_tasks(count, split=split, seed=seed, max_ops=max_ops):
-        episode = envs.Episode(task, envs.EnvConfig())
-        try:
-            examples.append((episode.prompt, envs.oracle_turns(task)[0]))
-        finally:
-            episode.close()
-    return examples
 
 
 class _TokenizeExample(grain.transforms.Map):

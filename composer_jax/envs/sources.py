@@ -50,6 +50,11 @@ class TaskSource(abc.ABC):
         """How many tasks the split has, or None when it is endless."""
         return None
 
+    @property
+    def eval_split(self) -> str:
+        """The split an evaluation uses by default: "test", else "held_out", else "train"."""
+        return next(s for s in ("test", "held_out", "train", *self.splits) if s in self.splits)
+
     def take(self, count: int, split: str = "train", seed: int = 0) -> list[Task]:
         """The first `count` tasks (fewer when the split has fewer)."""
         return list(itertools.islice(self.tasks(split, seed), count))

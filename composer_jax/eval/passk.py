@@ -8,6 +8,7 @@ ascending (1-based i), which reduces to pass@k for 0/1 rewards. Plain Python: no
 
 import dataclasses
 import json
+import math
 from math import comb
 
 
@@ -34,19 +35,40 @@ def best_of_k(rewards: list[float], k: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class EpisodeRecord:
-    """One sampled episode of a task, as the evaluator sees it."""
+    """One sampled episode of a task, as the evaluator sees it. `scores` are the grader's extra
+    numbers (e.g. a state-tracking similarity); `group` a label reports break down by (e.g.
+    "history_length=8")."""
 
     task_id: str
     reward: float
     tokens: int
     tool_calls: int
     flagged: bool = False
+    turns: int = 0
+    scores: dict = dataclasses.field(default_factory=dict)
+    group: str = ""
+
+
+def mean_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """(mean, half-width of its two-sided `confidence` interval) by Student's t with n - 1
+    degrees of freedom (tasks are few; the normal quantile would understate it). NaN width for
+    fewer than two values."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, float("nan")
+    from scipy import stats
+
+    variance = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * math.sqrt(variance / n)
 
 
 def evaluate(
     records: list[EpisodeRecord], ks: tuple[int, ...] = (1, 5, 10), success_threshold: float = 1.0
 ) -> dict:
-    """Aggregates episodes into pass@k, best-of-k, mean reward, tokens and tool calls per task.
+    """Aggregates episodes into pass@k, best-of-k, mean reward, tokens, turns and tool calls per
+    task, then over tasks with 95% intervals (the task is the unit: its samples are not
+    independent), overall and per group.
 
     A sample passes when its reward reaches `success_threshold`. A k larger than a task's sample
     count is skipped for that task; the report says over how many tasks each metric averages.
@@ -60,36 +82,64 @@ def evaluate(
         correct = sum(r >= success_threshold for r in rewards)
         entry = {
             "samples": len(samples),
+            "group": samples[0].group,
             "mean_reward": sum(rewards) / len(rewards),
             "mean_tokens": sum(s.tokens for s in samples) / len(samples),
+            "mean_turns": sum(s.turns for s in samples) / len(samples),
             "mean_tool_calls": sum(s.tool_calls for s in samples) / len(samples),
             "flagged": sum(s.flagged for s in samples),
         }
+        for name in sorted({n for s in samples for n in s.scores}):
+            values = [s.scores[name] for s in samples if name in s.scores]
+            entry[f"mean_{name}"] = sum(values) / len(values)
         for k in ks:
             if k <= len(samples):
                 entry[f"pass@{k}"] = pass_at_k(len(samples), correct, k)
                 entry[f"best_of_{k}"] = best_of_k(rewards, k)
         per_task[task_id] = entry
-    summary = {"tasks": len(per_task), "episodes": len(records)}
-    keys = ["mean_reward", "mean_tokens", "mean_tool_calls"]
+    summary = {"tasks": len(per_task), "episodes": len(records), **_summarise(per_task, ks)}
+    summary["flag_rate"] = sum(r.flagged for r in records) / max(1, len(records))
+    groups = sorted({entry["group"] for entry in per_task.values()} - {""})
+    by_group = {
+        g: _summarise({t: e for t, e in per_task.items() if e["group"] == g}, ks) for g in groups
+    }
+    return {"summary": summary, "per_task": per_task, "by_group": by_group}
+
+
+def _summarise(per_task: dict, ks: tuple[int, ...]) -> dict:
+    """Means over tasks, each with its 95% half-width (`<key>_ci95`) and task count."""
+    keys = ["mean_reward", "mean_tokens", "mean_turns", "mean_tool_calls"]
+    keys += sorted({k for e in per_task.values() for k in e if k.startswith("mean_")} - set(keys))
     keys += [f"{m}{k}" for k in ks for m in ("pass@", "best_of_")]
+    out = {}
     for key in keys:
         values = [entry[key] for entry in per_task.values() if key in entry]
         if values:
-            summary[key] = sum(values) / len(values)
-            summary[f"{key}_tasks"] = len(values)
-    summary["flag_rate"] = sum(r.flagged for r in records) / max(1, len(records))
-    return {"summary": summary, "per_task": per_task}
+            out[key], out[f"{key}_ci95"] = mean_interval(values)
+            out[f"{key}_tasks"] = len(values)
+    return out
 
 
 def format_table(report: dict) -> str:
-    """A small fixed-width table of the summary."""
-    rows = [(key, value) for key, value in report["summary"].items() if not key.endswith("_tasks")]
-    width = max(len(key) for key, _ in rows)
-    lines = [f"{'metric'.ljust(width)}  value", f"{'-' * width}  -----"]
-    for key, value in rows:
-        text = f"{value:.4f}" if isinstance(value, float) else str(value)
-        lines.append(f"{key.ljust(width)}  {text}")
+    """The summary (and each group's) as a fixed-width table: mean +- 95% half-width."""
+
+    def rows(summary: dict) -> list[tuple[str, str]]:
+        out = []
+        for key, value in summary.items():
+            if key.endswith(("_tasks", "_ci95")):
+                continue
+            text = f"{value:.4f}" if isinstance(value, float) else str(value)
+            if f"{key}_ci95" in summary and not math.isnan(summary[f"{key}_ci95"]):
+                text += f" +- {summary[f'{key}_ci95']:.4f}"
+            out.append((key, text))
+        return out
+
+    sections = [("", rows(report["summary"]))]
+    sections += [(f"[{g}] ", rows(s)) for g, s in report.get("by_group", {}).items()]
+    width = max(len(prefix + key) for prefix, section in sections for key, _ in section)
+    lines = [f"{'metric'.ljust(width)}  value (95% CI over tasks)", f"{'-' * width}  -----"]
+    for prefix, section in sections:
+        lines += [f"{(prefix + key).ljust(width)}  {text}" for key, text in section]
     return "\n".join(lines)
 
 

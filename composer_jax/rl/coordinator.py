@@ -253,6 +253,8 @@ class Coordinator:
                 "revisited_prompts": self._revisits,
             }
             out.update({f"feedback/{name}": n for name, n in c.feedback.items()})
+            out["flagged_samples"] = c.flagged_samples
+            out.update({f"monitor/{kind}": n for kind, n in c.monitor_flags.items()})
         out.update({f"env/{k}": v for k, v in self.env_pool.health().items()})
         return out
 
@@ -538,6 +540,10 @@ class Coordinator:
         self._check_feedback(sample, result)
         sample.counts, sample.reward = result.counts, result.reward
         if result.done:
+            if result.flags:
+                with self._lock:
+                    self.counters.flagged_samples += 1
+                    self.counters.monitor_flags.update({flag.kind for flag in result.flags})
             self._finish(sample)
             return
         generated = sample.tokens[-1:]  # did the turn end with the template's end of turn?

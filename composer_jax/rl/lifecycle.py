@@ -95,3 +95,5 @@ class Counters:
     reward_sum: float = 0.0  # task rewards of every sample of a finished group (trained or not)
     reward_samples: int = 0  # how many samples reward_sum adds up
     feedback: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    flagged_samples: int = 0  # finished samples a reward-hack monitor flagged (reward zeroed)
+    monitor_flags: collections.Counter = dataclasses.field(default_factory=collections.Counter)

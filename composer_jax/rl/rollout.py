@@ -134,8 +134,8 @@ class Generation:
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)
-class _Trace(Generation):
-    """One episode's growing sequence."""
+class EpisodeTrace(Generation):
+    """One episode's growing sequence and what the environment said at its end."""
 
     episode: Episode
     params: SamplingParams
@@ -144,9 +144,15 @@ class _Trace(Generation):
     truncated: bool = False
     reward: float = 0.0
     counts: dict = dataclasses.field(default_factory=dict)
+    flags: tuple = ()  # reward-hack monitor flags
+    grade: dict | None = None  # the grader's result (outcomes, scores) when the episode ended
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(self.policy)
 
 
-def _play(
+def play_episodes(
     engine: InferenceEngine,
     tasks: list[Task],
     sampling: SamplingParams,
@@ -154,8 +160,11 @@ def _play(
     tokenizer: Tokenizer,
     env_config: EnvConfig,
     first_seed: int,
-) -> list[_Trace]:
-    """Plays one episode per task side by side, turn by turn, and closes them."""
+    step_map=map,
+) -> list[EpisodeTrace]:
+    """Plays one episode per task side by side, turn by turn, and closes them. `step_map(fn,
+    items)` runs the environment steps of one turn (e.g. a thread pool's map, so commands and
+    grading of different episodes overlap); the episode of sample i is seeded first_seed + i."""
     if len(tasks) > engine.num_slots:
         raise ValueError(f"{len(tasks)} episodes need as many engine slots ({engine.num_slots})")
     config = dataclasses.replace(env_config, max_turns=max_turns)  # the last turn is graded
@@ -166,17 +175,23 @@ def _play(
         for i, task in enumerate(tasks):
             seed = first_seed + i  # distinct samples within a group
             params = dataclasses.replace(base, seed=seed, keep_cache=True)
-            traces.append(_Trace(episode=Episode(task, config), params=params))
+            traces.append(EpisodeTrace(episode=Episode(task, config), params=params))
         for trace in traces:
             prompt = chat.prompt(trace.episode.prompt)
             trace.add_context(prompt, SegmentKind.PROMPT)
+            if len(prompt) + 1 >= engine.max_len:  # no room to answer: reward 0, like a full turn
+                trace.done = trace.truncated = True
+                continue
             trace.request_id = engine.submit(prompt, trace.params)
-        while True:
+        while not all(t.done for t in traces):
             engine.run()
+            turns = []
             for trace in (t for t in traces if not t.done):
                 completion = engine.completions.pop(trace.request_id)
                 trace.add_turn(completion, token_kinds(completion.tokens, tokenizer))
-                result = trace.episode.step(tokenizer.decode(completion.tokens))
+                turns.append((trace, completion, tokenizer.decode(completion.tokens)))
+            results = list(step_map(lambda turn: turn[0].episode.step(turn[2]), turns))
+            for (trace, completion, _), result in zip(turns, results):
                 trace.counts, trace.reward = result.counts, result.reward
                 segments = chat.after_turn(result.observation, completion.tokens)
                 appended = [i for segment in segments for i in segment.ids]
@@ -185,13 +200,13 @@ def _play(
                     trace.truncated = not result.done  # no room for another turn: reward 0
                 if result.done or trace.truncated:
                     trace.done = True
+                    trace.flags, trace.grade = result.flags, result.info.get("grade")
                     engine.release(trace.request_id)
                     continue
                 for segment in segments:
                     trace.add_context(segment.ids, segment_kind(segment))
                 trace.request_id = engine.continue_request(trace.request_id, appended, trace.params)
-            if all(t.done for t in traces):
-                return traces
+        return traces
     finally:
         for trace in traces:
             trace.episode.close()
@@ -210,7 +225,7 @@ def collect_group(
     """`group_size` episodes of one task. Returns their sequences (sample indices from
     `first_sample`) and per-sample arrays: "reward" (the episode's), "num_tool_calls",
     "num_turns", "truncated"."""
-    traces = _play(
+    traces = play_episodes(
         engine, [task] * group_size, sampling, max_turns, tokenizer, env_config, sampling.seed
     )
     return _sequences(engine, traces, first_sample)
@@ -252,7 +267,7 @@ def collect_batch(
     for start in range(0, len(tasks), per_wave):
         wave = [t for t in tasks[start : start + per_wave] for _ in range(group_size)]
         first = start * group_size
-        traces = _play(
+        traces = play_episodes(
             engine, wave, sampling, max_turns, tokenizer, env_config, sampling.seed + first
         )
         wave_sequences, wave_stats = _sequences(engine, traces, first)

@@ -37,7 +37,7 @@ from composer_jax.rl.ledger import DamagedGroup, GroupLedger
 from composer_jax.rl.sampler import LocalSampler
 from composer_jax.rl.samples import groups_to_batch
 from composer_jax.rl.trainer import RLTrainer
-from composer_jax.train.loop import StopRequest, load_trained_model, run_pretraining
+from composer_jax.train.loop import StopRequest, load_trained_model, run_pretraining, task_source
 from composer_jax.train.metrics import MetricsWriter, read_metrics
 from composer_jax.train.runs import resolve_tokenizer, save_run_tokenizer
 from composer_jax.train.step import split_model
@@ -73,14 +73,31 @@ def warm_start_config(cfg: config_lib.ExperimentConfig) -> config_lib.Experiment
     )
 
 
+def rl_task_source(cfg: config_lib.ExperimentConfig) -> envs.TaskSource:
+    """The RL prompts' source: rl.tasks, else data.tasks."""
+    field = "rl.tasks" if cfg.rl.tasks else "data.tasks"
+    return task_source(cfg.rl.tasks or cfg.data.tasks, field)
+
+
 def heldout_task_set(cfg: config_lib.ExperimentConfig) -> list[envs.Task]:
-    """The evaluation tasks (see RLConfig.heldout_split). Warm-start SFT draws task seeds from
-    cfg.seed, RL prompts from cfg.seed + 1 and held-out instances from cfg.seed + 2: the seed
-    ranges never overlap."""
-    rl, max_ops = cfg.rl, cfg.data.task_max_ops
-    if rl.heldout_split == "functions":
-        return envs.builtin_tasks(rl.heldout_tasks, "held_out", seed=cfg.seed, max_ops=max_ops)
-    return envs.builtin_tasks(rl.heldout_tasks, "train", seed=cfg.seed + 2, max_ops=max_ops)
+    """The evaluation tasks: `rl.heldout_num_tasks` of the `rl.heldout_split` split of
+    rl.heldout_tasks (else the RL tasks' source), drawn with seed cfg.seed + 2 (SFT draws from
+    cfg.seed, RL prompts from cfg.seed + 1: a seeded source never repeats them)."""
+    rl = cfg.rl
+    if rl.heldout_tasks:
+        source = task_source(rl.heldout_tasks, "rl.heldout_tasks")
+    else:
+        source = rl_task_source(cfg)
+    if rl.heldout_split not in source.splits:
+        raise config_lib.ConfigError(
+            f"rl.heldout_split: {source.name} has splits {source.splits}, not {rl.heldout_split!r}"
+        )
+    tasks = source.take(rl.heldout_num_tasks, rl.heldout_split, seed=cfg.seed + 2)
+    if not tasks:
+        raise config_lib.ConfigError(
+            f"rl.heldout_split: {source.name} has no {rl.heldout_split!r} tasks"
+        )
+    return tasks
 
 
 def _warm_start(cfg, progress: bool):
@@ -139,7 +156,7 @@ def _heldout(cfg, evaluator, model, path, key, progress) -> HeldoutResult:
     start = time.perf_counter()
     result = evaluator.evaluate(model)
     print(
-        f"Held-out reward ({cfg.rl.heldout_split}) {key.split('-')[0]} RL: {result} "
+        f"Held-out reward ({cfg.rl.heldout_split} split) {key.split('-')[0]} RL: {result} "
         f"[{time.perf_counter() - start:.0f} s]",
         flush=True,
     )
@@ -284,9 +301,13 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
     trainer = RLTrainer(cfg, warm_params, warm_buffers, store)
     write_config(cfg.workdir, cfg)  # only now: a refused resume leaves the old config as it was
     num_prompts = rl.num_prompts or cfg.steps * rl.groups_per_step
-    tasks = envs.builtin_tasks(
-        num_prompts, split="train", seed=cfg.seed + 1, max_ops=cfg.data.task_max_ops
-    )
+    tasks = rl_task_source(cfg).take(num_prompts, "train", seed=cfg.seed + 1)
+    if len(tasks) < num_prompts:
+        print(
+            f"warning: the RL task source has {len(tasks)} training tasks, fewer than the "
+            f"{num_prompts} prompts of the epoch",
+            flush=True,
+        )
     prompts = [(f"p{i:05d}", task) for i, task in enumerate(tasks)]
     # Steps the restored state never saw (all of them without a checkpoint) give back their groups.
     returned = ledger.rewind(trainer.version)

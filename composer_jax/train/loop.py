@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import signal
 import threading
@@ -25,8 +24,8 @@ from tqdm.auto import tqdm
 
 from composer_jax import config as config_lib
 from composer_jax import data as data_lib
-from composer_jax import optim
-from composer_jax.data.sft import builtin_task_examples, make_sft_iterator
+from composer_jax import envs, optim
+from composer_jax.data.sft import make_sft_iterator
 from composer_jax.model.layers import logical_axes_of
 from composer_jax.model.transformer import Transformer, param_rngs
 from composer_jax.parallel import Layout, make_layout
@@ -36,7 +35,7 @@ from composer_jax.train.checkpoint import Checkpointer, CheckpointError
 from composer_jax.train.metrics import MetricsWriter
 from composer_jax.train.runs import resolve_tokenizer, save_run_tokenizer
 from composer_jax.train.step import TrainState, eval_step, init_train_state, split_model, train_step
-from composer_jax.train.workdir import check_run_folder, prepare_workdir, write_config
+from composer_jax.train.workdir import prepare_workdir, read_run_config, write_config
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -93,7 +92,7 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
-# Distinct built-in tasks behind an SFT phase (generated once per run, in well under a second).
+# Distinct tasks behind an SFT phase (taken once per run; the built-in ones in under a second).
 SFT_EXAMPLES = 2000
 
 
@@ -112,16 +111,29 @@ class _Corpora:
         self.eval = data_lib.open_documents(root, "eval", **kwargs)
         self._sft_examples = None
         self._seed = cfg.seed
-        self._max_ops = cfg.data.task_max_ops
+        self._tasks = cfg.data.tasks
 
     @property
     def sft_examples(self) -> list[tuple[str, str]]:
-        """Built-in coding tasks as (prompt, oracle turn), made on first use."""
+        """The SFT tasks (`data.tasks`, split "train", seed cfg.seed) as (first observation,
+        oracle turn), made on first use; tasks without an oracle solution are skipped."""
         if self._sft_examples is None:
-            self._sft_examples = builtin_task_examples(
-                SFT_EXAMPLES, seed=self._seed, max_ops=self._max_ops
-            )
+            tasks = task_source(self._tasks, "data.tasks").take(SFT_EXAMPLES, "train", self._seed)
+            examples = [envs.sft_example(t) for t in tasks if t.oracle_files]
+            if not examples:
+                raise config_lib.ConfigError(
+                    f"data.tasks: {self._tasks!r} has no training task with an oracle solution"
+                )
+            self._sft_examples = examples
         return self._sft_examples
+
+
+def task_source(spec: str, field: str) -> envs.TaskSource:
+    """The task source `spec` names, or a ConfigError naming the config field."""
+    try:
+        return envs.load_task_source(spec)
+    except envs.TaskSourceError as error:
+        raise config_lib.ConfigError(f"{field}: {error}") from None
 
 
 def _phase_bounds(cfg) -> list[tuple[int, int]]:
@@ -268,9 +280,7 @@ def _check_same_architecture(ours: config_lib.ModelConfig, theirs: config_lib.Mo
 
 def load_trained_model(workdir: str, step: int | None = None) -> tuple[Transformer, int]:
     """The model of a training run's checkpoint (the latest intact one unless `step`)."""
-    check_run_folder(workdir, "workdir")
-    with open(os.path.join(workdir, "config.json")) as f:
-        cfg = config_lib.from_dict(config_lib.ExperimentConfig, json.load(f))
+    cfg = read_run_config(workdir)
     setup = make_train_setup(
         cfg, make_layout(dataclasses.replace(cfg.mesh, replica=1, fsdp=-1, cp=1))
     )
@@ -415,7 +425,7 @@ def _make_iterator(cfg, corpora: _Corpora, phase_index: int):
         shard_index=jax.process_index(),
         shard_count=jax.process_count(),
     )
-    if phase.data == "builtin_tasks":
+    if phase.data == "tasks":
         return make_sft_iterator(corpora.sft_examples, corpora.tokenizer, **kwargs)
     return data_lib.make_pretrain_iterator(corpora.train, corpora.tokenizer, **kwargs)
 

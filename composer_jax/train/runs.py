@@ -22,6 +22,7 @@ from composer_jax.data.tokenizer import (
     check_vocab,
     load_tokenizer,
 )
+from composer_jax.train.workdir import read_run_config
 
 TOKENIZER_DIR = "tokenizer"
 AUTO = "auto"
@@ -103,8 +104,7 @@ def load_run(workdir: str, step: int | None = None) -> Run:
     from composer_jax.train.loop import load_trained_model
     from composer_jax.train.metrics import read_metrics
 
-    with open(os.path.join(workdir, "config.json")) as f:
-        cfg = config_lib.from_dict(config_lib.ExperimentConfig, json.load(f))
+    cfg = read_run_config(workdir)
     model, step = load_trained_model(workdir, step)
     tokenizer = run_tokenizer(workdir)
     check_vocab(tokenizer, model.cfg.vocab_size)

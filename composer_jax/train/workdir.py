@@ -40,6 +40,34 @@ def write_config(workdir: str, cfg: config_lib.ExperimentConfig) -> None:
     os.replace(tmp, path)
 
 
+def read_run_config(workdir: str) -> config_lib.ExperimentConfig:
+    """A run's stored config, with the fields of older versions carried to their new names."""
+    check_run_folder(workdir, "workdir")
+    with open(os.path.join(workdir, "config.json")) as f:
+        data = json.load(f)
+    return config_lib.from_dict(config_lib.ExperimentConfig, upgrade_stored_config(data))
+
+
+def upgrade_stored_config(data: dict) -> dict:
+    """Renamed fields of older configs: data.task_max_ops became data.tasks, the phase data
+    "builtin_tasks" became "tasks", rl.heldout_tasks (a count) became rl.heldout_num_tasks and
+    the held-out splits "functions" / "instances" became "held_out" / "train"."""
+    data = json.loads(json.dumps(data))  # a deep copy
+    section = data.get("data", {})
+    if "task_max_ops" in section:
+        section["tasks"] = f"builtin:max_ops={section.pop('task_max_ops')}"
+    for phase in data.get("train", {}).get("phases", []):
+        if phase.get("data") == "builtin_tasks":
+            phase["data"] = "tasks"
+    rl = data.get("rl", {})
+    if isinstance(rl.get("heldout_tasks"), int):
+        rl["heldout_num_tasks"] = rl.pop("heldout_tasks")
+    renamed = {"functions": "held_out", "instances": "train"}
+    if rl.get("heldout_split") in renamed:
+        rl["heldout_split"] = renamed[rl["heldout_split"]]
+    return data
+
+
 def check_run_folder(path: str, what: str) -> str:
     """A finished run's folder (with its config.json), or a ConfigError naming the field `what`."""
     if not os.path.isfile(os.path.join(path, "config.json")):

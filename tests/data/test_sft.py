@@ -2,13 +2,18 @@
 
 import numpy as np
 
+from composer_jax import envs
 from composer_jax.data import get_tokenizer, iterator_state_to_json, restore_iterator_from_json
-from composer_jax.data.sft import builtin_task_examples, make_sft_iterator
+from composer_jax.data.sft import make_sft_iterator
+
+
+def task_examples(count, seed):
+    return [envs.sft_example(t) for t in envs.builtin_tasks(count, seed=seed)]
 
 
 def test_loss_mask_covers_exactly_the_completions():
     tokenizer = get_tokenizer("byte")
-    examples = builtin_task_examples(64, seed=3)
+    examples = task_examples(64, seed=3)
     completions = {c for _, c in examples}
     it = make_sft_iterator(examples, tokenizer, seq_len=640, batch_size=4, seed=1)
     batch = next(it)
@@ -29,7 +34,7 @@ def test_loss_mask_covers_exactly_the_completions():
 
 def test_sft_iterator_resumes_exactly():
     tokenizer = get_tokenizer("byte")
-    examples = builtin_task_examples(32, seed=4)
+    examples = task_examples(32, seed=4)
     it = make_sft_iterator(examples, tokenizer, seq_len=256, batch_size=2, seed=2)
     for _ in range(5):
         next(it)

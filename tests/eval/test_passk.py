@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import math
 import random
 from math import comb
 
@@ -77,3 +78,28 @@ def test_report(tmp_path):
     assert "pass@2" in table and "0.5000" in table
     write_report(report, tmp_path / "r.json")
     assert json.loads((tmp_path / "r.json").read_text())["per_task"]["a"]["samples"] == 2
+
+
+def test_mean_interval_is_students_t_over_tasks():
+    from composer_jax.eval.passk import mean_interval
+
+    mean, half = mean_interval([1.0, 2.0, 3.0, 4.0])
+    # t(0.975, 3) = 3.18245; sample sd of 1..4 = 1.29099; n = 4
+    assert mean == 2.5 and half == pytest.approx(3.18245 * 1.29099 / 2, rel=1e-4)
+    assert math.isnan(mean_interval([0.5])[1])
+
+
+def test_report_groups_and_scores():
+    records = [
+        EpisodeRecord("a", 1.0, 10, 0, scores={"similarity": 1.0}, group="history_length=1"),
+        EpisodeRecord("a", 0.0, 12, 0, scores={"similarity": 0.5}, group="history_length=1"),
+        EpisodeRecord(
+            "b", 0.0, 30, 1, turns=2, scores={"similarity": 0.25}, group="history_length=8"
+        ),
+    ]
+    report = evaluate(records, ks=(1, 2))
+    assert report["per_task"]["a"]["mean_similarity"] == 0.75
+    assert report["by_group"]["history_length=1"]["pass@1"] == 0.5
+    assert report["by_group"]["history_length=8"]["mean_similarity"] == 0.25
+    assert report["summary"]["mean_turns"] == 1.0  # task a: 0 turns, task b: 2
+    assert "history_length=8" in format_table(report)

@@ -24,7 +24,7 @@ def _args(workdir, *extra):
         "--config.rl.warm_start_steps=4",
         f"--config.steps={STEPS}",
         "--config.train.checkpoint_every=2",
-        "--config.rl.heldout_tasks=2",
+        "--config.rl.heldout_num_tasks=2",
         "--config.rl.heldout_samples=1",
         "--config.rl.group_size=2",
         f"--config.rl.groups_per_step={GROUPS_PER_STEP}",

@@ -19,7 +19,7 @@ from composer_jax.train.runs import run_tokenizer
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL_RL = (
     "--config.steps=2",
-    "--config.rl.heldout_tasks=2",
+    "--config.rl.heldout_num_tasks=2",
     "--config.rl.heldout_samples=1",
     "--config.rl.group_size=2",
     "--config.rl.groups_per_step=2",

@@ -39,7 +39,7 @@ def test_step_publishes_an_exact_delta_and_resumes(tmp_path):
     assert trainer.publish().result().kind == "snapshot"
 
     engine = InferenceEngine(model, num_slots=4, max_len=SEQ_LEN, prefill_buckets=(SEQ_LEN,))
-    tasks = builtin_tasks(2, "train", seed=0, max_ops=cfg.data.task_max_ops)
+    tasks = builtin_tasks(2, "train", seed=0, max_ops=1)
     sampling = SamplingParams(max_new_tokens=16, seed=1)
     batch, _ = collect_batch(
         engine, tasks, 2, sampling, 1, ByteTokenizer(), seq_len=SEQ_LEN, num_rows=8
