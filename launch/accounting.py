@@ -16,7 +16,7 @@ def main(argv):
     runtime.initialize()
     from composer_jax.model import accounting
 
-    cfg = config_lib.from_dict(config_lib.ExperimentConfig, _CONFIG.value)
+    cfg = cli.experiment_config(_CONFIG)
     config_lib.validate_model(cfg.model)
     c = accounting.count_params(cfg.model)
     print(f"total parameters      {c.total / 1e9:12.2f} B  (embeddings, head and MTP included)")

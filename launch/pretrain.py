@@ -2,31 +2,33 @@ r"""Continued pretraining on code.
 
   python -m launch.pretrain [--config=tiny] --config.steps=300 --config.workdir=runs/tiny
 
-Starting again with the same workdir resumes from its latest checkpoint.
+Starting again with the same workdir resumes from its latest checkpoint. `--print_config` prints
+the resolved config and exits; `--noprogress` prints a plain line every `--log_every_s` seconds.
 """
 
+import os
 import signal
 import sys
 
-from absl import flags
-
-from launch import cli
+from launch import cli, plain_log
 
 _CONFIG = cli.define_config("tiny")
-_PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
+_PROGRESS, _LOG_EVERY_S = plain_log.define_flags()
 
 
 def main(argv):
     del argv
+    cfg = cli.experiment_config(_CONFIG)
     from launch import runtime
 
     runtime.initialize()
     from composer_jax import config as config_lib
     from composer_jax.train import CheckpointError, NonFiniteLossError, run_pretraining
 
+    metrics = [("pretrain", os.path.join(cfg.workdir, "metrics.jsonl"), cfg.steps)]
     try:
-        cfg = config_lib.from_dict(config_lib.ExperimentConfig, _CONFIG.value)
-        result = run_pretraining(cfg, progress=_PROGRESS.value)
+        with plain_log.progress_context(metrics, _PROGRESS.value, _LOG_EVERY_S.value):
+            result = run_pretraining(cfg, progress=_PROGRESS.value)
     except (config_lib.ConfigError, NonFiniteLossError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

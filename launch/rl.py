@@ -6,21 +6,31 @@ r"""Asynchronous RL on coding environments: the project's main job.
 
 On the embedded default it warm-starts the tiny model with a short SFT on the built-in tasks,
 measures the mean reward on held-out tasks, runs asynchronous RL, measures it again and prints both
-with confidence intervals. Starting again with the same workdir resumes.
+with confidence intervals. Starting again with the same workdir resumes. `--print_config` prints
+the resolved config and exits; `--noprogress` prints a plain line every `--log_every_s` seconds.
 """
 
+import os
 import sys
 
-from absl import flags
-
-from launch import cli
+from launch import cli, plain_log
 
 _CONFIG = cli.define_config("rl_tiny")
-_PROGRESS = flags.DEFINE_bool("progress", True, "Show progress bars.")
+_PROGRESS, _LOG_EVERY_S = plain_log.define_flags()
+
+
+def _metrics_files(cfg) -> list:
+    """The warm start's metrics (unless it is given) and the RL run's."""
+    files = []
+    if not cfg.rl.warm_start:
+        warm = os.path.join(cfg.workdir, "warm_start", "metrics.jsonl")
+        files.append(("warm start", warm, cfg.rl.warm_start_steps))
+    return files + [("rl", os.path.join(cfg.workdir, "metrics.jsonl"), cfg.steps)]
 
 
 def main(argv):
     del argv
+    cfg = cli.experiment_config(_CONFIG)
     from launch import runtime
 
     runtime.initialize()
@@ -30,10 +40,10 @@ def main(argv):
     from composer_jax.train import CheckpointError, NonFiniteLossError
 
     try:
-        cfg = config_lib.from_dict(config_lib.ExperimentConfig, _CONFIG.value)
         if cfg.rl.backend == "ray":
             runtime.initialize_ray()
-        result = run_rl(cfg, progress=_PROGRESS.value)
+        with plain_log.progress_context(_metrics_files(cfg), _PROGRESS.value, _LOG_EVERY_S.value):
+            result = run_rl(cfg, progress=_PROGRESS.value)
     except (
         config_lib.ConfigError,
         NonFiniteLossError,

@@ -73,3 +73,73 @@ def test_a_missing_warm_start_leaves_no_workdir(tmp_path):
     )
     one_line_error(result, "rl.warm_start", "missing")
     assert not workdir.exists()
+
+
+# ----------------------------------------------------------------------------- typed overrides
+
+
+def resolved(*args, cwd):
+    """The config `--print_config` prints for these flags."""
+    import json
+
+    result = launch("pretrain", "--print_config", *args, cwd=cwd)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout)
+
+
+def test_print_config_applies_tuple_none_and_indexed_overrides(tmp_path):
+    cfg = resolved(
+        "--config.mesh.ep=fsdp",
+        "--config.model.q_lora_rank=None",
+        "--config.model.rope_scaling.factor=8",
+        "--config.train.phases[1].seq_len",
+        "64",
+        "--config.steps=7",
+        cwd=tmp_path,
+    )
+    assert cfg["mesh"]["ep"] == ["fsdp"]
+    assert cfg["model"]["q_lora_rank"] is None
+    assert cfg["model"]["rope_scaling"]["factor"] == 8.0
+    assert cfg["model"]["rope_scaling"]["beta_fast"] == 32.0  # the rest from the defaults
+    assert [p["seq_len"] for p in cfg["train"]["phases"]] == [128, 64, 576]
+    assert cfg["steps"] == 7
+
+
+def test_printed_config_loads_back_as_json_and_variants_select_presets(tmp_path):
+    printed = resolved("--config.steps=11", "--config.mesh.ep=", cwd=tmp_path)
+    path = tmp_path / "run.json"
+    path.write_text(__import__("json").dumps(printed))
+    assert resolved(f"--config={path}", cwd=tmp_path) == printed
+    preset_file = os.path.join(REPO, "launch", "preset_config.py")
+    by_variant = resolved(f"--config={preset_file}:rl_tiny", cwd=tmp_path)
+    assert by_variant == resolved("--config=rl_tiny", cwd=tmp_path)
+    assert by_variant["steps"] == 24
+
+
+@pytest.mark.parametrize(
+    "args,needles",
+    [
+        (["--config.model.num_layers=None"], ["--config.model.num_layers", "cannot be None"]),
+        (["--config.model.q_lora_rank=abc"], ["q_lora_rank", "not an integer"]),
+        (["--config.train.phases[5].seq_len=3"], ["phases[5]", "out of range"]),
+        (["--config.train.phases=[{'name': 'x', 'bogus': 1}]"], ["bogus", "unknown field"]),
+        ([f"--config={os.path.join(REPO, 'experiments', 'configs', 'tiny.py')}:v"], ["get_config"]),
+    ],
+)
+def test_bad_typed_overrides_are_one_line_errors(tmp_path, args, needles):
+    one_line_error(launch("pretrain", "--print_config", *args, cwd=tmp_path), *needles)
+
+
+def test_typed_override_parsing_in_process():
+    from launch import cli
+
+    argv = ["--config.steps=3", "--config.mesh.ep", "cp", "--config.data.extensions=.py,.pyi"]
+    rest, typed = cli._split_typed_overrides(argv)
+    assert rest == ["--config.steps=3"]
+    assert typed == [("mesh.ep", "cp"), ("data.extensions", ".py,.pyi")]
+    data = {"mesh": {"ep": ["fsdp"]}, "data": {"extensions": [".py"]}}
+    for path, raw in typed:
+        cli._apply_typed_override(data, path, raw)
+    assert data == {"mesh": {"ep": ["cp"]}, "data": {"extensions": [".py", ".pyi"]}}
+    with pytest.raises(cli.CommandLineError, match="no such field"):
+        cli._apply_typed_override(data, "mesh.bogus", "1")
