@@ -60,7 +60,7 @@ def define_config(default_preset: str | None) -> flags.FlagHolder:
             lock_config=True,
         )
     except (AttributeError, KeyError, TypeError, ValueError) as error:
-        _fail(f"bad --config override: {_message(error)}")
+        fail(f"bad --config override: {_message(error)}")
 
 
 def experiment_config(holder: flags.FlagHolder) -> config_lib.ExperimentConfig:
@@ -72,7 +72,7 @@ def experiment_config(holder: flags.FlagHolder) -> config_lib.ExperimentConfig:
             _apply_typed_override(data, path, raw)
         cfg = config_lib.from_dict(config_lib.ExperimentConfig, data)
     except (CommandLineError, config_lib.ConfigError) as error:
-        _fail(str(error))
+        fail(str(error))
     if flags.FLAGS.print_config:
         print(json.dumps(config_lib.to_dict(cfg), indent=2))
         sys.exit(0)
@@ -100,7 +100,7 @@ def _resolve_presets(argv: list[str]) -> list[str]:
             elif value.endswith(".json") and os.path.isfile(value):
                 value = f"{JSON_CONFIG_FILE}:{os.path.abspath(value)}"
             elif not os.path.isfile(path):
-                _fail(
+                fail(
                     f"--config={value}: neither a preset "
                     f"({', '.join(sorted(config_lib.PRESETS))}) nor a config file"
                 )
@@ -180,7 +180,7 @@ def _split_typed_overrides(argv: list[str]) -> tuple[list[str], list[tuple[str, 
             value = match.group(2)
             if value is None:
                 if i + 1 >= len(argv):
-                    _fail(f"--config.{match.group(1)}: needs a value")
+                    fail(f"--config.{match.group(1)}: needs a value")
                 value, i = argv[i + 1], i + 1
             typed.append((match.group(1), value))
         else:
@@ -284,7 +284,8 @@ def _message(error: Exception) -> str:
     return f"{culprit}: no such field" if culprit else f"no field {text!r}"
 
 
-def _fail(message: str) -> typing.NoReturn:
+def fail(message: str) -> typing.NoReturn:
+    """Ends the program with a one-line error (exit status 2)."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 
@@ -299,25 +300,26 @@ def _flag_error(error: flags.Error) -> str:
     return f"{lines[0].rstrip(': ')}: {lines[-1].strip()}"
 
 
-def _parse(argv: list[str]) -> list[str]:
-    """Parses flags; unknown flags or config fields, bad values and positional arguments end the
-    program with a one-line error."""
+def _parse(argv: list[str], positional: bool = False) -> list[str]:
+    """Parses flags; unknown flags or config fields, bad values and (unless the entry point takes
+    them) positional arguments end the program with a one-line error."""
     try:
         rest = flags.FLAGS(_resolve_presets(argv))
         if "config" in flags.FLAGS:
             flags.FLAGS.config  # noqa: B018 -- applies the --config.<field> overrides now
     except flags.Error as error:
-        _fail(_flag_error(error))
+        fail(_flag_error(error))
     except (AttributeError, KeyError, TypeError, ValueError) as error:
-        _fail(f"bad --config override: {_message(error)}")
-    if len(rest) > 1:
-        _fail(
+        fail(f"bad --config override: {_message(error)}")
+    if len(rest) > 1 and not positional:
+        fail(
             f"unexpected positional argument(s) {rest[1:]}; settings are flags "
             f"(--config.<field>=<value>), see --help"
         )
     return rest
 
 
-def run(main) -> None:
-    """`absl.app.run(main)` with this module's flag parsing."""
-    app.run(main, flags_parser=_parse)
+def run(main, positional: bool = False) -> None:
+    """`absl.app.run(main)` with this module's flag parsing; `positional`: main takes positional
+    arguments (in its argv) instead of refusing them."""
+    app.run(main, flags_parser=lambda argv: _parse(argv, positional))

@@ -1,0 +1,487 @@
+"""Comparing runs: final metrics over seeds, curves with seed bands, paired held-out differences.
+
+A run is a folder with `config.json` and `metrics.jsonl` (and, for RL, `heldout.json`: {"before":
+{"per_task": [...], "pass_rate": p}, "after-<step>": {...}}). Runs whose configs differ only by
+seed (and workdir) form a group; a group's final metric is the mean over its seeds with a 95%
+Student-t interval (seeds are few). Paired differences of held-out reward pair the same task:
+within a run (after RL - before RL), and between two groups, run by run of the same seed (the
+held-out tasks are drawn from the seed). Plain numpy and matplotlib (Agg): no JAX.
+
+Metric names: any key of metrics.jsonl (its last value in the run), `heldout_before`,
+`heldout_after`, `heldout_gain` (after - before, per task, averaged), `heldout_pass_rate_after`,
+and `<sub>/<key>` for a key of a sub-run's metrics (e.g. `warm_start/loss` of an RL run's SFT).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+
+import numpy as np
+
+from composer_jax.eval.passk import mean_interval
+
+IGNORED_FIELDS = ("seed", "workdir")
+PRETRAIN_METRICS = ("loss", "eval_nll")
+RL_METRICS = ("heldout_before", "heldout_after", "heldout_gain", "rollout_reward", "kl_k1")
+PRETRAIN_CURVES = ("loss", "eval_nll")
+RL_CURVES = ("rollout_reward", "kl_k1")  # default curves: those of both that the runs have
+
+
+@dataclasses.dataclass
+class RunRecord:
+    workdir: str
+    config: dict
+    metrics: list[dict]
+    heldout: dict | None
+
+    @property
+    def seed(self) -> int:
+        return self.config.get("seed", 0)
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(os.path.normpath(self.workdir))
+
+    def after_key(self) -> str | None:
+        """The latest held-out evaluation after RL."""
+        keys = [k for k in (self.heldout or {}) if k.startswith("after-")]
+        return max(keys, key=lambda k: int(k.split("-")[1])) if keys else None
+
+    def per_task(self, which: str) -> np.ndarray | None:
+        """Held-out reward per task, "before" or "after" RL."""
+        key = "before" if which == "before" else self.after_key()
+        if not self.heldout or key not in self.heldout:
+            return None
+        return np.asarray(self.heldout[key]["per_task"], np.float64)
+
+
+@dataclasses.dataclass
+class Group:
+    label: str
+    runs: list[RunRecord]
+
+    @property
+    def seeds(self) -> list[int]:
+        return [r.seed for r in self.runs]
+
+
+@dataclasses.dataclass
+class Report:
+    markdown: str
+    rows: list[dict]  # per group: label, n, and (mean, half-width) per metric
+    differences: list[dict]
+    figures: list[str]
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def find_runs(paths: list[str]) -> list[str]:
+    """Run folders among `paths`: a folder with config.json is a run, any other folder is searched
+    one level down (a sweep's root)."""
+    found = []
+    for path in paths:
+        if os.path.isfile(os.path.join(path, "config.json")):
+            found.append(path)
+            continue
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"{path}: no such folder")
+        inside = sorted(
+            os.path.join(path, d)
+            for d in os.listdir(path)
+            if os.path.isfile(os.path.join(path, d, "config.json"))
+        )
+        if not inside:
+            raise FileNotFoundError(f"{path}: neither a run (config.json) nor a folder of runs")
+        found += inside
+    return found
+
+
+def read_records(path: str) -> list[dict]:
+    """The `{"step": ...}` records of a metrics.jsonl (none if it is missing); a torn or garbled
+    line is skipped, as `train.read_metrics` does, without importing the training stack."""
+    if not os.path.isfile(path):
+        return []
+    records = []
+    with open(path, "rb") as f:
+        for raw in f:
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                records.append(record)
+    return records
+
+
+def load_run(workdir: str) -> RunRecord:
+    with open(os.path.join(workdir, "config.json")) as f:
+        config = json.load(f)
+    heldout_path = os.path.join(workdir, "heldout.json")
+    heldout = None
+    if os.path.isfile(heldout_path):
+        with open(heldout_path) as f:
+            heldout = json.load(f)
+    return RunRecord(workdir, config, read_records(os.path.join(workdir, "metrics.jsonl")), heldout)
+
+
+def flatten(tree, prefix: str = "") -> dict:
+    """{"train.phases[0].seq_len": 128, ...}: config paths as the command line writes them."""
+    if isinstance(tree, dict):
+        out = {}
+        for key, value in tree.items():
+            out.update(flatten(value, f"{prefix}.{key}" if prefix else key))
+        return out
+    if isinstance(tree, list) and any(isinstance(v, (dict, list)) for v in tree):
+        out = {}
+        for i, value in enumerate(tree):
+            out.update(flatten(value, f"{prefix}[{i}]"))
+        return out
+    return {prefix: tuple(tree) if isinstance(tree, list) else tree}
+
+
+def group_runs(runs: list[RunRecord]) -> list[Group]:
+    """Runs equal but for seed and workdir share a group, labelled by the fields that differ
+    between groups (in the order the runs came)."""
+    keys, members = [], {}
+    for run in runs:
+        flat = {k: v for k, v in flatten(run.config).items() if k not in IGNORED_FIELDS}
+        key = tuple(sorted(flat.items(), key=lambda kv: kv[0]))
+        if key not in members:
+            keys.append(key)
+            members[key] = []
+        members[key].append(run)
+    dicts = [dict(k) for k in keys]
+    fields = sorted({f for d in dicts for f in d if any(d.get(f) != o.get(f) for o in dicts)})
+    lasts = [f.split(".")[-1] for f in fields]
+    groups = []
+    for key, flat in zip(keys, dicts):
+        parts = []
+        for field in fields:
+            short = field.split(".")[-1] if lasts.count(field.split(".")[-1]) == 1 else field
+            parts.append(f"{short}={_text(flat.get(field))}")
+        label = ", ".join(parts) or "all runs"
+        groups.append(Group(label, sorted(members[key], key=lambda r: r.seed)))
+    return groups
+
+
+def _text(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def final_metric(run: RunRecord, name: str) -> float | None:
+    """The run's final value of `name` (see the module docstring), None when it has none."""
+    if name in ("heldout_before", "heldout_after"):
+        values = run.per_task(name.split("_")[1])
+        return None if values is None else float(values.mean())
+    if name == "heldout_gain":
+        before, after = run.per_task("before"), run.per_task("after")
+        if before is None or after is None or len(before) != len(after):
+            return None
+        return float((after - before).mean())
+    if name == "heldout_pass_rate_after":
+        key = run.after_key()
+        return None if key is None else float(run.heldout[key]["pass_rate"])
+    records = run.metrics
+    if "/" in name:
+        sub, name = name.split("/", 1)
+        records = read_records(os.path.join(run.workdir, sub, "metrics.jsonl"))
+    values = [r[name] for r in records if isinstance(r.get(name), (int, float))]
+    return float(values[-1]) if values else None
+
+
+def over_seeds(group: Group, name: str) -> tuple[float, float, int]:
+    """(mean, 95% half-width, n) of the group's final values (NaN width for one seed)."""
+    values = [v for v in (final_metric(r, name) for r in group.runs) if v is not None]
+    if not values:
+        return float("nan"), float("nan"), 0
+    mean, half = mean_interval(values)
+    return mean, half, len(values)
+
+
+def default_metrics(runs: list[RunRecord]) -> list[str]:
+    rl = any(r.heldout for r in runs)
+    names = RL_METRICS if rl else PRETRAIN_METRICS
+    return [n for n in names if any(final_metric(r, n) is not None for r in runs)]
+
+
+def _cell(mean: float, half: float, n: int) -> str:
+    if n == 0:
+        return "-"
+    if n == 1 or math.isnan(half):
+        return f"{mean:.4g} (n={n})"
+    return f"{mean:.4g} +- {half:.2g}"
+
+
+def summary_table(groups: list[Group], metrics: list[str]) -> tuple[str, list[dict]]:
+    """Markdown table: one row per group, final metrics as mean +- 95% interval over seeds."""
+    header = "| group | seeds | " + " | ".join(metrics) + " |"
+    lines = [header, "| --- | --- | " + " | ".join("---:" for _ in metrics) + " |"]
+    rows = []
+    for group in groups:
+        row = {"label": group.label, "seeds": group.seeds}
+        cells = []
+        for name in metrics:
+            mean, half, n = over_seeds(group, name)
+            row[name] = (mean, half, n)
+            cells.append(_cell(mean, half, n))
+        rows.append(row)
+        seeds = ",".join(str(s) for s in group.seeds)
+        lines.append(f"| {group.label} | {seeds} | " + " | ".join(cells) + " |")
+    return "\n".join(lines), rows
+
+
+# ----------------------------------------------------------------------------- paired differences
+
+
+HELDOUT_FIELDS = re.compile(r"^(seed|data\.tasks|rl\.tasks|rl\.heldout_\w+)$")
+
+
+def _heldout_setting(run: RunRecord) -> dict:
+    return {k: v for k, v in flatten(run.config).items() if HELDOUT_FIELDS.match(k)}
+
+
+def paired_difference(baseline: Group, other: Group, which: str = "after") -> dict | None:
+    """Per-task held-out reward of `other` minus `baseline`, pairing runs of the same seed (same
+    held-out tasks); pooled over (seed, task) pairs: mean, 95% half-width, pairs, seeds."""
+    by_seed = {r.seed: r for r in baseline.runs}
+    diffs, seeds = [], []
+    for run in other.runs:
+        base = by_seed.get(run.seed)
+        if base is None:
+            continue
+        a, b = base.per_task(which), run.per_task(which)
+        if a is None or b is None:
+            continue
+        if len(a) != len(b) or _heldout_setting(base) != _heldout_setting(run):
+            raise ValueError(
+                f"{base.workdir} and {run.workdir}: different held-out tasks; not paired"
+            )
+        diffs.append(b - a)
+        seeds.append(run.seed)
+    if not diffs:
+        return None
+    pooled = np.concatenate(diffs)
+    mean, half = mean_interval(pooled.tolist())
+    per_seed = [float(d.mean()) for d in diffs]
+    return {
+        "baseline": baseline.label,
+        "other": other.label,
+        "which": which,
+        "mean": mean,
+        "half_width": half,
+        "pairs": len(pooled),
+        "seeds": seeds,
+        "per_seed": per_seed,
+    }
+
+
+def within_run_gain(group: Group) -> dict | None:
+    """After - before RL per task, pooled over the group's runs (each run's own tasks)."""
+    diffs = []
+    for run in group.runs:
+        before, after = run.per_task("before"), run.per_task("after")
+        if before is not None and after is not None and len(before) == len(after):
+            diffs.append(after - before)
+    if not diffs:
+        return None
+    pooled = np.concatenate(diffs)
+    mean, half = mean_interval(pooled.tolist())
+    return {"group": group.label, "mean": mean, "half_width": half, "pairs": len(pooled)}
+
+
+def differences_table(groups: list[Group], baseline: int = 0) -> tuple[str, list[dict]]:
+    """Markdown: each group's paired after-RL held-out difference against `groups[baseline]`,
+    and each group's own after - before gain."""
+    lines, rows = [], []
+    gains = [g for g in (within_run_gain(g) for g in groups) if g]
+    if gains:
+        lines += [
+            "| group | held-out after - before RL (paired by task) | task pairs |",
+            "| --- | ---: | ---: |",
+        ]
+        lines += [
+            f"| {g['group']} | {g['mean']:+.3f} +- {g['half_width']:.3f} | {g['pairs']} |"
+            for g in gains
+        ]
+        rows += [{"kind": "gain", **g} for g in gains]
+    base = groups[baseline]
+    pairs = [paired_difference(base, g) for i, g in enumerate(groups) if i != baseline]
+    pairs = [p for p in pairs if p]
+    if pairs:
+        lines += [
+            "",
+            f"| group - {base.label} | held-out after RL (paired by seed and task) | task pairs | per seed |",
+            "| --- | ---: | ---: | --- |",
+        ]
+        for p in pairs:
+            per_seed = ", ".join(f"{s}: {d:+.3f}" for s, d in zip(p["seeds"], p["per_seed"]))
+            lines.append(
+                f"| {p['other']} | {p['mean']:+.3f} +- {p['half_width']:.3f} | {p['pairs']} | {per_seed} |"
+            )
+        rows += [{"kind": "paired", **p} for p in pairs]
+    return "\n".join(lines), rows
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def curve(run: RunRecord, name: str) -> tuple[np.ndarray, np.ndarray]:
+    records = run.metrics
+    if "/" in name:
+        sub, name = name.split("/", 1)
+        records = read_records(os.path.join(run.workdir, sub, "metrics.jsonl"))
+    points = [(r["step"], r[name]) for r in records if isinstance(r.get(name), (int, float))]
+    steps = np.asarray([p[0] for p in points], np.float64)
+    return steps, np.asarray([p[1] for p in points], np.float64)
+
+
+def plot_curves(groups: list[Group], metrics: list[str], path: str) -> str | None:
+    """One panel per metric: each group's mean over seeds per step, the band from the lowest to
+    the highest seed (steps logged by only some seeds use those)."""
+    metrics = [m for m in metrics if any(len(curve(r, m)[0]) for g in groups for r in g.runs)]
+    if not metrics:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.8), squeeze=False)
+    for ax, name in zip(axes[0], metrics):
+        for group in groups:
+            values: dict[float, list[float]] = {}
+            for run in group.runs:
+                for step, value in zip(*curve(run, name)):
+                    values.setdefault(step, []).append(value)
+            if not values:
+                continue
+            steps = np.asarray(sorted(values))
+            stacked = [np.asarray(values[s]) for s in steps]
+            mean = np.asarray([v.mean() for v in stacked])
+            (line,) = ax.plot(steps, mean, label=f"{group.label} (n={len(group.runs)})")
+            low = np.asarray([v.min() for v in stacked])
+            high = np.asarray([v.max() for v in stacked])
+            ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+        ax.set(xlabel="step", title=name)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("mean over seeds; band: lowest to highest seed", fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def correlation(xs: list[float], ys: list[float]) -> dict:
+    """Pearson r with its 95% interval (Fisher z) and Spearman's rank correlation."""
+    from scipy import stats
+
+    n = len(xs)
+    if n < 3 or np.std(xs) == 0 or np.std(ys) == 0:
+        return {"n": n}  # undefined
+    r = float(np.corrcoef(xs, ys)[0, 1])
+    half = 1.959964 / math.sqrt(n - 3) if n > 3 else float("inf")
+    z = math.atanh(max(min(r, 0.999999), -0.999999))
+    return {
+        "n": n,
+        "pearson": r,
+        "pearson_ci95": (math.tanh(z - half), math.tanh(z + half)),
+        "spearman": float(stats.spearmanr(xs, ys).statistic),
+    }
+
+
+def plot_scatter(groups: list[Group], x: str, y: str, path: str) -> dict:
+    """Each run's final `y` against its final `x`, coloured by group; returns the correlation
+    over runs."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 4.2))
+    xs, ys = [], []
+    for group in groups:
+        points = [(final_metric(r, x), final_metric(r, y)) for r in group.runs]
+        points = [p for p in points if None not in p]
+        if points:
+            ax.scatter(*zip(*points), label=group.label, s=24)
+            xs += [p[0] for p in points]
+            ys += [p[1] for p in points]
+    stats = correlation(xs, ys)
+    title = f"{y} vs {x}"
+    if "pearson" in stats:
+        title += (
+            f"\nPearson r={stats['pearson']:.2f}, Spearman {stats['spearman']:.2f}, n={stats['n']}"
+        )
+    ax.set(xlabel=x, ylabel=y, title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return stats
+
+
+# ----------------------------------------------------------------------------- all together
+
+
+def compare_runs(
+    paths: list[str],
+    out_dir: str | None = None,
+    metrics: list[str] | None = None,
+    curves: list[str] | None = None,
+    baseline: int = 0,
+    scatter: tuple[str, str] | None = None,
+    command: str | None = None,
+) -> Report:
+    """Reads the runs under `paths`, groups them by seed, and writes `compare.md`, `curves.png`
+    (and `scatter.png`) to `out_dir` (nothing written when it is None)."""
+    runs = [load_run(p) for p in find_runs(paths)]
+    groups = group_runs(runs)
+    metrics = list(metrics) if metrics else default_metrics(runs)
+    table, rows = summary_table(groups, metrics)
+    diff_text, differences = differences_table(groups, baseline)
+    made_by = command or "python -m launch.compare " + " ".join(paths)
+    parts = [
+        f"Made by `{made_by}`: {len(runs)} runs in {len(groups)} groups; final values, mean +- "
+        "95% Student-t interval over seeds.",
+        "",
+        table,
+    ]
+    if diff_text:
+        parts += ["", diff_text]
+    figures = []
+    if out_dir is not None:
+        os.makedirs(out_dir, exist_ok=True)
+        names = list(curves) if curves else list(dict.fromkeys(RL_CURVES + PRETRAIN_CURVES))
+        path = plot_curves(groups, names, os.path.join(out_dir, "curves.png"))
+        if path:
+            figures.append(path)
+        if scatter:
+            stats = plot_scatter(groups, *scatter, os.path.join(out_dir, "scatter.png"))
+            figures.append(os.path.join(out_dir, "scatter.png"))
+            if "pearson" in stats:
+                low, high = stats["pearson_ci95"]
+                parts += [
+                    "",
+                    f"{scatter[1]} against {scatter[0]} over {stats['n']} runs: Pearson r = "
+                    f"{stats['pearson']:.2f} (95% interval {low:.2f} to {high:.2f}), Spearman "
+                    f"{stats['spearman']:.2f}.",
+                ]
+        parts += ["", "Figures: " + ", ".join(f"`{f}`" for f in figures)] if figures else []
+    markdown = "\n".join(parts) + "\n"
+    if out_dir is not None:
+        with open(os.path.join(out_dir, "compare.md"), "w") as f:
+            f.write(markdown)
+    return Report(markdown, rows, differences, figures)

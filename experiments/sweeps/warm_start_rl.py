@@ -1,0 +1,39 @@
+"""Does pretraining loss predict RL reward? The same short RL from SFT warm starts of different
+lengths (the warm start is `rl.warm_start_steps` steps of SFT on the built-in tasks, its own
+cosine schedule), three seeds each. Sized for a shared 2-core CPU (about 5 minutes a run):
+groups of 8, every group trained (no dynamic sampling, so a warm start that solves nothing still
+takes its steps), 8 RL steps, 24 held-out tasks x 2 samples.
+
+  python -m launch.sweep --sweep=experiments/sweeps/warm_start_rl.py --root=runs/claims/warm_start_rl \
+      --parallel=2 --compare
+  (experiments/claim_warm_start_rl.py runs this and adds the scatter of RL reward against loss)
+"""
+
+
+def get_sweep():
+    return {
+        "entry": "rl",
+        "base": "rl_tiny",
+        "fixed": {
+            "steps": 8,
+            "rl.group_size": 8,
+            "rl.groups_per_step": 2,
+            "rl.skip_uniform_groups": False,
+            "rl.heldout_num_tasks": 24,
+            "rl.heldout_samples": 2,
+            "train.checkpoint_every": 4,
+        },
+        "product": {"rl.warm_start_steps": [100, 200, 400]},
+        "seeds": [0, 1, 2],
+        "compare": {
+            "metrics": [
+                "warm_start/loss",
+                "warm_start/eval_nll",
+                "heldout_before",
+                "heldout_after",
+                "heldout_gain",
+            ],
+            "curves": ["rollout_reward", "kl_k1"],
+            "scatter": ("warm_start/loss", "heldout_after"),
+        },
+    }

@@ -1,0 +1,129 @@
+"""Run comparison: grouping by seed, final metrics with Student-t intervals, paired held-out
+differences (same seed -> same tasks), curves and scatter written, refusal to pair different
+held-out tasks. Runs are written here as the entry points write them (config.json,
+metrics.jsonl, heldout.json) with random numbers."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from composer_jax.eval import compare
+
+
+def write_run(folder, config, metrics, heldout=None):
+    os.makedirs(folder)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in metrics)
+    if heldout is not None:
+        with open(os.path.join(folder, "heldout.json"), "w") as f:
+            json.dump(heldout, f)
+
+
+def config(lr, seed, workdir):
+    return {
+        "optim": {"learning_rate": lr, "b1": 0.9},
+        "train": {"phases": [{"name": "main", "seq_len": 64}]},
+        "mesh": {"ep": ["fsdp", "cp"]},
+        "rl": {"heldout_num_tasks": 6, "heldout_split": "train"},
+        "data": {"tasks": "builtin"},
+        "seed": seed,
+        "workdir": workdir,
+    }
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    """2 learning rates x 3 seeds of RL-like runs with random curves and held-out rewards."""
+    rng = np.random.default_rng(7)
+    truth = {}
+    for lr in (0.001, 0.003):
+        for seed in range(3):
+            folder = str(tmp_path / f"lr={lr},seed={seed}")
+            loss = rng.normal(2.0, 0.3, size=5)
+            before = rng.uniform(0, 1, size=6)
+            after = np.clip(before + rng.normal(0.1, 0.1, size=6), 0, 1)
+            metrics = [{"step": s, "loss": float(v)} for s, v in zip(range(0, 10, 2), loss)]
+            heldout = {
+                "before": {"per_task": before.tolist(), "pass_rate": 0.1},
+                "after-4": {"per_task": after.tolist(), "pass_rate": 0.2},
+            }
+            write_run(folder, config(lr, seed, folder), metrics, heldout)
+            truth[(lr, seed)] = (loss[-1], before, after)
+    return tmp_path, truth
+
+
+def test_groups_by_seed_and_reports_t_intervals(sweep):
+    root, truth = sweep
+    report = compare.compare_runs([str(root)], str(root / "out"), metrics=["loss", "heldout_after"])
+    assert [row["label"] for row in report.rows] == ["learning_rate=0.001", "learning_rate=0.003"]
+    for row, lr in zip(report.rows, (0.001, 0.003)):
+        assert row["seeds"] == [0, 1, 2]
+        finals = [truth[(lr, s)][0] for s in range(3)]
+        mean, half, n = row["loss"]
+        assert n == 3 and mean == pytest.approx(np.mean(finals))
+        expected = stats.t.ppf(0.975, 2) * np.std(finals, ddof=1) / np.sqrt(3)
+        assert half == pytest.approx(expected)
+        afters = [truth[(lr, s)][2].mean() for s in range(3)]
+        assert row["heldout_after"][0] == pytest.approx(np.mean(afters))
+    assert "learning_rate=0.003 | 0,1,2 |" in report.markdown
+    assert report.markdown.startswith("Made by `python -m launch.compare")
+    assert os.path.getsize(root / "out" / "curves.png") > 0
+    assert (root / "out" / "compare.md").read_text() == report.markdown
+
+
+def test_paired_differences_pair_tasks_of_the_same_seed(sweep):
+    root, truth = sweep
+    groups = compare.group_runs([compare.load_run(p) for p in compare.find_runs([str(root)])])
+    pair = compare.paired_difference(groups[0], groups[1])
+    diffs = np.concatenate([truth[(0.003, s)][2] - truth[(0.001, s)][2] for s in range(3)])
+    assert pair["pairs"] == 18 and pair["seeds"] == [0, 1, 2]
+    assert pair["mean"] == pytest.approx(diffs.mean())
+    assert pair["half_width"] == pytest.approx(
+        stats.t.ppf(0.975, 17) * diffs.std(ddof=1) / np.sqrt(18)
+    )
+    gain = compare.within_run_gain(groups[1])
+    own = np.concatenate([truth[(0.003, s)][2] - truth[(0.003, s)][1] for s in range(3)])
+    assert gain["mean"] == pytest.approx(own.mean()) and gain["pairs"] == 18
+
+
+def test_different_heldout_tasks_are_not_paired(tmp_path):
+    per_task = {
+        "before": {"per_task": [0.1, 0.2], "pass_rate": 0},
+        "after-1": {"per_task": [0.3, 0.1], "pass_rate": 0},
+    }
+    for lr, tasks in ((0.001, "builtin"), (0.003, "humaneval")):
+        folder = str(tmp_path / f"r{lr}")
+        cfg = config(lr, 0, folder)
+        cfg["data"]["tasks"] = tasks
+        write_run(folder, cfg, [{"step": 1, "loss": 1.0}], per_task)
+    groups = compare.group_runs([compare.load_run(p) for p in compare.find_runs([str(tmp_path)])])
+    with pytest.raises(ValueError, match="different held-out tasks"):
+        compare.paired_difference(groups[0], groups[1])
+
+
+def test_sub_run_metrics_and_scatter(sweep):
+    root, _ = sweep
+    rng = np.random.default_rng(3)
+    sub_loss = {}
+    for folder in compare.find_runs([str(root)]):
+        os.makedirs(os.path.join(folder, "warm_start"))
+        sub_loss[folder] = float(rng.uniform(1, 2))
+        with open(os.path.join(folder, "warm_start", "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"step": 3, "loss": sub_loss[folder]}) + "\n")
+    report = compare.compare_runs(
+        [str(root)], str(root / "out"), scatter=("warm_start/loss", "heldout_after")
+    )
+    assert os.path.getsize(root / "out" / "scatter.png") > 0
+    assert "Pearson r" in report.markdown
+    run = compare.load_run(compare.find_runs([str(root)])[0])
+    assert compare.final_metric(run, "warm_start/loss") == sub_loss[run.workdir]
+
+
+def test_find_runs_names_a_folder_without_runs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither a run"):
+        compare.find_runs([str(tmp_path)])
