@@ -352,15 +352,18 @@ def curve(run: RunRecord, name: str) -> tuple[np.ndarray, np.ndarray]:
     return steps, np.asarray([p[1] for p in points], np.float64)
 
 
-def plot_curves(groups: list[Group], metrics: list[str], path: str) -> str | None:
-    """One panel per metric: each group's mean over seeds per step, the band from the lowest to
-    the highest seed (steps logged by only some seeds use those)."""
+def draw_curves(groups: list[Group], metrics: list[str], axes=None):
+    """One panel per metric (those some run has): each group's mean over seeds per step, the band
+    from the lowest to the highest seed (steps logged by only some seeds use those). Returns the
+    figure, or None when no run has any of the metrics."""
     metrics = [m for m in metrics if any(len(curve(r, m)[0]) for g in groups for r in g.runs)]
     if not metrics:
         return None
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.8), squeeze=False)
-    for ax, name in zip(axes[0], metrics):
+    if axes is None:
+        plt = _pyplot()
+        _, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.8), squeeze=False)
+        axes = axes[0]
+    for ax, name in zip(axes, metrics):
         for group in groups:
             values: dict[float, list[float]] = {}
             for run in group.runs:
@@ -377,12 +380,25 @@ def plot_curves(groups: list[Group], metrics: list[str], path: str) -> str | Non
             ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
         ax.set(xlabel="step", title=name)
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    axes[0].legend(fontsize=7)
+    fig = axes[0].figure
     fig.suptitle("mean over seeds; band: lowest to highest seed", fontsize=9)
     fig.tight_layout()
+    return fig
+
+
+def plot_curves(groups: list[Group], metrics: list[str], path: str) -> str | None:
+    """`draw_curves` saved as a PNG at `path` (None when there is nothing to draw)."""
+    fig = draw_curves(groups, metrics)
+    if fig is None:
+        return None
+    return _save(fig, path)
+
+
+def _save(fig, path: str) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path
 
 
@@ -404,11 +420,11 @@ def correlation(xs: list[float], ys: list[float]) -> dict:
     }
 
 
-def plot_scatter(groups: list[Group], x: str, y: str, path: str) -> dict:
+def draw_scatter(groups: list[Group], x: str, y: str, ax=None) -> dict:
     """Each run's final `y` against its final `x`, coloured by group; returns the correlation
-    over runs."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(5.5, 4.2))
+    over runs (and the axes, under "ax")."""
+    if ax is None:
+        _, ax = _pyplot().subplots(figsize=(5.5, 4.2))
     xs, ys = [], []
     for group in groups:
         points = [(final_metric(r, x), final_metric(r, y)) for r in group.runs]
@@ -426,10 +442,14 @@ def plot_scatter(groups: list[Group], x: str, y: str, path: str) -> dict:
     ax.set(xlabel=x, ylabel=y, title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    ax.figure.tight_layout()
+    return {**stats, "ax": ax}
+
+
+def plot_scatter(groups: list[Group], x: str, y: str, path: str) -> dict:
+    """`draw_scatter` saved as a PNG at `path`; returns the correlation."""
+    stats = draw_scatter(groups, x, y)
+    _save(stats.pop("ax").figure, path)
     return stats
 
 
