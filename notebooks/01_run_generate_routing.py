@@ -55,9 +55,12 @@ result.eval_nll_start, result.eval_nll_end
 # %%
 run = train.load_run(workdir)
 print(run.step, run.config.model.num_experts, "experts,", run.tokenizer.vocab_size, "token ids")
-plt.plot([m["step"] for m in run.metrics if "loss" in m], [m["loss"] for m in run.metrics if "loss" in m])
+plt.plot(
+    [m["step"] for m in run.metrics if "loss" in m], [m["loss"] for m in run.metrics if "loss" in m]
+)
 plt.xlabel("step")
-plt.ylabel("training loss");
+plt.ylabel("training loss")
+plt.show()
 
 # %% [markdown]
 # Text in, text out (greedy at temperature 0; twenty steps of training make a poor poet).
@@ -73,7 +76,8 @@ text = "import os\n\n\ndef list_files(path):\n    return sorted(os.listdir(path)
 tokens = run.tokenizer.encode(text, add_bos=True)
 stats = routing.routing_stats(run.model, tokens)
 print(stats.table())
-routing.plot_expert_load(stats, title="expert load on one snippet");
+routing.plot_expert_load(stats, title="expert load on one snippet")
+plt.show()
 
 # %% [markdown]
 # The experts each token went to in the first MoE layer (the router's order of preference):

@@ -27,6 +27,7 @@
 # writes the same table and figures from the command line.
 
 # %%
+import matplotlib.pyplot as plt
 from IPython.display import Markdown
 
 from composer_jax.eval import compare
@@ -44,7 +45,8 @@ table, rows = compare.summary_table(groups, ["loss", "eval_nll"])
 Markdown(table)
 
 # %%
-compare.draw_curves(groups, ["loss", "eval_nll"]);
+compare.draw_curves(groups, ["loss", "eval_nll"])
+plt.show()
 
 # %% [markdown]
 # ## RL runs: held-out reward before and after RL, paired by task
@@ -55,7 +57,13 @@ compare.draw_curves(groups, ["loss", "eval_nll"]);
 # %%
 rl_runs = [compare.load_run(p) for p in compare.find_runs(["data/warm_start_rl"])]
 rl_groups = compare.group_runs(rl_runs)
-metrics = ["warm_start/loss", "warm_start/eval_nll", "heldout_before", "heldout_after", "heldout_gain"]
+metrics = [
+    "warm_start/loss",
+    "warm_start/eval_nll",
+    "heldout_before",
+    "heldout_after",
+    "heldout_gain",
+]
 table, _ = compare.summary_table(rl_groups, metrics)
 Markdown(table)
 

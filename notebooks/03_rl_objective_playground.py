@@ -32,6 +32,7 @@ def show(values):
     """Rounded for reading."""
     return np.round(np.asarray(values, np.float64), 3)
 
+
 # %% [markdown]
 # ## Advantages
 # Two prompts, four samples each. The baseline is the group's mean reward (Dr. GRPO); dividing by
@@ -71,7 +72,8 @@ for a in ax:
     a.legend()
     a.grid(alpha=0.3)
 ax[0].set_title("means over 200k samples")
-ax[1].set_title("one-sample spread");
+ax[1].set_title("one-sample spread")
+plt.show()
 
 # %% [markdown]
 # ## Length penalty
@@ -85,7 +87,8 @@ for q in (0.0, 0.5, 1.0, 1.5):
     plt.plot(x, rl.length_penalty(x, 1e-3, q), label=f"q={q}")
 plt.xlabel("weighted length x")
 plt.ylabel("C(x)")
-plt.legend();
+plt.legend()
+plt.show()
 
 # %%
 lengths = jnp.array([300.0, 600.0, 3000.0, 12000.0])  # four samples of one prompt, all correct
