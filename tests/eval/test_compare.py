@@ -127,3 +127,29 @@ def test_sub_run_metrics_and_scatter(sweep):
 def test_find_runs_names_a_folder_without_runs(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a run"):
         compare.find_runs([str(tmp_path)])
+
+
+def test_command_line_writes_the_report_and_names_bad_folders(sweep, tmp_path):
+    import subprocess
+    import sys
+
+    root, _ = sweep
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=repo)
+    command = [sys.executable, "-m", "launch.compare"]
+    out = tmp_path / "cmp"
+    ok = subprocess.run(
+        [*command, str(root), f"--out={out}", "--metrics=loss"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "| learning_rate=0.001 | 0,1,2 |" in ok.stdout
+    assert (out / "compare.md").read_text() in ok.stdout and (out / "curves.png").exists()
+    bad = subprocess.run(
+        [*command, str(tmp_path / "none")], env=env, capture_output=True, text=True
+    )
+    assert (
+        bad.returncode == 2 and bad.stderr.startswith("error: ") and "no such folder" in bad.stderr
+    )
