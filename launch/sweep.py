@@ -1,7 +1,7 @@
 r"""Sweeps: a grid of overrides and seeds, one run (and one workdir) each.
 
   python -m launch.sweep --sweep=experiments/sweeps/lr_seed_tiny.py --root=runs/lr_seed
-  python -m launch.sweep --sweep=... --root=... --parallel=2 --compare   # then launch.compare
+  python -m launch.sweep --sweep=... --root=... --parallel=2 --compare [--compare_out=DIR]
   python -m launch.sweep --sweep=... --root=... --emit=slurm             # an array job instead
   python -m launch.sweep --sweep=... --root=... --dry_run                # the plan only
 
@@ -336,7 +336,8 @@ def _define_flags():
         dry_run=flags.DEFINE_bool(
             "dry_run", False, "Print the plan (status and command) and stop."
         ),
-        compare=flags.DEFINE_bool("compare", False, "Then compare the runs into <root>/compare."),
+        compare=flags.DEFINE_bool("compare", False, "Then compare the runs (launch.compare)."),
+        compare_out=flags.DEFINE_string("compare_out", "", "Its folder (default <root>/compare)."),
     )
 
 
@@ -368,7 +369,7 @@ def main(flag_values: dict) -> int:
 
         report = compare.compare_runs(
             [r.workdir for r in runs],
-            os.path.join(root, "compare"),
+            flag_values["compare_out"].value or os.path.join(root, "compare"),
             command="python -m launch.sweep " + shlex.join(sys.argv[1:]),
             **spec.get("compare", {}),
         )
