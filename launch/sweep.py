@@ -31,6 +31,7 @@ import itertools
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -252,34 +253,44 @@ def execute(runs: list[Run], parallel: int = 1, out=None) -> dict[str, int]:
     running: list[tuple[Run, subprocess.Popen, float, object]] = []
     results: dict[str, int] = {}
     total = len(todo)
-    while todo or running:
-        while todo and len(running) < max(parallel, 1):
-            run = todo.pop(0)
-            os.makedirs(os.path.dirname(run.log), exist_ok=True)
-            log = open(run.log, "a")
-            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(run.command)}\n")
-            log.flush()
-            what = "resume" if run.status == "started" else "start "
-            print(f"{what} {run.name}", file=out, flush=True)
-            proc = subprocess.Popen(
-                run.command, stdout=log, stderr=subprocess.STDOUT, env=subprocess_env()
-            )
-            running.append((run, proc, time.perf_counter(), log))
-        time.sleep(0.2)
-        for item in list(running):
-            run, proc, start, log = item
-            if proc.poll() is None:
-                continue
-            running.remove(item)
+    try:
+        while todo or running:
+            while todo and len(running) < max(parallel, 1):
+                running.append(_start(todo.pop(0), out))
+            time.sleep(0.2)
+            for item in list(running):
+                run, proc, start, log = item
+                if proc.poll() is None:
+                    continue
+                running.remove(item)
+                log.close()
+                results[run.name] = proc.returncode
+                seconds = time.perf_counter() - start
+                if proc.returncode == 0:
+                    line = f"done   {run.name} in {seconds:.0f} s"
+                else:
+                    line = (
+                        f"FAILED {run.name} (exit {proc.returncode}, {seconds:.0f} s): "
+                        f"{_last_line(run.log)}"
+                    )
+                print(f"[{len(results)}/{total}] {line}", file=out, flush=True)
+    finally:  # stopped early: the runs save a checkpoint on SIGTERM and resume next time
+        for _, proc, _, log in running:
+            proc.terminate()
+        for _, proc, _, log in running:
+            proc.wait()
             log.close()
-            results[run.name] = proc.returncode
-            seconds = time.perf_counter() - start
-            if proc.returncode == 0:
-                line = f"done   {run.name} in {seconds:.0f} s"
-            else:
-                line = f"FAILED {run.name} (exit {proc.returncode}, {seconds:.0f} s): {_last_line(run.log)}"
-            print(f"[{len(results)}/{total}] {line}", file=out, flush=True)
     return results
+
+
+def _start(run: Run, out) -> tuple[Run, subprocess.Popen, float, object]:
+    os.makedirs(os.path.dirname(run.log), exist_ok=True)
+    log = open(run.log, "a")
+    log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(run.command)}\n")
+    log.flush()
+    print(f"{'resume' if run.status == 'started' else 'start '} {run.name}", file=out, flush=True)
+    proc = subprocess.Popen(run.command, stdout=log, stderr=subprocess.STDOUT, env=subprocess_env())
+    return run, proc, time.perf_counter(), log
 
 
 def _last_line(path: str) -> str:
@@ -354,6 +365,8 @@ def main(flag_values: dict) -> int:
             path = emit_slurm(spec, runs, root, flag_values["parallel"].value)
             print(f"wrote {path}: sbatch {path}")
             return 0
+        # A stopped sweep stops its runs (each saves a checkpoint and resumes next time).
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
         results = execute(runs, flag_values["parallel"].value)
     except SweepError as error:
         print(f"error: {error}", file=sys.stderr)
