@@ -213,11 +213,15 @@ def default_metrics(runs: list[RunRecord]) -> list[str]:
 
 
 def _cell(mean: float, half: float, n: int) -> str:
+    """`mean +- half` with two significant digits of the half-width and the mean to match."""
     if n == 0:
         return "-"
     if n == 1 or math.isnan(half):
         return f"{mean:.4g} (n={n})"
-    return f"{mean:.4g} +- {half:.2g}"
+    if half == 0:
+        return f"{mean:.4g} +- 0"
+    decimals = max(0, 1 - math.floor(math.log10(half)))
+    return f"{mean:.{decimals}f} +- {half:.{decimals}f}"
 
 
 def summary_table(groups: list[Group], metrics: list[str]) -> tuple[str, list[dict]]:
