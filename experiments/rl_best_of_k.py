@@ -1,10 +1,11 @@
 r"""Does RL raise both the mean and best-of-K? pass@1 .. pass@16 on held-out tasks, before RL (the
 warm start) and after it, paired by task.
 
-  python experiments/rl_best_of_k.py [--root=runs/claims/warm_start_rl] \
-      [--group=warm_start_steps=400] [--samples=16] [--num_tasks=16]
+  python experiments/rl_best_of_k.py                 # the main job, 3 seeds
+  python experiments/rl_best_of_k.py --sweep=experiments/sweeps/warm_start_rl.py \
+      --root=runs/claims/warm_start_rl --group=warm_start_steps=400 [--samples=16 --num_tasks=16]
 
-Runs the warm-start sweep (experiments/sweeps/warm_start_rl.py; finished runs are skipped), then
+Runs the sweep (default experiments/sweeps/main_job_seeds.py; finished runs are skipped), then
 `python -m launch.evaluate` on each run of the group and on its warm start (`<run>/warm_start`),
 `--samples` episodes per task on the run's own held-out tasks (same tasks and sampling seed before
 and after; reports kept in `<run>/eval/`, an existing one is reused). pass@k is the unbiased
@@ -21,11 +22,11 @@ import sys
 from absl import app, flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_ROOT = flags.DEFINE_string("root", "runs/claims/warm_start_rl", "The warm-start sweep's root.")
+_ROOT = flags.DEFINE_string("root", "runs/claims/main_job", "The sweep's root.")
 _SWEEP = flags.DEFINE_string(
-    "sweep", os.path.join(REPO, "experiments", "sweeps", "warm_start_rl.py"), "Its sweep file."
+    "sweep", os.path.join(REPO, "experiments", "sweeps", "main_job_seeds.py"), "An RL sweep file."
 )
-_GROUP = flags.DEFINE_string("group", "warm_start_steps=400", "Runs whose name contains this.")
+_GROUP = flags.DEFINE_string("group", "", "Only the runs whose name contains this.")
 _SAMPLES = flags.DEFINE_integer("samples", 16, "Episodes per task (the largest k).")
 _NUM_TASKS = flags.DEFINE_integer("num_tasks", 16, "Held-out tasks per run.")
 _OUT = flags.DEFINE_string("out", "experiments/figures/rl_best_of_k.png", "Figure.")
@@ -80,7 +81,7 @@ def main(argv):
     del argv
     root = os.path.abspath(_ROOT.value)
     sweep = [sys.executable, "-m", "launch.sweep", f"--sweep={_SWEEP.value}", f"--root={root}"]
-    subprocess.run(sweep, check=True, env=_env())
+    subprocess.run([*sweep, "--parallel=2"], check=True, env=_env())
     runs = sorted(
         os.path.join(root, d)
         for d in os.listdir(root)
@@ -101,7 +102,7 @@ def main(argv):
     keys += [f"best_of_{k}" for k in ks(_SAMPLES.value) if k > 1]
     tasks = sum(len(r["per_task"]) for r in before)
     lines = [
-        f"{len(runs)} runs ({_GROUP.value}, seeds {[os.path.basename(r) for r in runs]}), "
+        f"{len(runs)} runs ({', '.join(os.path.basename(r) for r in runs)}), "
         f"{tasks} (seed, task) pairs, {_SAMPLES.value} samples per task:",
         "",
         "| metric | before RL | after RL | after - before (paired by task) |",
