@@ -19,13 +19,8 @@ import os
 
 from absl import app, flags
 
-_WORKDIR = flags.DEFINE_string("workdir", "", "A run whose weights to use (default: fresh init).")
-_COMPOSITIONS = flags.DEFINE_integer("compositions", 12, "Batches the sample is put in.")
-_BATCH = flags.DEFINE_integer("batch", 8, "Sequences per batch (the sample and its batch-mates).")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 128, "Tokens per sequence.")
-_POOL = flags.DEFINE_integer("pool", 48, "Sequences the batch-mates are drawn from.")
-_SEED = flags.DEFINE_integer("seed", 0, "Draws of batch-mates (and the fresh init).")
-_OUT = flags.DEFINE_string("out", "experiments/figures/nvfp4_global_scale.png", "Figure.")
+FLAGS = flags.FLAGS
+
 
 MODES = ("per_token", "per_tensor")
 
@@ -198,17 +193,24 @@ def plot(curves: dict, path: str) -> None:
 def main(argv):
     del argv
     rows, curves = measure(
-        _WORKDIR.value,
-        _COMPOSITIONS.value,
-        _BATCH.value,
-        _SEQ_LEN.value,
-        _POOL.value,
-        _SEED.value,
+        FLAGS.workdir,
+        FLAGS.compositions,
+        FLAGS.batch,
+        FLAGS.seq_len,
+        FLAGS.pool,
+        FLAGS.seed,
     )
     print(markdown(rows))
-    plot(curves, _OUT.value)
-    print(f"wrote {_OUT.value}")
+    plot(curves, FLAGS.out)
+    print(f"wrote {FLAGS.out}")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # flags only when run, so tests can import the functions
+    flags.DEFINE_string("workdir", "", "A run whose weights to use (default: fresh init).")
+    flags.DEFINE_integer("compositions", 12, "Batches the sample is put in.")
+    flags.DEFINE_integer("batch", 8, "Sequences per batch (the sample and its batch-mates).")
+    flags.DEFINE_integer("seq_len", 128, "Tokens per sequence.")
+    flags.DEFINE_integer("pool", 48, "Sequences the batch-mates are drawn from.")
+    flags.DEFINE_integer("seed", 0, "Draws of batch-mates (and the fresh init).")
+    flags.DEFINE_string("out", "experiments/figures/nvfp4_global_scale.png", "Figure.")
     app.run(main)

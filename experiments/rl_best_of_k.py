@@ -21,15 +21,9 @@ import sys
 
 from absl import app, flags
 
+FLAGS = flags.FLAGS
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_ROOT = flags.DEFINE_string("root", "runs/claims/main_job", "The sweep's root.")
-_SWEEP = flags.DEFINE_string(
-    "sweep", os.path.join(REPO, "experiments", "sweeps", "main_job_seeds.py"), "An RL sweep file."
-)
-_GROUP = flags.DEFINE_string("group", "", "Only the runs whose name contains this.")
-_SAMPLES = flags.DEFINE_integer("samples", 16, "Episodes per task (the largest k).")
-_NUM_TASKS = flags.DEFINE_integer("num_tasks", 16, "Held-out tasks per run.")
-_OUT = flags.DEFINE_string("out", "experiments/figures/rl_best_of_k.png", "Figure.")
 
 
 def _env() -> dict:
@@ -79,31 +73,31 @@ def paired(before: list[dict], after: list[dict], key: str) -> tuple[float, floa
 
 def main(argv):
     del argv
-    root = os.path.abspath(_ROOT.value)
-    sweep = [sys.executable, "-m", "launch.sweep", f"--sweep={_SWEEP.value}", f"--root={root}"]
+    root = os.path.abspath(FLAGS.root)
+    sweep = [sys.executable, "-m", "launch.sweep", f"--sweep={FLAGS.sweep}", f"--root={root}"]
     subprocess.run([*sweep, "--parallel=2"], check=True, env=_env())
     runs = sorted(
         os.path.join(root, d)
         for d in os.listdir(root)
-        if _GROUP.value in d and os.path.isfile(os.path.join(root, d, "config.json"))
+        if FLAGS.group in d and os.path.isfile(os.path.join(root, d, "config.json"))
     )
     if not runs:
-        raise SystemExit(f"no run of {root} has {_GROUP.value!r} in its name")
-    tag = f"k{_SAMPLES.value}_t{_NUM_TASKS.value}"
+        raise SystemExit(f"no run of {root} has {FLAGS.group!r} in its name")
+    tag = f"k{FLAGS.samples}_t{FLAGS.num_tasks}"
     before, after = [], []
     for run in runs:
         os.makedirs(os.path.join(run, "eval"), exist_ok=True)
-        args = (_SAMPLES.value, _NUM_TASKS.value)
+        args = (FLAGS.samples, FLAGS.num_tasks)
         before.append(
             evaluate(os.path.join(run, "warm_start"), f"{run}/eval/before_{tag}.json", *args)
         )
         after.append(evaluate(run, f"{run}/eval/after_{tag}.json", *args))
-    keys = ["mean_reward"] + [f"pass@{k}" for k in ks(_SAMPLES.value)]
-    keys += [f"best_of_{k}" for k in ks(_SAMPLES.value) if k > 1]
+    keys = ["mean_reward"] + [f"pass@{k}" for k in ks(FLAGS.samples)]
+    keys += [f"best_of_{k}" for k in ks(FLAGS.samples) if k > 1]
     tasks = sum(len(r["per_task"]) for r in before)
     lines = [
         f"{len(runs)} runs ({', '.join(os.path.basename(r) for r in runs)}), "
-        f"{tasks} (seed, task) pairs, {_SAMPLES.value} samples per task:",
+        f"{tasks} (seed, task) pairs, {FLAGS.samples} samples per task:",
         "",
         "| metric | before RL | after RL | after - before (paired by task) |",
         "| --- | ---: | ---: | ---: |",
@@ -114,8 +108,8 @@ def main(argv):
         table[key] = (b, a, d, half)
         lines.append(f"| {key} | {b:.3f} | {a:.3f} | {d:+.3f} +- {half:.3f} |")
     print("\n".join(lines))
-    plot(table, ks(_SAMPLES.value), _OUT.value)
-    print(f"wrote {_OUT.value}")
+    plot(table, ks(FLAGS.samples), FLAGS.out)
+    print(f"wrote {FLAGS.out}")
 
 
 def plot(table: dict, k_values: list[int], path: str) -> None:
@@ -137,5 +131,15 @@ def plot(table: dict, k_values: list[int], path: str) -> None:
     plt.close(fig)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # flags only when run, so tests can import the functions
+    flags.DEFINE_string("root", "runs/claims/main_job", "The sweep's root.")
+    flags.DEFINE_string(
+        "sweep",
+        os.path.join(REPO, "experiments", "sweeps", "main_job_seeds.py"),
+        "An RL sweep file.",
+    )
+    flags.DEFINE_string("group", "", "Only the runs whose name contains this.")
+    flags.DEFINE_integer("samples", 16, "Episodes per task (the largest k).")
+    flags.DEFINE_integer("num_tasks", 16, "Held-out tasks per run.")
+    flags.DEFINE_string("out", "experiments/figures/rl_best_of_k.png", "Figure.")
     app.run(main)

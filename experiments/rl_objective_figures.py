@@ -18,9 +18,8 @@ import os
 
 from absl import app, flags
 
-_OUT = flags.DEFINE_string("out", "experiments/figures", "Folder for the PNGs.")
-_VOCAB = flags.DEFINE_integer("vocab", 32, "Categorical size of the toy policy.")
-_SAMPLES = flags.DEFINE_integer("samples", 200_000, "Monte-Carlo samples per distance.")
+FLAGS = flags.FLAGS
+
 
 LENGTH_PARAMS = ((1e-3, 0.0), (1e-3, 0.5), (1e-3, 1.0), (1e-3, 1.5), (1e-3, 2.0), (1e-4, 1.5))
 GAUSSIAN_MEANS = (0.1, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0)
@@ -158,17 +157,20 @@ def plot_length_penalty(path: str) -> None:
 
 def main(argv):
     del argv
-    os.makedirs(_OUT.value, exist_ok=True)
-    categorical = estimator_spread(_VOCAB.value, _SAMPLES.value)
-    gaussian = gaussian_spread(_SAMPLES.value)
+    os.makedirs(FLAGS.out, exist_ok=True)
+    categorical = estimator_spread(FLAGS.vocab, FLAGS.samples)
+    gaussian = gaussian_spread(FLAGS.samples)
     print("Categorical setting:\n" + markdown_table(categorical, "distance"))
     print("\nGaussian setting:\n" + markdown_table(gaussian, "mu"))
-    spread_path = os.path.join(_OUT.value, "kl_k1_vs_k3_spread.png")
+    spread_path = os.path.join(FLAGS.out, "kl_k1_vs_k3_spread.png")
     plot_spread(categorical, gaussian, spread_path)
-    length_path = os.path.join(_OUT.value, "length_penalty_curves.png")
+    length_path = os.path.join(FLAGS.out, "length_penalty_curves.png")
     plot_length_penalty(length_path)
     print(f"\nwrote {spread_path} and {length_path}")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # flags only when run, so tests can import the functions
+    flags.DEFINE_string("out", "experiments/figures", "Folder for the PNGs.")
+    flags.DEFINE_integer("vocab", 32, "Categorical size of the toy policy.")
+    flags.DEFINE_integer("samples", 200_000, "Monte-Carlo samples per distance.")
     app.run(main)
