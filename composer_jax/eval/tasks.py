@@ -11,9 +11,9 @@ import time
 from tqdm.auto import tqdm
 
 from composer_jax import envs
+from composer_jax.actor.rollout import play_episodes
 from composer_jax.eval.passk import EpisodeRecord, evaluate
 from composer_jax.infer import InferenceEngine, SamplingParams
-from composer_jax.rl.rollout import play_episodes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Trainer -> inference weight sync through a store, as zstd-compressed bf16 deltas.
+"""Trainer -> inference weight sync (the publisher and the subscriber) through a store, as zstd-compressed bf16 deltas.
 
 The trainer's publisher casts each step's parameters to bf16 (the served precision) and writes, per
 addressable shard, the difference of its 16-bit words to the last *published* version: XOR
@@ -22,7 +22,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import json
-import os
 import threading
 import time
 import zlib
@@ -34,218 +33,27 @@ import jax.numpy as jnp
 import numpy as np
 import zstandard
 
-DELTA_MODES = ("xor", "add")
-
-
-class WeightSyncError(RuntimeError):
-    """Base class for weight-sync failures."""
-
-
-class MissingVersionError(WeightSyncError):
-    """A requested version, a manifest of its chain or one of its blobs is not in the store."""
-
-
-class CorruptShardError(WeightSyncError):
-    """A blob or a rebuilt shard does not match the checksum its manifest records."""
-
-
-class Store:
-    """Flat key -> bytes storage; every `write` must be atomic (readers see old or new, not half)."""
-
-    def write(self, key: str, data: bytes) -> None:
-        raise NotImplementedError
-
-    def read(self, key: str) -> bytes:
-        """The value of `key`; KeyError when absent."""
-        raise NotImplementedError
-
-    def list(self, prefix: str = "") -> list[str]:
-        raise NotImplementedError
-
-
-class LocalDirStore(Store):
-    """A local (or NFS) directory; atomic writes by a temporary file, fsync and rename."""
-
-    _TMP = ".tmp-"
-
-    def __init__(self, root: str):
-        self.root = os.path.abspath(root)
-        os.makedirs(self.root, exist_ok=True)
-
-    def write(self, key: str, data: bytes) -> None:
-        path = os.path.join(self.root, key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = os.path.join(
-            os.path.dirname(path),
-            f"{self._TMP}{os.path.basename(path)}.{os.getpid()}.{threading.get_ident()}",
-        )
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-
-    def read(self, key: str) -> bytes:
-        try:
-            with open(os.path.join(self.root, key), "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            raise KeyError(key) from None
-
-    def list(self, prefix: str = "") -> list[str]:
-        keys = []  # walk only below the prefix's directory: blobs/ may hold many files
-        for dirpath, _, files in os.walk(os.path.join(self.root, prefix.rpartition("/")[0])):
-            rel = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
-            keys += [name if rel == "." else f"{rel}/{name}" for name in files]
-        return sorted(k for k in keys if k.startswith(prefix) and self._TMP not in k)
-
-
-class TensorStoreKvStore(Store):
-    """Any tensorstore kvstore (`file://`, `memory://`, `gs://`, `s3://`, or a spec dict)."""
-
-    def __init__(self, spec: str | dict):
-        import tensorstore as ts
-
-        self._ts = ts
-        self.kv = ts.KvStore.open(spec).result()
-
-    def write(self, key: str, data: bytes) -> None:
-        self.kv.write(key, data).result()
-
-    def read(self, key: str) -> bytes:
-        result = self.kv.read(key).result()
-        if result.state != "value":
-            raise KeyError(key)
-        return bytes(result.value)
-
-    def list(self, prefix: str = "") -> list[str]:
-        end = prefix[:-1] + chr(ord(prefix[-1]) + 1) if prefix else ""
-        keys = self.kv.list(self._ts.KvStore.KeyRange(prefix, end)).result()
-        return sorted(k.decode() for k in keys)
-
-
-def open_store(location: str | dict) -> Store:
-    """A local directory for a plain path, a tensorstore kvstore for a URL (`scheme://`) or spec."""
-    if isinstance(location, dict) or "://" in location:
-        return TensorStoreKvStore(location)
-    return LocalDirStore(location)
-
-
-def _blob_key(version: int, process: int, ordinal: int) -> str:
-    return f"blobs/{version:012d}/{process:05d}/{ordinal:06d}.zst"
-
-
-def _manifest_key(version: int, process: int, count: int) -> str:
-    return f"manifests/{version:012d}/{process:05d}-of-{count:05d}.json"
-
-
-def _crc(words: np.ndarray) -> int:
-    return zlib.crc32(np.ascontiguousarray(words).view(np.uint8))
-
-
-def _zigzag(delta: np.ndarray) -> np.ndarray:
-    """Signed 16-bit deltas -> 0, 1, 2, ... for 0, -1, +1, ...: small either way."""
-    signed = delta.view(np.int16).astype(np.int32)
-    return ((signed << 1) ^ (signed >> 15)).astype(np.uint16)
-
-
-def _unzigzag(stored: np.ndarray) -> np.ndarray:
-    z = stored.astype(np.int32)
-    return ((z >> 1) ^ -(z & 1)).astype(np.uint16)
-
-
-def _encode(words: np.ndarray, base: np.ndarray | None, mode: str) -> np.ndarray:
-    """The uint16 words to store: the words themselves (snapshot) or their delta to `base`."""
-    if base is None:
-        return words
-    return words ^ base if mode == "xor" else _zigzag(words - base)  # uint16 arithmetic wraps
-
-
-def _decode(stored: np.ndarray, base: np.ndarray | None, mode: str) -> np.ndarray:
-    if base is None:
-        return stored
-    return stored ^ base if mode == "xor" else base + _unzigzag(stored)
-
-
-def _to_planes(words: np.ndarray) -> bytes:
-    """High bytes then low bytes: the high plane of a small delta is nearly constant."""
-    return words.view(np.uint8).reshape(-1, 2)[:, ::-1].T.tobytes()
-
-
-def _from_planes(data: bytes, size: int) -> np.ndarray:
-    planes = np.frombuffer(data, np.uint8, count=2 * size).reshape(2, size)
-    return planes[::-1].T.copy().view(np.uint16).ravel()
-
-
-_ESCAPE = 15
-
-
-def _pack_delta(stored: np.ndarray) -> bytes:
-    """Two 4-bit codes per byte (15 = escape, its word follows in byte planes).
-
-    After a small update nearly every delta word is < 15; packing two per byte lets zstd's
-    Huffman stage code pairs, which gets closer to their entropy than one byte per word.
-    """
-    codes = np.minimum(stored, _ESCAPE).astype(np.uint8)
-    if codes.size % 2:
-        codes = np.append(codes, np.uint8(0))
-    packed = codes[0::2] | (codes[1::2] << 4)
-    return packed.tobytes() + _to_planes(stored[stored >= _ESCAPE])
-
-
-def _unpack_delta(data: bytes, size: int) -> np.ndarray:
-    nbytes = (size + 1) // 2
-    packed = np.frombuffer(data, np.uint8, count=nbytes)
-    codes = np.empty(2 * nbytes, np.uint16)
-    codes[0::2], codes[1::2] = packed & 15, packed >> 4
-    codes = codes[:size]
-    escaped = codes == _ESCAPE
-    codes[escaped] = _from_planes(data[nbytes:], int(escaped.sum()))
-    return codes
-
-
-def _index_slices(index: tuple, shape: tuple[int, ...]) -> list[list[int]]:
-    return [list(s.indices(n)[:2]) for s, n in zip(index, shape)]
-
-
-def _local_shards(tree: Any) -> list[tuple[str, str, list[list[int]], tuple, Any]]:
-    """(shard key, leaf path, [[start, stop]...], global shape, data) for each shard to publish.
-
-    Only addressable shards with replica id 0 are taken: on several processes every shard is
-    published by exactly one of them.
-    """
-    shards = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        name = jax.tree_util.keystr(path)
-        if isinstance(leaf, jax.Array):
-            items = [
-                (_index_slices(s.index, leaf.shape), s.data)
-                for s in leaf.addressable_shards
-                if s.replica_id == 0
-            ]
-        else:
-            leaf = np.asarray(leaf)
-            items = [([[0, n] for n in leaf.shape], leaf)]
-        for index, data in items:
-            key = f"{name}#{','.join(f'{a}:{b}' for a, b in index)}"
-            shards.append((key, name, index, tuple(leaf.shape), data))
-    return shards
-
-
-@jax.jit
-def _cast_bf16(tree):
-    """Fresh bf16 buffers (a copy if already bf16), never aliasing donatable train state."""
-    return jax.tree.map(
-        lambda x: jnp.copy(x) if x.dtype == jnp.bfloat16 else x.astype(jnp.bfloat16), tree
-    )
-
-
-def _check_float(tree: Any) -> None:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
-            raise TypeError(
-                f"weight sync publishes float leaves only: {jax.tree_util.keystr(path)}"
-            )
+from composer_jax.weight_sync.codec import (
+    blob_key,
+    cast_bf16,
+    check_float,
+    crc,
+    decode_words,
+    encode_words,
+    from_planes,
+    local_shards,
+    manifest_key,
+    pack_delta,
+    to_planes,
+    unpack_delta,
+)
+from composer_jax.weight_sync.stores import (
+    DELTA_MODES,
+    CorruptShardError,
+    MissingVersionError,
+    Store,
+    WeightSyncError,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,8 +132,8 @@ class WeightPublisher:
         """
         if self._last_queued is not None and version <= self._last_queued:
             raise ValueError(f"version {version} <= last queued version {self._last_queued}")
-        _check_float(params)
-        bf16 = _cast_bf16(params)
+        check_float(params)
+        bf16 = cast_bf16(params)
         for leaf in jax.tree.leaves(bf16):
             leaf.copy_to_host_async()
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -391,7 +199,7 @@ class WeightPublisher:
         start = time.perf_counter()
         if self._last_version is None:
             self._check_fresh(version)
-        shards = _local_shards(bf16)
+        shards = local_shards(bf16)
         words = {k: np.asarray(d).view(np.uint16).ravel() for k, _, _, _, d in shards}
         snapshot = (
             self._last_version is None
@@ -402,19 +210,19 @@ class WeightPublisher:
         parent = None if snapshot else self._last_version
         entries, raw, compressed = {}, 0, 0
         for ordinal, (key, name, index, shape, _) in enumerate(shards):
-            stored = _encode(words[key], None if snapshot else self._last[key], self.delta)
-            pack = _to_planes if snapshot else _pack_delta
+            stored = encode_words(words[key], None if snapshot else self._last[key], self.delta)
+            pack = to_planes if snapshot else pack_delta
             blob = self._compressor.compress(pack(stored))
-            blob_key = _blob_key(version, self.process_index, ordinal)
-            self.store.write(blob_key, blob)
+            blob_name = blob_key(version, self.process_index, ordinal)
+            self.store.write(blob_name, blob)
             entries[key] = {
                 "path": name,
                 "index": index,
                 "global_shape": list(shape),
                 "size": int(words[key].size),
-                "blob": blob_key,
+                "blob": blob_name,
                 "blob_crc": zlib.crc32(blob),
-                "value_crc": _crc(words[key]),
+                "value_crc": crc(words[key]),
             }
             raw += 2 * words[key].size
             compressed += len(blob)
@@ -427,7 +235,7 @@ class WeightPublisher:
             "process_count": self.process_count,
             "shards": entries,
         }
-        key = _manifest_key(version, self.process_index, self.process_count)
+        key = manifest_key(version, self.process_index, self.process_count)
         self.store.write(key, json.dumps(manifest).encode())
         self._last, self._last_version = words, version
         self._since_snapshot = 1 if snapshot else self._since_snapshot + 1
@@ -486,7 +294,7 @@ class WeightSubscriber:
                 for manifest in reversed(chain):
                     base = self._apply(manifest, base)
                 for key, entry in chain[0]["shards"].items():
-                    if _crc(base[key]) != entry["value_crc"]:
+                    if crc(base[key]) != entry["value_crc"]:
                         raise CorruptShardError(
                             f"version {version}: rebuilt shard {key} does not match its checksum"
                         )
@@ -495,7 +303,7 @@ class WeightSubscriber:
             return version
 
     def _manifest(self, version: int, process: int) -> dict:
-        key = _manifest_key(version, process, self.process_count)
+        key = manifest_key(version, process, self.process_count)
         try:
             return json.loads(self.store.read(key))
         except KeyError:
@@ -527,12 +335,12 @@ class WeightSubscriber:
                 )
             data = self._decompressor.decompress(blob)
             if manifest["kind"] == "snapshot":
-                out[key] = _from_planes(data, entry["size"])
+                out[key] = from_planes(data, entry["size"])
             elif key not in base:
                 raise MissingVersionError(f"version {manifest['version']}: no base for {key}")
             else:
-                stored = _unpack_delta(data, entry["size"])
-                out[key] = _decode(stored, base[key], manifest["mode"])
+                stored = unpack_delta(data, entry["size"])
+                out[key] = decode_words(stored, base[key], manifest["mode"])
         return out
 
     def arrays(self) -> dict[str, np.ndarray]:

@@ -4,7 +4,7 @@ import pickle
 
 import pytest
 
-from composer_jax.rl.inflight import GroupState, InFlightError, InFlightStore
+from composer_jax.actor.inflight import GroupState, InFlightError, InFlightStore
 
 
 def test_round_trip_and_damaged_records(tmp_path):

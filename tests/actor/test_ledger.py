@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from composer_jax.rl import ledger as ledger_module
-from composer_jax.rl.ledger import DamagedGroup, Group, GroupLedger, LedgerError
+from composer_jax.actor import ledger as ledger_module
+from composer_jax.actor.ledger import DamagedGroup, Group, GroupLedger, LedgerError
 
 # Shared by the tests and the killed writer subprocess: group i's content is a function of i.
 _MAKE_GROUP = """

@@ -11,8 +11,8 @@ import dataclasses
 
 import numpy as np
 
+from composer_jax.actor.sampler import Sampler
 from composer_jax.infer import Completion
-from composer_jax.rl.sampler import Sampler
 
 
 @dataclasses.dataclass

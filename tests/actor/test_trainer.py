@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from composer_jax import config
+from composer_jax.actor.rollout import collect_batch
+from composer_jax.actor.trainer import NonFiniteRLLossError, RLTrainer
 from composer_jax.data import ByteTokenizer
 from composer_jax.envs import builtin_tasks
 from composer_jax.infer import InferenceEngine, SamplingParams
 from composer_jax.model import init_model
-from composer_jax.rl.rollout import collect_batch
-from composer_jax.rl.trainer import NonFiniteRLLossError, RLTrainer
-from composer_jax.rl.weight_sync import LocalDirStore, WeightSubscriber
 from composer_jax.train.step import split_model
+from composer_jax.weight_sync import LocalDirStore, WeightSubscriber
 
 SEQ_LEN = 384  # a tiny task's prompt (<= ~310 bytes) plus one short turn
 

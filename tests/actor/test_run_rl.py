@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from composer_jax.rl.ledger import GroupLedger
+from composer_jax.actor.ledger import GroupLedger
 from composer_jax.train.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

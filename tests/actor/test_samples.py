@@ -2,10 +2,10 @@
 
 import numpy as np
 
+from composer_jax.actor.ledger import GroupLedger
+from composer_jax.actor.samples import SampleResult, group_sequences, groups_to_batch, make_group
 from composer_jax.parallel.packing import row_attention_lengths
 from composer_jax.rl.batch import SegmentKind, Sequence
-from composer_jax.rl.ledger import GroupLedger
-from composer_jax.rl.samples import SampleResult, group_sequences, groups_to_batch, make_group
 
 
 def _sequence(rng, index, length, teacher=False):

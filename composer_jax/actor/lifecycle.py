@@ -9,11 +9,11 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from composer_jax.actor import feedback
+from composer_jax.actor.rollout import Generation
 from composer_jax.envs import Task
 from composer_jax.infer import Completion
-from composer_jax.rl import feedback
 from composer_jax.rl.batch import Sequence
-from composer_jax.rl.rollout import Generation
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)

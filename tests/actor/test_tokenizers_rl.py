@@ -5,19 +5,19 @@ import numpy as np
 import pytest
 
 from composer_jax import envs
+from composer_jax.actor.coordinator import Coordinator
+from composer_jax.actor.env_workers import ThreadEnvironmentPool
+from composer_jax.actor.ledger import GroupLedger
+from composer_jax.actor.rollout import TURN_END_MARKERS, token_kinds, turn_sampling
+from composer_jax.actor.samples import group_sequences, groups_to_batch
 from composer_jax.config import ModelConfig, RLConfig
 from composer_jax.data import load_tokenizer
 from composer_jax.data.chat import chat_format_for
 from composer_jax.infer import SamplingParams
 from composer_jax.rl import SegmentKind
-from composer_jax.rl.coordinator import Coordinator
-from composer_jax.rl.env_workers import ThreadEnvironmentPool
-from composer_jax.rl.ledger import GroupLedger
 from composer_jax.rl.length_penalty import LENGTH_FEATURES, length_features
-from composer_jax.rl.rollout import TURN_END_MARKERS, token_kinds, turn_sampling
-from composer_jax.rl.samples import group_sequences, groups_to_batch
+from tests.actor.scripted import ScriptedSampler
 from tests.data.helpers import make_hf_folder, make_tiktoken_folder
-from tests.rl.scripted import ScriptedSampler
 
 MODEL_CFG = ModelConfig()
 THINK = "<think>write the function, then finish</think>\n"

@@ -8,20 +8,21 @@ import numpy as np
 import pytest
 
 from composer_jax import data, envs
+from composer_jax.actor import feedback
+from composer_jax.actor.coordinator import SUMMARY_OPEN, Coordinator
+from composer_jax.actor.env_workers import ProcessEnvironmentPool, ThreadEnvironmentPool
+from composer_jax.actor.ledger import GroupLedger
+from composer_jax.actor.sampler import LocalSampler
+from composer_jax.actor.samples import group_sequences, groups_to_batch
 from composer_jax.config import ModelConfig, RLConfig
 from composer_jax.model import init_model
-from composer_jax.rl import SegmentKind, feedback
+from composer_jax.rl import SegmentKind
 from composer_jax.rl.advantages import per_sample_sum
-from composer_jax.rl.coordinator import SUMMARY_OPEN, Coordinator
-from composer_jax.rl.env_workers import ProcessEnvironmentPool, ThreadEnvironmentPool
-from composer_jax.rl.ledger import GroupLedger
 from composer_jax.rl.loss import distillation_token_kl
 from composer_jax.rl.policy import rl_loss, teacher_logits, trainer_logits
-from composer_jax.rl.sampler import LocalSampler
-from composer_jax.rl.samples import group_sequences, groups_to_batch
-from composer_jax.rl.weight_sync import WeightPublisher, open_store
 from composer_jax.train.step import split_model
-from tests.rl.scripted import ScriptedSampler
+from composer_jax.weight_sync import WeightPublisher, open_store
+from tests.actor.scripted import ScriptedSampler
 
 TOKENIZER = data.get_tokenizer("byte")
 MODEL_CFG = ModelConfig()
@@ -252,7 +253,7 @@ def test_restart_resumes_samples_mid_episode_from_the_in_flight_record(tmp_path)
     A new coordinator resumes them from the record: the environment holds the written file (the
     final turn alone scores 1), the first turn is not generated again and keeps its tokens,
     log-probs and routes, and the chain is one trainable sample."""
-    from composer_jax.rl.inflight import InFlightStore
+    from composer_jax.actor.inflight import InFlightStore
 
     task = envs.builtin_tasks(1, seed=41, max_ops=1)[0]
     write, final = envs.oracle_turns(task)

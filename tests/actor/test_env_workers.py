@@ -11,8 +11,7 @@ import time
 import pytest
 
 from composer_jax import envs
-from composer_jax.envs import worker as env_worker
-from composer_jax.rl.env_workers import (
+from composer_jax.actor.env_workers import (
     POOL_KINDS,
     EnvWorkerError,
     ProcessEnvironmentPool,
@@ -20,6 +19,7 @@ from composer_jax.rl.env_workers import (
     ThreadEnvironmentPool,
     make_environment_pool,
 )
+from composer_jax.envs import worker as env_worker
 
 # Slow enough that a signal lands while the worker is inside the call.
 SLOW_TURN = envs.render_turn(calls=(("run_shell", {"command": "sleep 10"}),))

@@ -11,6 +11,7 @@ import dataclasses
 
 import numpy as np
 
+from composer_jax.actor.ledger import Group
 from composer_jax.parallel.packing import balanced_row_order
 from composer_jax.rl.batch import (
     SegmentKind,
@@ -19,7 +20,6 @@ from composer_jax.rl.batch import (
     first_fit,
     pack_trajectories,
 )
-from composer_jax.rl.ledger import Group
 
 
 @dataclasses.dataclass

@@ -8,12 +8,12 @@ import pytest
 from flax import nnx
 
 from composer_jax import config
+from composer_jax.actor.rollout import collect_batch, collect_group, text_kinds, token_kinds
 from composer_jax.data import ByteTokenizer
 from composer_jax.envs import builtin_tasks, render_turn
 from composer_jax.infer import InferenceEngine, SamplingParams
 from composer_jax.model import init_model
 from composer_jax.rl import RLObjectiveConfig, SegmentKind, reference_logprobs, rl_loss
-from composer_jax.rl.rollout import collect_batch, collect_group, text_kinds, token_kinds
 
 MAX_NEW = 48
 

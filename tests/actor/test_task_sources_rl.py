@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from composer_jax import envs
-from composer_jax.rl.ledger import GroupLedger
+from composer_jax.actor.ledger import GroupLedger
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, GROUPS = 3, 2

@@ -29,14 +29,14 @@ from tqdm.auto import tqdm
 
 from composer_jax import config as config_lib
 from composer_jax import envs
-from composer_jax.rl.coordinator import Coordinator
-from composer_jax.rl.env_workers import make_environment_pool
-from composer_jax.rl.evaluator import Evaluator, HeldoutResult
-from composer_jax.rl.inflight import InFlightError, InFlightStore
-from composer_jax.rl.ledger import DamagedGroup, GroupLedger
-from composer_jax.rl.sampler import LocalSampler
-from composer_jax.rl.samples import groups_to_batch
-from composer_jax.rl.trainer import RLTrainer
+from composer_jax.actor.coordinator import Coordinator
+from composer_jax.actor.env_workers import make_environment_pool
+from composer_jax.actor.evaluator import Evaluator, HeldoutResult
+from composer_jax.actor.inflight import InFlightError, InFlightStore
+from composer_jax.actor.ledger import DamagedGroup, GroupLedger
+from composer_jax.actor.sampler import LocalSampler
+from composer_jax.actor.samples import groups_to_batch
+from composer_jax.actor.trainer import RLTrainer
 from composer_jax.train.loop import StopRequest, load_trained_model, run_pretraining, task_source
 from composer_jax.train.metrics import MetricsWriter, read_metrics
 from composer_jax.train.runs import resolve_tokenizer, save_run_tokenizer
@@ -335,7 +335,7 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
         writer.write(0, {"heldout_reward": before.mean, "heldout_pass_rate": before.pass_rate})
 
     if rl.backend == "ray":
-        from composer_jax.rl.ray_backend import RaySampler
+        from composer_jax.actor.ray_backend import RaySampler
 
         pool = make_environment_pool("ray", rl.num_env_workers, env_timeout_s)
         sampler = RaySampler(

@@ -3,10 +3,7 @@
 import numpy as np
 import pytest
 
-from composer_jax.data import ByteTokenizer
-from composer_jax.envs import EnvConfig, Episode, builtin_tasks, render_call, render_turn
-from composer_jax.rl import SegmentKind, Sequence, pack_trajectories
-from composer_jax.rl.feedback import (
+from composer_jax.actor.feedback import (
     DETECTORS,
     IgnoredToolError,
     InvalidArguments,
@@ -18,6 +15,9 @@ from composer_jax.rl.feedback import (
     render_hint,
     teacher_sequence,
 )
+from composer_jax.data import ByteTokenizer
+from composer_jax.envs import EnvConfig, Episode, builtin_tasks, render_call, render_turn
+from composer_jax.rl import SegmentKind, Sequence, pack_trajectories
 
 ROCKETS = render_call("launch_rockets", {"count": "3"})
 READ = render_call("read_file", {"path": "solution.py"})

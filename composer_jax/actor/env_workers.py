@@ -6,7 +6,7 @@ or a call runs past `timeout_s`, the worker is killed and replaced, every episod
 `health()` counts what happened. Workers are child processes (`ProcessEnvironmentPool`), threads
 of this process (`ThreadEnvironmentPool`: no isolation, for small hosts and tests) or Ray actors
 (`RayEnvironmentPool`). The worker side is `composer_jax.envs.worker`, which never imports JAX;
-the parent's end of a worker process is `composer_jax.rl.worker_process`.
+the parent's end of a worker process is `composer_jax.actor.worker_process`.
 """
 
 import concurrent.futures
@@ -16,10 +16,10 @@ import queue
 import threading
 import time
 
+from composer_jax.actor.worker_process import WorkerCrash, WorkerProcess, WorkerTimeout
 from composer_jax.envs import worker as env_worker
 from composer_jax.envs.environment import EnvConfig
 from composer_jax.envs.task import Task
-from composer_jax.rl.worker_process import WorkerCrash, WorkerProcess, WorkerTimeout
 
 log = logging.getLogger(__name__)
 

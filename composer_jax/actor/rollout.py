@@ -15,12 +15,12 @@ import dataclasses
 
 import numpy as np
 
+from composer_jax.actor.feedback import teacher_sequence
 from composer_jax.data.chat import OBSERVATION, ChatFormat, Segment, chat_format_for
 from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.envs import EnvConfig, Episode, Task, protocol
 from composer_jax.infer import Completion, InferenceEngine, SamplingParams
 from composer_jax.rl.batch import SegmentKind, Sequence, TrajectoryBatch, pack_trajectories
-from composer_jax.rl.feedback import teacher_sequence
 
 # A turn ends after a tool call (the environment must answer it) or the final message.
 TURN_END_MARKERS = (protocol.CALL_CLOSE, protocol.FINAL_CLOSE)

@@ -13,12 +13,12 @@ import math
 
 import numpy as np
 
+from composer_jax.actor.rollout import collect_batch
+from composer_jax.config import RLConfig
 from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.envs import EnvConfig, Task
 from composer_jax.infer import InferenceEngine, SamplingParams
 from composer_jax.model.transformer import Transformer
-from composer_jax.rl.config import RLConfig
-from composer_jax.rl.rollout import collect_batch
 
 Z_95 = 1.959964
 

@@ -20,7 +20,7 @@ teacher context gets a hint before each flagged turn.
 
 An environment worker that crashes or hangs fails its samples' futures; they are re-queued from
 scratch and counted, and training goes on. At each checkpoint the groups in flight are saved
-(`save_in_flight`, see `composer_jax.rl.inflight`), and a restart resumes them mid-episode.
+(`save_in_flight`, see `composer_jax.actor.inflight`), and a restart resumes them mid-episode.
 """
 
 from __future__ import annotations
@@ -35,20 +35,20 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from composer_jax.actor import feedback, inflight
+from composer_jax.actor.env_workers import EnvironmentPool, EnvWorkerError
+from composer_jax.actor.ledger import GroupLedger
+from composer_jax.actor.lifecycle import Counters, GroupSlot, Sample
+from composer_jax.actor.ray_backend import SamplerLostError
+from composer_jax.actor.rollout import segment_kind, token_kinds, turn_sampling
+from composer_jax.actor.sampler import Sampler
+from composer_jax.actor.samples import SampleResult, make_group
+from composer_jax.config import RLConfig
 from composer_jax.data.chat import chat_format_for
 from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.envs import EnvConfig, Task
 from composer_jax.infer import Completion, SamplingParams
-from composer_jax.rl import feedback, inflight
 from composer_jax.rl.batch import SegmentKind
-from composer_jax.rl.config import RLConfig
-from composer_jax.rl.env_workers import EnvironmentPool, EnvWorkerError
-from composer_jax.rl.ledger import GroupLedger
-from composer_jax.rl.lifecycle import Counters, GroupSlot, Sample
-from composer_jax.rl.ray_backend import SamplerLostError
-from composer_jax.rl.rollout import segment_kind, token_kinds, turn_sampling
-from composer_jax.rl.sampler import Sampler
-from composer_jax.rl.samples import SampleResult, make_group
 
 SUMMARY_OPEN, SUMMARY_CLOSE = "<summary>", "</summary>"
 SUMMARY_NOTE = (
@@ -200,7 +200,7 @@ class Coordinator:
 
     def save_in_flight(self, step: int) -> Future:
         """Asks the rollout thread to save the groups in flight as of trainer step `step` (see
-        `composer_jax.rl.inflight`); the future gives how many samples were saved mid-episode."""
+        `composer_jax.actor.inflight`); the future gives how many samples were saved mid-episode."""
         future: Future = Future()
         if self.inflight_store is None:
             future.set_result(0)

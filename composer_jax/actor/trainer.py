@@ -21,16 +21,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from composer_jax import config as config_lib
+from composer_jax.config import RLConfig
 from composer_jax.model.transformer import Transformer
 from composer_jax.parallel import Layout, make_layout
 from composer_jax.parallel.mesh import BATCH_AXES, use_layout
 from composer_jax.rl.batch import TrajectoryBatch
-from composer_jax.rl.config import RLConfig
 from composer_jax.rl.policy import reference_logprobs, rl_loss
-from composer_jax.rl.weight_sync import WeightPublisher, open_store
 from composer_jax.train.checkpoint import Checkpointer
 from composer_jax.train.loop import TrainSetup, make_train_setup
 from composer_jax.train.step import TrainState
+from composer_jax.weight_sync import WeightPublisher, open_store
 
 
 class NonFiniteRLLossError(FloatingPointError):

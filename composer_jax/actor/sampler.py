@@ -19,7 +19,7 @@ from flax import nnx
 
 from composer_jax.infer import Completion, InferenceEngine, SamplingParams
 from composer_jax.model.transformer import Transformer
-from composer_jax.rl.weight_sync import WeightSubscriber, open_store
+from composer_jax.weight_sync import WeightSubscriber, open_store
 
 
 class Sampler:

@@ -5,9 +5,9 @@ import dataclasses
 import numpy as np
 import pytest
 
+from composer_jax.actor.ledger import Group, GroupLedger
+from composer_jax.actor.run import next_groups
 from composer_jax.config import RLConfig
-from composer_jax.rl.ledger import Group, GroupLedger
-from composer_jax.rl.run import next_groups
 
 
 class _Coordinator:

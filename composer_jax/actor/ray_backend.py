@@ -9,8 +9,8 @@ replaced by a fresh one and the coordinator re-queues the samples it held.
 
 from __future__ import annotations
 
+from composer_jax.actor.sampler import LocalSampler, Sampler
 from composer_jax.config import ModelConfig
-from composer_jax.rl.sampler import LocalSampler, Sampler
 
 
 class SamplerLostError(RuntimeError):
