@@ -64,8 +64,9 @@ class ModelConfig:
     norm_topk_prob: bool = True
     router_bias_update_rate: float = 1e-3  # aux-loss-free balancing step (gamma in DeepSeek-V3).
     # Router replay: a replayed expert is kept only if the trainer's score for it is at least this
-    # times the trainer's k-th best score (0 keeps every replayed expert).
-    replay_min_ratio: float = 0.0
+    # times the trainer's k-th best score, else the trainer's own next choice replaces it (the
+    # rate is logged as router_replace_rate); 0 keeps every replayed expert.
+    replay_min_ratio: float = 0.5
     # Expert grouped GEMM: "bf16" (compute dtype), "mxfp8", or "nvfp4_fwd_mxfp8_bwd"; and the
     # backend that runs the low-precision recipes.
     expert_precision: str = "bf16"
@@ -212,7 +213,10 @@ class RLObjectiveConfig:
     advantage_mode: str = "mean"
     advantage_std_eps: float = 1e-6
     # Length penalty coef * C(x), C(x) = ((1 + k x)^(1 - q) - 1) / (k (1 - q)) (log(1 + k x) / k at
-    # q = 1), x = weighted sum of the sample's token counts by kind, tool calls and turns.
+    # q = 1), x = the report's weighted sum over the whole sample: tokens the policy wrote by kind
+    # (thinking, tool calls, final message, summaries: 1 each), tool-output tokens it made the
+    # environment produce (0.5: cheaper than writing), and a fixed cost per tool call (25
+    # token-equivalents: a call's latency and context) and per turn (50: a round trip).
     length_penalty_coef: float = 1e-3
     length_penalty_k: float = 1e-3
     length_penalty_q: float = 1.5
@@ -221,8 +225,16 @@ class RLObjectiveConfig:
     length_weight_tool_output: float = 0.5
     length_weight_final_message: float = 1.0
     length_weight_summary: float = 1.0
-    length_weight_per_tool_call: float = 0.0
-    length_weight_per_turn: float = 0.0
+    length_weight_per_tool_call: float = 25.0
+    length_weight_per_turn: float = 50.0
+    # Behaviour rewards (`composer_jax.rl.rewards`), each component in [-1, 0] times its weight:
+    # style (share of turns the style detector flagged), tool misuse (share of tool calls in
+    # turns flagged for unknown tools, bad arguments or ignored errors), communication (no final
+    # message), harm (a reward-hack monitor's flag; the task reward is already 0 then).
+    reward_weight_style: float = 0.05
+    reward_weight_tool_misuse: float = 0.1
+    reward_weight_communication: float = 0.05
+    reward_weight_harm: float = 0.5
     # Text-feedback distillation: coefficient of KL(student || hinted teacher) on flagged turns.
     distill_coef: float = 0.1
     # Router replay: force the sampler's experts in the trainer's forward (the plausibility ratio

@@ -22,11 +22,14 @@ def main(argv):
 
     runtime.initialize()
     from composer_jax import config as config_lib
+    from composer_jax import interop
     from composer_jax.train import CheckpointError, NonFiniteLossError, run_pretraining
 
     try:
         cfg = config_lib.from_dict(config_lib.ExperimentConfig, _CONFIG.value)
-        result = run_pretraining(cfg, progress=_PROGRESS.value)
+        result = run_pretraining(
+            cfg, progress=_PROGRESS.value, pretrained=lambda: interop.load_pretrained(cfg)
+        )
     except (config_lib.ConfigError, NonFiniteLossError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -16,8 +16,14 @@ import dataclasses
 import os
 import pickle
 import tempfile
+import threading
+from collections.abc import Iterable
+from concurrent.futures import Future
 
-FORMAT = 1
+from composer_jax.actor.ids import GroupId
+from composer_jax.actor.lifecycle import GroupSlot, SampleState
+
+FORMAT = 2  # 2: typed sample states; hinted turns and the monitor flag kept apart
 # The per-sample state a resumed sample needs (`lifecycle.Sample` fields).
 SAMPLE_FIELDS = (
     "tokens",
@@ -27,6 +33,7 @@ SAMPLE_FIELDS = (
     "versions",
     "routes",
     "prompt_tokens",
+    "hinted",
     "flagged",
     "sequences",
     "turns",
@@ -46,7 +53,7 @@ class InFlightError(RuntimeError):
 
 
 @dataclasses.dataclass
-class SampleState:
+class SavedSample:
     index: int
     attempt: int
     scored: bool
@@ -64,19 +71,126 @@ class SampleState:
 class GroupState:
     group_id: str
     scheduled_at_version: int
-    samples: list[SampleState]  # the samples that are kept; the others start over
+    samples: list[SavedSample]  # the samples that are kept; the others start over
 
 
-def capture(sample, scored: bool) -> SampleState:
+def capture(sample, scored: bool) -> SavedSample:
     """A copy of `sample`'s resumable fields (the live sample goes on changing)."""
     fields = {name: copy.deepcopy(getattr(sample, name)) for name in SAMPLE_FIELDS}
-    return SampleState(sample.index, sample.attempt, scored, fields)
+    return SavedSample(sample.index, sample.attempt, scored, fields)
 
 
-def apply(state: SampleState, sample) -> None:
+def apply(state: SavedSample, sample) -> None:
     for name, value in state.fields.items():
         setattr(sample, name, value)
     sample.attempt = state.attempt
+
+
+def restore_group(
+    saved: GroupState, task, group_size: int, trainer_version: int
+) -> tuple[GroupSlot, list[tuple[object, dict | None]]]:
+    """A group rebuilt from its record, and the samples whose episodes must start: (sample,
+    environment snapshot) to resume between two turns, (sample, None) to start over. Samples with
+    tokens of a version the restored trainer never had start over."""
+    group = GroupSlot.fresh(
+        GroupId.parse(saved.group_id), task, group_size, saved.scheduled_at_version
+    )
+    kept = {s.index: s for s in saved.samples if s.newest_version <= trainer_version}
+    to_start = []
+    for sample in group.samples:
+        state = kept.get(sample.index)
+        if state is None:
+            to_start.append((sample, None))
+            continue
+        apply(state, sample)
+        if state.scored:
+            sample.state = SampleState.SCORED
+            continue
+        sample.resume_from = len(sample.routes)
+        to_start.append((sample, state.env_snapshot))
+    return group, to_start
+
+
+def valid_for(saved: GroupState, group_size: int) -> bool:
+    """Whether a record fits a group of `group_size` samples (each index once)."""
+    indices = [s.index for s in saved.samples]
+    return all(i < group_size for i in indices) and len(set(indices)) == len(indices)
+
+
+class InFlightSaver:
+    """Requests from the trainer loop (`request(step)`), served by the rollout thread (`serve`):
+    copies of the groups in flight go to the store once the environment snapshots of the
+    samples waiting between two turns have arrived."""
+
+    def __init__(self, store: InFlightStore | None, env_pool):
+        self.store, self.env_pool = store, env_pool
+        self._lock = threading.Lock()
+        self._requests: list[tuple[int, Future]] = []
+        self._pending = None  # (step, future, groups, [(saved sample, snapshot future)])
+
+    def request(self, step: int) -> Future:
+        """A future of how many samples were saved mid-episode at trainer step `step`."""
+        future: Future = Future()
+        if self.store is None:
+            future.set_result(0)
+            return future
+        with self._lock:
+            self._requests.append((step, future))
+        return future
+
+    def serve(self, groups: Iterable[GroupSlot]) -> None:
+        """Starts the oldest request's capture, or completes the capture under way."""
+        if self._pending is None:
+            with self._lock:
+                if not self._requests:
+                    return
+                step, future = self._requests.pop(0)
+            self._pending = (step, future, *self._capture(groups))
+            return
+        step, future, states, waits = self._pending
+        if not all(env_future.done() for _, env_future in waits):
+            return
+        self._pending = None
+        resumable = 0
+        for state, env_future in waits:
+            try:
+                state.env_snapshot = env_future.result()
+                resumable += 1
+            except Exception:  # noqa: BLE001 -- a lost episode: that sample will start over
+                for group in states:
+                    if state in group.samples:
+                        group.samples.remove(state)
+        try:
+            self.store.save(step, states)
+        except Exception as error:  # noqa: BLE001 -- reported to the caller
+            future.set_exception(error)
+            return
+        future.set_result(resumable)
+
+    def _capture(self, groups: Iterable[GroupSlot]):
+        """Copies of every group in flight: scored samples, and samples waiting on the policy
+        after at least one environment step (with a request for their environment snapshot)."""
+        states, waits = [], []
+        for group in groups:
+            kept = []
+            for sample in group.samples:
+                if sample.scored or sample.between_turns:
+                    state = capture(sample, scored=sample.scored)
+                    kept.append(state)
+                    if sample.between_turns:
+                        waits.append((state, self.env_pool.snapshot(sample.episode_id)))
+            states.append(GroupState(str(group.group_id), group.scheduled_at_version, kept))
+        return states, waits
+
+    def fail_all(self, message: str) -> None:
+        """Fails every request not yet saved (the rollout thread stopped)."""
+        with self._lock:
+            requests, self._requests = self._requests, []
+            if self._pending is not None:
+                requests.append(self._pending[:2])
+                self._pending = None
+        for _, future in requests:
+            future.set_exception(RuntimeError(message))
 
 
 class InFlightStore:

@@ -28,15 +28,17 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from composer_jax import config as config_lib
-from composer_jax import envs
+from composer_jax import envs, interop
 from composer_jax.actor.coordinator import Coordinator
 from composer_jax.actor.env_workers import make_environment_pool
 from composer_jax.actor.evaluator import Evaluator, HeldoutResult
 from composer_jax.actor.inflight import InFlightError, InFlightStore
-from composer_jax.actor.ledger import DamagedGroup, GroupLedger
+from composer_jax.actor.ledger import GroupLedger
 from composer_jax.actor.sampler import LocalSampler
 from composer_jax.actor.samples import groups_to_batch
+from composer_jax.actor.scheduler import next_groups
 from composer_jax.actor.trainer import RLTrainer
+from composer_jax.rl.rewards import reward_weights
 from composer_jax.train.loop import StopRequest, load_trained_model, run_pretraining, task_source
 from composer_jax.train.metrics import MetricsWriter, read_metrics
 from composer_jax.train.runs import resolve_tokenizer, save_run_tokenizer
@@ -108,7 +110,7 @@ def _warm_start(cfg, progress: bool):
     sft = warm_start_config(cfg)
     names = ", ".join(p.name for p in sft.train.phases)
     print(f"Warm start: {sft.steps} steps of {names} in {sft.workdir}", flush=True)
-    run_pretraining(sft, progress=progress)
+    run_pretraining(sft, progress=progress, pretrained=lambda: interop.load_pretrained(sft))
     model, _ = load_trained_model(sft.workdir)
     return model
 
@@ -192,47 +194,6 @@ def _interrupted(stop, trainer) -> bool:
     return stop.signal is not None
 
 
-def next_groups(coordinator, ledger: GroupLedger, rl, version: int, interrupted=None):
-    """The next batch of finished groups for the trainer at `version`: (groups, advantage
-    weights, groups dropped). Groups whose oldest token lags more than rl.max_staleness versions
-    are dropped for good (and the wait goes on) or kept with weight
-    stale_decay ** (lag - max_staleness), per rl.stale_policy; a dropped group's prompt is
-    sampled again. With rl.skip_uniform_groups, groups whose samples all got the same task reward
-    are dropped too (not redone). Fewer groups only at the end of the prompt epoch; none when it is
-    over;
-    (None, None, dropped) when `interrupted()` returned True."""
-    dropped = 0
-    while True:
-        ids = coordinator.wait_for_groups(rl.groups_per_step, interrupted=interrupted)
-        if ids is None:
-            return None, None, dropped
-        stale = ledger.drop_stale(version, rl.max_staleness) if rl.stale_policy == "drop" else []
-        if stale:
-            dropped += len(stale)
-            coordinator.groups_trained(len(stale), version)
-            coordinator.redispatch(stale, version)
-            continue
-        groups, damaged = [], []
-        for group_id in ids:
-            try:
-                groups.append(ledger.load(group_id))
-            except DamagedGroup as error:  # set aside and counted by the ledger
-                print(f"warning: {error}; its prompt is sampled again", flush=True)
-                damaged.append(group_id)
-        if damaged:
-            coordinator.groups_trained(len(damaged), version)
-            coordinator.redispatch(damaged, version)
-            continue
-        uniform = [g.group_id for g in groups if rl.skip_uniform_groups and np.ptp(g.rewards) == 0]
-        if not uniform:
-            break
-        ledger.drop(uniform, version, "uninformative")
-        coordinator.groups_trained(len(uniform), version)
-    lags = [version - g.min_version for g in groups]
-    weights = [rl.stale_decay ** max(lag - rl.max_staleness, 0) for lag in lags]
-    return groups, weights, dropped
-
-
 def plot_curves(metrics_path: str, out_path: str) -> None:
     """Reward, pass rate, KL, length penalty and staleness against the step, as one PNG."""
     import matplotlib
@@ -301,7 +262,8 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
     trainer = RLTrainer(cfg, warm_params, warm_buffers, store)
     write_config(cfg.workdir, cfg)  # only now: a refused resume leaves the old config as it was
     num_prompts = rl.num_prompts or cfg.steps * rl.groups_per_step
-    tasks = rl_task_source(cfg).take(num_prompts, "train", seed=cfg.seed + 1)
+    source = rl_task_source(cfg)
+    tasks = source.take(num_prompts, "train", seed=cfg.seed + 1)
     if len(tasks) < num_prompts:
         print(
             f"warning: the RL task source has {len(tasks)} training tasks, fewer than the "
@@ -318,18 +280,10 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
             flush=True,
         )
     # Too stale to train on (or sampled by weights the restored state never had): drop them. The
-    # prompt of every dropped group without a live successor (pending or trained) is sampled
-    # again, also those dropped by an earlier start.
+    # scheduler samples again the prompt of every dropped group without a live successor.
     ledger.drop_stale(
         trainer.version, rl.max_staleness if rl.stale_policy == "drop" else 1 << 30, drop_newer=True
     )
-    by_id = dict(prompts)
-    dropped = set(ledger.dropped("stale"))
-    known, all_dropped = list(ledger), set(ledger.dropped())
-    live = {gid.split("-")[0] for gid in known if gid not in all_dropped}
-    for base in sorted({gid.split("-")[0] for gid in dropped} - live):
-        attempt = sum(gid.split("-")[0] == base for gid in known)
-        prompts.append((f"{base}-redo{attempt}", by_id[base]))
     writer = MetricsWriter(cfg.workdir, trainer.restored_step)
     if trainer.restored_step is None:
         writer.write(0, {"heldout_reward": before.mean, "heldout_pass_rate": before.pass_rate})
@@ -379,6 +333,7 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
         seed=cfg.seed,
         resume=resume,
         inflight_store=inflight_store,
+        variant=source.variant,
     )
     coordinator.trainer_version = trainer.version
     histogram: collections.Counter = collections.Counter()
@@ -418,6 +373,7 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
                     row_multiple=trainer.data_parallel,
                     weights=weights,
                     min_rows=rl.groups_per_step * rl.group_size,  # one shape for most steps
+                    reward_weights=reward_weights(rl),
                 )
                 trained = time.perf_counter()
                 metrics = trainer.step(batch)

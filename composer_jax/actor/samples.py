@@ -12,6 +12,7 @@ import dataclasses
 import numpy as np
 
 from composer_jax.actor.ledger import Group
+from composer_jax.config import RLObjectiveConfig
 from composer_jax.parallel.packing import balanced_row_order
 from composer_jax.rl.batch import (
     SegmentKind,
@@ -19,6 +20,13 @@ from composer_jax.rl.batch import (
     TrajectoryBatch,
     first_fit,
     pack_trajectories,
+)
+from composer_jax.rl.length_penalty import sample_rewards
+from composer_jax.rl.rewards import (
+    BEHAVIOUR_REWARDS,
+    EpisodeBehaviour,
+    behaviour_rewards,
+    reward_weights,
 )
 
 
@@ -33,6 +41,20 @@ class SampleResult:
     summaries: int = 0
     truncated: bool = False
     feedback: dict[str, int] = dataclasses.field(default_factory=dict)  # detector -> turns flagged
+    answered: bool = False  # ended with a final message
+    flagged: bool = False  # a reward-hack monitor flagged it
+
+    def behaviour(self) -> dict[str, float]:
+        """The unweighted behaviour reward components (`composer_jax.rl.rewards`)."""
+        return behaviour_rewards(
+            EpisodeBehaviour(
+                turns=self.num_turns,
+                tool_calls=self.num_tool_calls,
+                feedback=self.feedback,
+                answered=self.answered,
+                flagged=self.flagged,
+            )
+        )
 
     @property
     def policy_tokens(self) -> int:
@@ -69,6 +91,10 @@ def make_group(group_id: str, prompt_id: str, samples: list[SampleResult]) -> Gr
         "sequence_sample": np.array(owner, np.int32),
         "num_tool_calls": np.array([s.num_tool_calls for s in samples], np.float32),
         "num_turns": np.array([s.num_turns for s in samples], np.float32),
+        "behaviour": {
+            name: np.array([s.behaviour()[name] for s in samples], np.float32)
+            for name in BEHAVIOUR_REWARDS
+        },
     }
     if sequences[0].router_indices is not None:
         arrays["router_indices"] = np.concatenate([s.router_indices for s in sequences], axis=1)
@@ -155,13 +181,18 @@ def groups_to_batch(
     row_multiple: int = 1,
     weights: list[float] | None = None,
     min_rows: int = 1,
+    reward_weights: dict[str, float] | None = None,
 ) -> TrajectoryBatch:
     """Packs whole groups into one training batch. Rows (and hinted rows) are bucketed to powers of
     two rounded to `row_multiple` (the data-parallel size), so steps reuse a few compiled shapes.
     Rows are ordered so that every data-parallel rank gets equal attention work.
     `weights`: per group advantage scale (stale groups), None for all ones (always attached, so
-    the batch's structure never changes)."""
+    the batch's structure never changes). `reward_weights`: weight of each behaviour reward
+    component (`rl.rewards.reward_weights`); the batch's rewards are "task" plus the weighted
+    components with a nonzero weight."""
+    reward_weights = {k: w for k, w in (reward_weights or {}).items() if w}
     sequences, group_id, rewards, tool_calls, turns, sample_weight = [], [], [], [], [], []
+    behaviour = {name: [] for name in reward_weights}
     for g_index, group in enumerate(groups):
         first = len(group_id)
         sequences += group_sequences(group, first)
@@ -170,6 +201,9 @@ def groups_to_batch(
         rewards.append(group.rewards)
         tool_calls.append(group.arrays["num_tool_calls"])
         turns.append(group.arrays["num_turns"])
+        recorded = group.arrays.get("behaviour", {})
+        for name, weight in reward_weights.items():
+            behaviour[name].append(weight * recorded.get(name, np.zeros(G, np.float32)))
         sample_weight += [1.0 if weights is None else weights[g_index]] * G
     placed = first_fit([len(s) for s in sequences], seq_len, None)
     rows = _bucket(max(max(r for r, _ in placed) + 1, min_rows), row_multiple)
@@ -184,7 +218,10 @@ def groups_to_batch(
     batch = pack_trajectories(
         sequences,
         group_id=np.asarray(group_id, np.int32),
-        rewards={"task": np.concatenate(rewards)},
+        rewards={
+            "task": np.concatenate(rewards),
+            **{name: np.concatenate(parts).astype(np.float32) for name, parts in behaviour.items()},
+        },
         seq_len=seq_len,
         num_rows=rows,
         num_tool_calls=np.concatenate(tool_calls),
@@ -194,6 +231,16 @@ def groups_to_batch(
         sample_weight=np.asarray(sample_weight, np.float32),
     )
     return balance_rows(batch, row_multiple)
+
+
+def total_rewards(group: Group, cfg: RLObjectiveConfig) -> np.ndarray:
+    """Each sample's total reward before the KL term (task reward, weighted behaviour rewards,
+    minus the length penalty), exactly as the trainer computes it (`rl.sample_rewards` on the
+    group packed alone)."""
+    longest = int(np.max(group.arrays["sequence_lengths"]))
+    batch = groups_to_batch([group], seq_len=longest, reward_weights=reward_weights(cfg))
+    totals, _ = sample_rewards(batch, cfg)
+    return np.asarray(totals)[: len(group.rewards)]
 
 
 def balance_rows(batch: TrajectoryBatch, num_ranks: int) -> TrajectoryBatch:

@@ -21,15 +21,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from composer_jax import config as config_lib
-from composer_jax.config import RLConfig
+from composer_jax.config import RLConfig, RLObjectiveConfig
 from composer_jax.model.transformer import Transformer
 from composer_jax.parallel import Layout, make_layout
 from composer_jax.parallel.mesh import BATCH_AXES, use_layout
 from composer_jax.rl.batch import TrajectoryBatch
 from composer_jax.rl.policy import reference_logprobs, rl_loss
 from composer_jax.train.checkpoint import Checkpointer
-from composer_jax.train.loop import TrainSetup, make_train_setup
-from composer_jax.train.step import TrainState
+from composer_jax.train.loop import TrainSetup, make_setup
+from composer_jax.train.step import TrainState, apply_gradients
 from composer_jax.weight_sync import WeightPublisher, open_store
 
 
@@ -40,31 +40,40 @@ class NonFiniteRLLossError(FloatingPointError):
 def rl_train_step(
     graphdef: nnx.GraphDef,
     optimizer: optax.GradientTransformation,
-    rl_cfg: RLConfig,
+    objective: RLObjectiveConfig,
     schedule: optax.Schedule,
     layout: Layout | None,
     state: TrainState,
     batch: TrajectoryBatch,
     ref_logprobs_BT: jax.Array | None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One policy-gradient step. Expert routing biases are left alone: routing is replayed."""
-
-    def loss_fn(params):
-        m = nnx.merge(graphdef, params, state.buffers)
-        return rl_loss(m, batch, rl_cfg, ref_logprobs_BT)
-
-    with use_layout(layout):
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics["grad_norm"] = optax.tree_utils.tree_norm(grads)
-    metrics["lr"] = schedule(state.step)
+    """One policy-gradient step (the gradient step pretraining uses, on the RL loss). Expert
+    routing biases are left alone: routing is replayed."""
+    params, opt_state, metrics = apply_gradients(
+        graphdef,
+        optimizer,
+        schedule,
+        layout,
+        state,
+        lambda m: rl_loss(m, batch, objective, ref_logprobs_BT),
+    )
     # A non-finite step leaves the state as it was (the caller raises): the old state's buffers
     # are donated, so the kept copy has to come out of the step.
     ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
     new = TrainState(state.step + 1, params, state.buffers, opt_state)
     kept = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, state)
     return kept, metrics
+
+
+def rl_objective(rl: RLConfig) -> RLObjectiveConfig:
+    """The objective the trainer optimises: `rl` with its loss normaliser fixed for the run
+    (groups_per_step * group_size * max_generation_len unless configured), so a step with fewer
+    groups (the epoch's last) weighs each token the same as every other step."""
+    normalizer = rl.loss_normalizer or float(
+        rl.groups_per_step * rl.group_size * rl.max_generation_len
+    )
+    fields = {f.name: getattr(rl, f.name) for f in dataclasses.fields(RLObjectiveConfig)}
+    return RLObjectiveConfig(**{**fields, "loss_normalizer": normalizer})
 
 
 def _reference_logprobs(graphdef, layout, params, buffers, batch):
@@ -74,10 +83,9 @@ def _reference_logprobs(graphdef, layout, params, buffers, batch):
 
 
 def rl_setup(cfg: config_lib.ExperimentConfig, layout: Layout | None = None) -> TrainSetup:
-    """The pretraining setup machinery (shardings, optimizer) over one RL phase of cfg.steps."""
-    rl_phase = config_lib.PhaseConfig("rl", 1.0, seq_len=cfg.rl.context_len, batch_size=1)
-    rl_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, phases=(rl_phase,)))
-    return make_train_setup(rl_cfg, layout)
+    """Shardings and optimizer of the policy's train state: the run's optimizer over one
+    schedule of cfg.steps steps."""
+    return make_setup(cfg, layout, phase_lengths=[cfg.steps], lr_scales=[1.0])
 
 
 class RLTrainer:
@@ -123,7 +131,12 @@ class RLTrainer:
             self.restored_step, self.state, _ = restored
         self._step_fn = jax.jit(
             functools.partial(
-                rl_train_step, setup.graphdef, setup.optimizer, cfg.rl, setup.schedule, self.layout
+                rl_train_step,
+                setup.graphdef,
+                setup.optimizer,
+                rl_objective(cfg.rl),
+                setup.schedule,
+                self.layout,
             ),
             donate_argnums=0,
         )

@@ -9,9 +9,12 @@ import pytest
 
 from composer_jax import data, envs
 from composer_jax.actor import feedback
-from composer_jax.actor.coordinator import SUMMARY_OPEN, Coordinator
+from composer_jax.actor.coordinator import Coordinator
 from composer_jax.actor.env_workers import ProcessEnvironmentPool, ThreadEnvironmentPool
+from composer_jax.actor.episodes import SUMMARY_OPEN
+from composer_jax.actor.ids import GroupId
 from composer_jax.actor.ledger import GroupLedger
+from composer_jax.actor.lifecycle import SampleState
 from composer_jax.actor.sampler import LocalSampler
 from composer_jax.actor.samples import group_sequences, groups_to_batch
 from composer_jax.config import ModelConfig, RLConfig
@@ -217,17 +220,25 @@ def test_hardest_prompts_are_revisited_late_in_the_epoch(tmp_path):
     )
     ledger = GroupLedger(tmp_path / "ledger")
     prompts = [(f"p{i}", task) for i, task in enumerate(tasks)]
+    variant = envs.load_task_source("builtin:max_ops=1").variant
     with ThreadEnvironmentPool(4, timeout_s=60) as pool:
-        coordinator = Coordinator(cfg, sampler, pool, ledger, prompts, TOKENIZER, 1, 2)
+        coordinator = Coordinator(
+            cfg, sampler, pool, ledger, prompts, TOKENIZER, 1, 2, variant=variant
+        )
         coordinator.start()
         try:
             deadline = time.monotonic() + 60
-            while "p0-again1" not in ledger and time.monotonic() < deadline:
+            while "p0v1" not in ledger and time.monotonic() < deadline:
                 time.sleep(0.05)
         finally:
             coordinator.stop()
-    assert "p0-again1" in ledger, sorted(ledger.pending())
-    assert ledger.load("p0-again1").prompt_id == tasks[0].task_id
+    assert "p0v1" in ledger, sorted(ledger.pending())
+    revisit = ledger.load("p0v1")
+    # A fresh instance of the hard task (same function, new inputs): a new prompt, never the same
+    # one trained twice.
+    assert revisit.prompt_id.startswith(tasks[0].task_id + "-v")
+    prompt_ids = [ledger.load(g).prompt_id for g in ledger]
+    assert len(prompt_ids) == len(set(prompt_ids))
     assert coordinator.snapshot()["revisited_prompts"] >= 1
 
 
@@ -277,7 +288,8 @@ def test_restart_resumes_samples_mid_episode_from_the_in_flight_record(tmp_path)
         try:
             deadline = time.monotonic() + 60
             while coordinator.snapshot()["env/calls"] < 4 or any(
-                s.state != "generating" for s in coordinator._groups["p0"].samples
+                s.state is not SampleState.GENERATING
+                for s in coordinator.state.groups[GroupId("p0")].samples
             ):
                 assert time.monotonic() < deadline, "the samples never reached their second turn"
                 time.sleep(0.02)

@@ -5,9 +5,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from composer_jax.actor.ledger import Group, GroupLedger
-from composer_jax.actor.run import next_groups
+from composer_jax.actor.ledger import GroupLedger
+from composer_jax.actor.samples import SampleResult, make_group
+from composer_jax.actor.scheduler import next_groups
 from composer_jax.config import RLConfig
+from composer_jax.rl.batch import SegmentKind, Sequence
 
 
 class _Coordinator:
@@ -22,18 +24,38 @@ class _Coordinator:
     def groups_trained(self, count, version):
         self.released += count
 
-    def redispatch(self, group_ids, version):
+    def redispatch(self, group_ids):
         self.redone += group_ids
 
 
-def _ledger(tmp_path, min_versions, rewards=None):
+def _sample(version, reward, length=20, rng=None):
+    """A one-sequence sample: 4 prompt tokens, then `length` thinking tokens sampled at
+    `version` (the first) and later versions."""
+    rng = rng or np.random.default_rng(0)
+    n = 4 + length
+    policy = np.arange(n) >= 4
+    versions = np.where(policy, version + rng.integers(0, 2, n), 0).astype(np.int32)
+    versions[4] = version
+    seq = Sequence(
+        sample_index=0,
+        tokens=rng.integers(3, 259, n).astype(np.int32),
+        kinds=np.where(policy, SegmentKind.THINKING, SegmentKind.PROMPT).astype(np.int32),
+        policy_mask=policy,
+        sampler_logprobs=np.where(policy, -0.5, 0.0).astype(np.float32),
+        policy_versions=versions,
+        router_indices=np.zeros((1, n, 2), np.int32),
+    )
+    return SampleResult([seq], reward=float(reward), num_turns=1, answered=True)
+
+
+def _ledger(tmp_path, min_versions, rewards=None, lengths=None):
     ledger = GroupLedger(tmp_path)
     rng = np.random.default_rng(0)
     for i, v in enumerate(min_versions):
-        versions = v + rng.integers(0, 2, 10)
-        versions[0] = v
-        reward = rng.random(2) if rewards is None else np.asarray(rewards[i], np.float32)
-        ledger.add(Group(f"g{i}", f"t{i}", versions, np.zeros(2), reward))
+        reward = rng.random(2) if rewards is None else rewards[i]
+        length = (20, 20) if lengths is None else lengths[i]
+        samples = [_sample(v, r, n, rng) for r, n in zip(reward, length)]
+        ledger.add(make_group(f"g{i}", f"t{i}", samples))
     return ledger
 
 
@@ -66,6 +88,15 @@ def test_stale_groups_are_dropped_or_reweighted(tmp_path, policy):
         assert [g.group_id for g in groups] == ["g0", "g1"]
         assert weights == [0.5**6, 1.0]
         assert dropped == 0 and ledger.stats()["dropped_stale"] == 0
+
+
+def test_dynamic_sampling_keeps_groups_whose_lengths_differ(tmp_path):
+    """Every sample passes, but the shorter one gets a smaller length penalty: the group still
+    has a signal and is trained; an all-pass group of equal lengths is dropped."""
+    rl = dataclasses.replace(RLConfig(), groups_per_step=1, skip_uniform_groups=True)
+    ledger = _ledger(tmp_path, [3, 3], rewards=[[1, 1], [1, 1]], lengths=[(20, 20), (10, 300)])
+    groups, _, _ = next_groups(_Coordinator(ledger), ledger, rl, version=3)
+    assert [g.group_id for g in groups] == ["g1"] and ledger.dropped("uninformative") == ["g0"]
 
 
 def test_weights_scale_the_advantages_of_their_samples():

@@ -140,3 +140,31 @@ def test_step_on_eight_devices_equals_one_device(tmp_path):
         assert diff.max() <= 2.5 * lr  # at most a first Adam step of opposite sign
         moved += int((diff > lr / 2).sum())
     assert moved <= 0.01 * sum(a.size for a in p1)  # only near-zero gradients flip
+
+
+def test_the_loss_normaliser_is_the_runs_not_the_batchs():
+    """The epoch's last step may carry fewer groups; its tokens weigh the same as every
+    other step's: the normaliser is groups_per_step * group_size * max_generation_len."""
+    from composer_jax.actor.trainer import rl_objective
+    from composer_jax.rl import policy_objective
+    from tests.rl.toy import one_step_batch
+
+    rl = dataclasses.replace(config.rl_tiny().rl, kl_coef=0.0, length_penalty_coef=0.0)
+    objective = rl_objective(rl)
+    assert objective.loss_normalizer == rl.groups_per_step * rl.group_size * rl.max_generation_len
+    assert rl_objective(dataclasses.replace(rl, loss_normalizer=7.0)).loss_normalizer == 7.0
+    rng = np.random.default_rng()
+    choices, reward_v = rng.integers(0, 4, 8), rng.random(4)  # reward of each token value
+    logits = rng.normal(size=(8, 2, 4)).astype(np.float32)
+    full = one_step_batch(choices, np.log(np.full(4, 0.25)), reward_v, group_size=4)
+    half = one_step_batch(choices[:4], np.log(np.full(4, 0.25)), reward_v, group_size=4)
+    _, both = policy_objective(logits, full, objective)
+    _, first = policy_objective(logits[:4], half, objective)
+    _, second = policy_objective(
+        logits[4:],
+        one_step_batch(choices[4:], np.log(np.full(4, 0.25)), reward_v, group_size=4),
+        objective,
+    )
+    np.testing.assert_allclose(
+        float(first["pg_loss"]) + float(second["pg_loss"]), float(both["pg_loss"]), rtol=1e-5
+    )
