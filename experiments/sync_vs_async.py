@@ -47,7 +47,7 @@ def main(argv):
     import numpy as np
 
     from composer_jax import config as config_lib
-    from composer_jax.actor.run import warm_start_config
+    from composer_jax.actor.setup import warm_start_config
     from composer_jax.train.metrics import read_metrics
 
     base = config_lib.rl_tiny()

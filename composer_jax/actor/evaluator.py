@@ -1,7 +1,7 @@
 """The evaluator role: mean reward on held-out tasks, with a confidence interval.
 
 Held-out tasks come from a task source (`rl.heldout_tasks`, split `rl.heldout_split`, seeds the
-warm start and the RL prompts never use: `run.heldout_task_set`). Each task is sampled `samples` times with the RL sampling settings; the task is
+warm start and the RL prompts never use: `setup.heldout_task_set`). Each task is sampled `samples` times with the RL sampling settings; the task is
 the unit of the interval (samples of one task are not independent), and a before/after comparison
 is paired by task.
 """

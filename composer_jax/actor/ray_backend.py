@@ -3,14 +3,17 @@
 The actor builds the model from its config and takes every weight from the store (the trainer
 publishes compressed deltas there; use a shared directory or a tensorstore URL across hosts), so
 nothing but requests, finished turns and the store's location cross the network. Environment
-workers are Ray actors too (`env_workers.RayEnvironmentPool`). A sampler actor that dies is
+workers are Ray actors too (`RayEnvironmentPool`). A sampler actor that dies is
 replaced by a fresh one and the coordinator re-queues the samples it held.
 """
 
 from __future__ import annotations
 
+from composer_jax.actor.env_workers import WorkerPool
 from composer_jax.actor.sampler import LocalSampler, Sampler
+from composer_jax.actor.worker_process import WorkerCrash, WorkerTimeout
 from composer_jax.config import ModelConfig
+from composer_jax.envs.worker import EpisodeHost
 
 
 class SamplerLostError(RuntimeError):
@@ -107,3 +110,64 @@ class RaySampler(Sampler):
         stats = dict(self._call("stats"))
         stats["sampler_replacements"] = self.replacements
         return stats
+
+
+class _RayWorker:
+    """A Ray actor holding an `EpisodeHost`."""
+
+    def __init__(self, ray, actor_class, timeout_s: float):
+        self._ray = ray
+        self.actor = actor_class.remote()
+        try:
+            self._get(self.actor.pid.remote(), timeout_s)
+        except BaseException:
+            self.kill()
+            raise
+
+    def call(self, request: tuple, timeout_s: float):
+        return self._get(self.actor.handle.remote(*request), timeout_s)
+
+    def _get(self, ref, timeout_s: float):
+        ready, _ = self._ray.wait([ref], timeout=timeout_s)
+        if not ready:
+            raise WorkerTimeout()
+        try:
+            return self._ray.get(ref)
+        except self._ray.exceptions.RayError as error:
+            raise WorkerCrash(f"(actor) died: {type(error).__name__}") from error
+
+    def kill(self) -> None:
+        self._ray.kill(self.actor, no_restart=True)
+
+    def stop(self, timeout_s: float) -> None:
+        try:
+            self.call(("close_all", ()), timeout_s)
+        except (WorkerCrash, WorkerTimeout):
+            pass
+        self.kill()
+
+
+class RayEnvironmentPool(WorkerPool):
+    """Workers are Ray actors; the caller runs `ray.init`. `actor_options` go to `.options()`
+    (e.g. resources that place environments on CPU hosts)."""
+
+    def __init__(
+        self, num_workers: int = 2, timeout_s: float = 60.0, actor_options: dict | None = None
+    ):
+        try:
+            import ray
+        except ImportError as error:
+            raise ImportError(
+                "RayEnvironmentPool needs ray: pip install 'composer-jax[ray]'"
+            ) from error
+        self._ray = ray
+        self._actor_class = ray.remote(EpisodeHost).options(**(actor_options or {}))
+        super().__init__(num_workers, timeout_s)
+
+    def _launch(self) -> _RayWorker:
+        return _RayWorker(self._ray, self._actor_class, self.timeout_s)
+
+    def actors(self) -> dict:
+        """Worker index -> its current actor handle."""
+        workers = [(slot.index, slot.worker) for slot in self._slots]
+        return {index: worker.actor for index, worker in workers if worker is not None}

@@ -16,6 +16,7 @@ ledger records are set aside and their prompts redone.
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Callable
 
 import numpy as np
@@ -27,6 +28,8 @@ from composer_jax.config import RLConfig
 from composer_jax.envs import Task
 
 Variant = Callable[[Task, int], "Task | None"]
+
+log = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -145,7 +148,7 @@ def next_groups(coordinator, ledger: GroupLedger, rl: RLConfig, version: int, in
             try:
                 groups.append(ledger.load(group_id))
             except DamagedGroup as error:  # set aside and counted by the ledger
-                print(f"warning: {error}; its prompt is sampled again", flush=True)
+                log.warning("%s; its prompt is sampled again", error)
                 damaged.append(group_id)
         if damaged:
             coordinator.groups_trained(len(damaged), version)

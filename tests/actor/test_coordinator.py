@@ -10,13 +10,14 @@ import pytest
 from composer_jax import data, envs
 from composer_jax.actor import feedback
 from composer_jax.actor.coordinator import Coordinator
-from composer_jax.actor.env_workers import ProcessEnvironmentPool, ThreadEnvironmentPool
+from composer_jax.actor.env_workers import ProcessEnvironmentPool
 from composer_jax.actor.episodes import SUMMARY_OPEN
 from composer_jax.actor.ids import GroupId
 from composer_jax.actor.ledger import GroupLedger
 from composer_jax.actor.lifecycle import SampleState
 from composer_jax.actor.sampler import LocalSampler
 from composer_jax.actor.samples import group_sequences, groups_to_batch
+from composer_jax.actor.thread_pool import ThreadEnvironmentPool
 from composer_jax.config import ModelConfig, RLConfig
 from composer_jax.model import init_model
 from composer_jax.rl import SegmentKind

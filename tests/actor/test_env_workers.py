@@ -15,10 +15,10 @@ from composer_jax.actor.env_workers import (
     POOL_KINDS,
     EnvWorkerError,
     ProcessEnvironmentPool,
-    RayEnvironmentPool,
-    ThreadEnvironmentPool,
     make_environment_pool,
 )
+from composer_jax.actor.ray_backend import RayEnvironmentPool
+from composer_jax.actor.thread_pool import ThreadEnvironmentPool
 from composer_jax.envs import worker as env_worker
 
 # Slow enough that a signal lands while the worker is inside the call.

@@ -6,10 +6,10 @@ import pytest
 
 from composer_jax import envs
 from composer_jax.actor.coordinator import Coordinator
-from composer_jax.actor.env_workers import ThreadEnvironmentPool
 from composer_jax.actor.ledger import GroupLedger
 from composer_jax.actor.rollout import TURN_END_MARKERS, token_kinds, turn_sampling
 from composer_jax.actor.samples import group_sequences, groups_to_batch
+from composer_jax.actor.thread_pool import ThreadEnvironmentPool
 from composer_jax.config import ModelConfig, RLConfig
 from composer_jax.data import load_tokenizer
 from composer_jax.data.chat import chat_format_for

@@ -298,7 +298,7 @@ def test_worker_timeout_covers_the_slowest_legitimate_turn():
 
 def test_a_too_short_worker_timeout_is_refused():
     from composer_jax import config as config_lib
-    from composer_jax.actor.run import _env_timeout
+    from composer_jax.actor.setup import env_timeout as _env_timeout
 
     rl = config_lib.RLConfig(env_timeout_s=60.0)
     with pytest.raises(config_lib.ConfigError, match="rl.env_timeout_s"):
