@@ -35,6 +35,7 @@ def _show_project_logs() -> None:
     project = std_logging.getLogger("composer_jax")
     if any(getattr(h, "composer_jax", False) for h in project.handlers):
         return
+
     class Plain(std_logging.Formatter):
         def format(self, record):
             text = super().format(record)
