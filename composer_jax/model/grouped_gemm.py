@@ -117,8 +117,9 @@ def _grouped_matmul_bwd(tile_rows, residuals, grad_MN):
         _to_tiles(grad_MN, plan, tile_rows),
         preferred_element_type=jnp.float32,
     )
-    tile_in_group = jax.nn.one_hot(plan.group_of_tile, num_groups, dtype=jnp.float32)
-    grad_rhs = jnp.einsum("tg,tkn->gkn", tile_in_group, per_tile)
+    grad_rhs = jax.ops.segment_sum(
+        per_tile, plan.group_of_tile, num_segments=num_groups, indices_are_sorted=True
+    )
     return grad_lhs, grad_rhs.astype(rhs_GKN.dtype), None
 
 

@@ -151,8 +151,8 @@ def test_rejects_bad_shapes():
 
 
 def test_platform_choice():
-    """"auto" lowers to the tiled product for CPU (no [groups, rows, K] dense expansion) and to
-    ragged_dot for CUDA; a forced impl is used whatever the platform."""
+    """The "auto" impl lowers to the tiled product for CPU (no [groups, rows, K] dense
+    expansion) and to ragged_dot for CUDA; a forced impl is used whatever the platform."""
     lhs, rhs, _ = _inputs(1, jnp.bfloat16)
     sizes = jnp.asarray(GROUP_SIZES["ragged"], jnp.int32)
     dense_expansion = f"tensor<5x{M}x{K}x"

@@ -1,0 +1,207 @@
+r"""Expert grouped GEMM on CPU: `lax.ragged_dot` vs the tiled product vs the ideal dense work.
+
+For each shape, dtype and routing, forward and forward+backward (d lhs and d rhs) time of
+- `ragged_dot`: `lax.ragged_dot` (XLA:CPU expands it densely: rows x experts x K x N),
+- `tiled`: `composer_jax.model.grouped_gemm.grouped_matmul` (expert-aligned row tiles),
+- `ideal`: one batched einsum over equal segments (rows / experts each): the same FLOPs with no
+  routing at all, the floor the tiled product is measured against (target: within 2x).
+Shapes: the one in issue 18 and the expert GEMMs of the tiny / rl_tiny models at their training
+batches. Then the rl_tiny pretraining step (its SFT phase's batch) with each expert GEMM.
+
+  python experiments/bench_expert_gemm.py [--shapes=issue,rl_tiny_up,rl_tiny_down,tiny_up]
+      [--dtypes=float32,bfloat16] [--routing=balanced,skewed] [--train_steps=5]
+"""
+
+import dataclasses
+import functools
+import os
+import time
+
+from absl import app, flags
+
+_SHAPES = flags.DEFINE_list(
+    "shapes", ["issue", "rl_tiny_up", "rl_tiny_down", "tiny_up"], "GEMM shapes to measure."
+)
+_DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "Compute dtypes.")
+_ROUTING = flags.DEFINE_list(
+    "routing", ["balanced", "skewed"], "Group sizes: equal, or a fixed Dirichlet draw."
+)
+_MIN_TIME = flags.DEFINE_float("min_time", 0.3, "Seconds of timed calls per measurement.")
+_TRAIN_STEPS = flags.DEFINE_integer("train_steps", 5, "Timed rl_tiny train steps (0 skips).")
+
+
+def gemm_shapes() -> dict[str, tuple[int, int, int, int]]:
+    """name -> (rows, K, N, experts); the model shapes come from the presets."""
+    from composer_jax import config as config_lib
+
+    tiny, rl_tiny = config_lib.tiny(), config_lib.rl_tiny()
+    m = tiny.model
+    d, f, e, k = m.hidden_size, m.moe_intermediate_size, m.num_experts, m.num_experts_per_tok
+    rl_phase, tiny_phase = rl_tiny.train.phases[0], tiny.train.phases[0]
+    rl_rows = rl_phase.batch_size * rl_phase.seq_len * k
+    return {
+        "issue": (4096, 256, 128, 16),
+        "rl_tiny_up": (rl_rows, d, f, e),
+        "rl_tiny_down": (rl_rows, f, d, e),
+        "tiny_up": (tiny_phase.batch_size * tiny_phase.seq_len * k, d, f, e),
+    }
+
+
+def group_sizes(rows: int, experts: int, routing: str):
+    import numpy as np
+
+    if routing == "balanced":
+        return np.full(experts, rows // experts, np.int32)
+    rng = np.random.default_rng(0)
+    return rng.multinomial(rows, rng.dirichlet(np.full(experts, 2.0))).astype(np.int32)
+
+
+def time_ms(fn, *args) -> float:
+    """Median wall time of one call (after a warm-up), over at least `--min_time` seconds."""
+    import jax
+    import numpy as np
+
+    jax.block_until_ready(fn(*args))
+    times, start = [], time.perf_counter()
+    while len(times) < 3 or (time.perf_counter() - start < _MIN_TIME.value and len(times) < 50):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
+
+
+def measure_gemm(rows, k, n, experts, dtype, routing) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from composer_jax.model import grouped_gemm, moe
+
+    def ideal(lhs, rhs, sizes):
+        del sizes  # equal segments: the FLOPs of the grouped product with no routing
+        out = jnp.einsum(
+            "gmk,gkn->gmn",
+            lhs.reshape(experts, rows // experts, k),
+            rhs,
+            preferred_element_type=jnp.float32,
+        )
+        return out.astype(lhs.dtype).reshape(rows, n)
+
+    impls = {
+        "ragged_dot": functools.partial(moe.expert_gemm, impl="ragged_dot"),
+        "tiled": grouped_gemm.grouped_matmul,
+        "ideal": ideal,
+    }
+    rng = np.random.default_rng(1)
+    lhs = jnp.asarray(rng.normal(size=(rows, k)), dtype)
+    rhs = jnp.asarray(rng.normal(size=(experts, k, n)) / np.sqrt(k), dtype)
+    grad_out = jnp.asarray(rng.normal(size=(rows, n)), dtype)
+    sizes = jnp.asarray(group_sizes(rows, experts, routing))
+    result = {"sizes": np.asarray(sizes)}
+    for name, fn in impls.items():
+
+        def with_grads(lhs, rhs, sizes, fn=fn):
+            out, vjp = jax.vjp(lambda a, b: fn(a, b, sizes), lhs, rhs)
+            return out, *vjp(grad_out)
+
+        result[name] = (
+            time_ms(jax.jit(fn), lhs, rhs, sizes),
+            time_ms(jax.jit(with_grads), lhs, rhs, sizes),
+        )
+    return result
+
+
+def measure_train_step(impl: str, steps: int) -> dict:
+    """The rl_tiny config's pretraining step (`train.loop`'s jitted step, its SFT phase's batch
+    of random tokens) with the expert GEMM forced to `impl`."""
+    import jax
+    import numpy as np
+
+    from composer_jax import config as config_lib
+    from composer_jax.train import loop
+
+    cfg = config_lib.rl_tiny()
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, expert_gemm_impl=impl))
+    phase = cfg.train.phases[0]
+    setup = loop.make_train_setup(cfg)
+    rng = np.random.default_rng(0)
+    shape = (phase.batch_size, phase.seq_len)
+    batch = {
+        "tokens": rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32),
+        "segment_ids": np.ones(shape, np.int32),
+        "positions": np.broadcast_to(np.arange(phase.seq_len, dtype=np.int32), shape).copy(),
+    }
+    batch = jax.device_put(batch, setup.layout.batch_sharding())
+    state = setup.init_state()
+    t0 = time.perf_counter()
+    step = setup.jit_train_step().trace(state, batch).lower().compile()
+    compile_s = time.perf_counter() - t0
+    state, metrics = step(state, batch)  # warm-up
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    step_s = float(np.median(times))
+    return {
+        "compile_s": compile_s,
+        "step_ms": 1e3 * step_s,
+        "tokens_per_s": phase.batch_size * phase.seq_len / step_s,
+    }
+
+
+def main(argv):
+    del argv
+    import jax
+
+    shapes = gemm_shapes()
+    print(
+        f"device: {jax.devices()[0].device_kind} x{jax.device_count()}, jax {jax.__version__}, "
+        f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
+    print("times in ms (median); ratios: tiled / ideal, ragged_dot / tiled")
+    print(
+        "| shape (rows x K -> N, experts) | dtype | routing (max/min group) | ragged_dot fwd | "
+        "tiled fwd | ideal fwd | ragged_dot f+b | tiled f+b | ideal f+b | tiled/ideal fwd | "
+        "tiled/ideal f+b | ragged_dot/tiled f+b |"
+    )
+    print("| --- | --- | --- |" + " ---: |" * 9)
+    for shape in _SHAPES.value:
+        rows, k, n, experts = shapes[shape]
+        for dtype in _DTYPES.value:
+            for routing in _ROUTING.value:
+                r = measure_gemm(rows, k, n, experts, dtype, routing)
+                (rf, rb), (tf, tb), (i_f, ib) = r["ragged_dot"], r["tiled"], r["ideal"]
+                print(
+                    f"| {shape} ({rows} x {k} -> {n}, {experts}) | {dtype} | {routing} "
+                    f"({r['sizes'].max()}/{r['sizes'].min()}) | {rf:.2f} | {tf:.2f} | "
+                    f"{i_f:.2f} | {rb:.2f} | {tb:.2f} | {ib:.2f} | {tf / i_f:.2f} | "
+                    f"{tb / ib:.2f} | {rb / tb:.1f} |",
+                    flush=True,
+                )
+    if _TRAIN_STEPS.value:
+        from composer_jax import config as config_lib
+
+        phase = config_lib.rl_tiny().train.phases[0]
+        print(
+            f"\nrl_tiny pretraining step, batch {phase.batch_size} x {phase.seq_len}, "
+            f"{_TRAIN_STEPS.value} timed steps"
+        )
+        print("| expert GEMM | compile s | step ms | tokens/s | vs ragged_dot |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        base = None
+        for impl in ("ragged_dot", "tiled"):
+            r = measure_train_step(impl, _TRAIN_STEPS.value)
+            base = base or r["tokens_per_s"]
+            print(
+                f"| {impl} | {r['compile_s']:.1f} | {r['step_ms']:.0f} | "
+                f"{r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base:.2f} |",
+                flush=True,
+            )
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    app.run(main)
