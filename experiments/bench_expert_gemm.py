@@ -6,10 +6,12 @@ For each shape, dtype and routing, forward and forward+backward (d lhs and d rhs
 - `ideal`: one batched einsum over equal segments (rows / experts each): the same FLOPs with no
   routing at all, the floor the tiled product is measured against (target: within 2x).
 Shapes: the one in issue 18 and the expert GEMMs of the tiny / rl_tiny models at their training
-batches. Then the rl_tiny pretraining step (its SFT phase's batch) with each expert GEMM.
+batches. Then whole pretraining steps with each expert GEMM: rl_tiny (its SFT phase's batch) and
+a model shaped like issue 18's side-by-side comparison.
 
   python experiments/bench_expert_gemm.py [--shapes=issue,rl_tiny_up,rl_tiny_down,tiny_up]
       [--dtypes=float32,bfloat16] [--routing=balanced,skewed] [--train_steps=5]
+      [--train_models=rl_tiny,issue_model]
 """
 
 import dataclasses
@@ -27,7 +29,10 @@ _ROUTING = flags.DEFINE_list(
     "routing", ["balanced", "skewed"], "Group sizes: equal, or a fixed Dirichlet draw."
 )
 _MIN_TIME = flags.DEFINE_float("min_time", 0.3, "Seconds of timed calls per measurement.")
-_TRAIN_STEPS = flags.DEFINE_integer("train_steps", 5, "Timed rl_tiny train steps (0 skips).")
+_TRAIN_STEPS = flags.DEFINE_integer("train_steps", 5, "Timed train steps per model (0 skips).")
+_TRAIN_MODELS = flags.DEFINE_list(
+    "train_models", ["rl_tiny", "issue_model"], "Pretraining steps to measure (train_configs)."
+)
 
 
 def gemm_shapes() -> dict[str, tuple[int, int, int, int]]:
@@ -111,25 +116,47 @@ def measure_gemm(rows, k, n, experts, dtype, routing) -> dict:
     return result
 
 
-def measure_train_step(impl: str, steps: int) -> dict:
-    """The rl_tiny config's pretraining step (`train.loop`'s jitted step, its SFT phase's batch
-    of random tokens) with the expert GEMM forced to `impl`."""
+def train_configs() -> dict:
+    """name -> (experiment config, (batch, seq_len)) of the pretraining steps measured."""
+    from composer_jax import config as config_lib
+
+    rl_tiny = config_lib.rl_tiny()
+    phase = rl_tiny.train.phases[0]
+    # Issue 18's side-by-side model; the issue gives no expert width or attention shape, so the
+    # expert width is K=256 -> N=128 of its GEMM and attention keeps tiny's defaults.
+    issue_model = dataclasses.replace(
+        rl_tiny.model,
+        vocab_size=2048,
+        hidden_size=256,
+        num_layers=4,
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=128,
+        dtype="float32",
+    )
+    return {
+        "rl_tiny": (rl_tiny, (phase.batch_size, phase.seq_len)),
+        "issue_model": (dataclasses.replace(rl_tiny, model=issue_model), (4, 256)),
+    }
+
+
+def measure_train_step(name: str, impl: str, steps: int) -> dict:
+    """The pretraining step (`train.loop`'s jitted step on random tokens) of config `name` with
+    the expert GEMM forced to `impl`."""
     import jax
     import numpy as np
 
-    from composer_jax import config as config_lib
     from composer_jax.train import loop
 
-    cfg = config_lib.rl_tiny()
+    cfg, (batch_size, seq_len) = train_configs()[name]
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, expert_gemm_impl=impl))
-    phase = cfg.train.phases[0]
     setup = loop.make_train_setup(cfg)
     rng = np.random.default_rng(0)
-    shape = (phase.batch_size, phase.seq_len)
+    shape = (batch_size, seq_len)
     batch = {
         "tokens": rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32),
         "segment_ids": np.ones(shape, np.int32),
-        "positions": np.broadcast_to(np.arange(phase.seq_len, dtype=np.int32), shape).copy(),
+        "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), shape).copy(),
     }
     batch = jax.device_put(batch, setup.layout.batch_sharding())
     state = setup.init_state()
@@ -148,7 +175,7 @@ def measure_train_step(impl: str, steps: int) -> dict:
     return {
         "compile_s": compile_s,
         "step_ms": 1e3 * step_s,
-        "tokens_per_s": phase.batch_size * phase.seq_len / step_s,
+        "tokens_per_s": batch_size * seq_len / step_s,
     }
 
 
@@ -181,19 +208,20 @@ def main(argv):
                     f"{tb / ib:.2f} | {rb / tb:.1f} |",
                     flush=True,
                 )
-    if _TRAIN_STEPS.value:
-        from composer_jax import config as config_lib
-
-        phase = config_lib.rl_tiny().train.phases[0]
+    for name in _TRAIN_MODELS.value if _TRAIN_STEPS.value else ():
+        cfg, (batch_size, seq_len) = train_configs()[name]
+        m = cfg.model
         print(
-            f"\nrl_tiny pretraining step, batch {phase.batch_size} x {phase.seq_len}, "
-            f"{_TRAIN_STEPS.value} timed steps"
+            f"\n{name} pretraining step: hidden {m.hidden_size}, {m.num_layers} layers, "
+            f"{m.num_experts} experts top-{m.num_experts_per_tok} (width "
+            f"{m.moe_intermediate_size}), vocab {m.vocab_size}, {m.dtype}, batch {batch_size} x "
+            f"{seq_len}, median of {_TRAIN_STEPS.value} steps"
         )
         print("| expert GEMM | compile s | step ms | tokens/s | vs ragged_dot |")
         print("| --- | ---: | ---: | ---: | ---: |")
         base = None
         for impl in ("ragged_dot", "tiled"):
-            r = measure_train_step(impl, _TRAIN_STEPS.value)
+            r = measure_train_step(name, impl, _TRAIN_STEPS.value)
             base = base or r["tokens_per_s"]
             print(
                 f"| {impl} | {r['compile_s']:.1f} | {r['step_ms']:.0f} | "
