@@ -13,6 +13,7 @@ from composer_jax.config.base import ConfigError, from_dict, to_dict
 from composer_jax.config.experiment import ExperimentConfig, phase_steps, validate
 from composer_jax.config.model import (
     EXPERT_BACKENDS,
+    EXPERT_GEMM_IMPLS,
     EXPERT_PRECISIONS,
     MeshConfig,
     ModelConfig,
@@ -39,6 +40,7 @@ __all__ = [
     "ADVANTAGE_MODES",
     "ENV_WORKER_KINDS",
     "EXPERT_BACKENDS",
+    "EXPERT_GEMM_IMPLS",
     "EXPERT_PRECISIONS",
     "IMPORTANCE_WEIGHTINGS",
     "KL_ESTIMATORS",

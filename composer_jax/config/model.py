@@ -8,6 +8,7 @@ from composer_jax.config.base import check as _check
 
 EXPERT_PRECISIONS = ("bf16", "mxfp8", "nvfp4_fwd_mxfp8_bwd")
 EXPERT_BACKENDS = ("reference", "pallas_hopper", "pallas_blackwell")
+EXPERT_GEMM_IMPLS = ("auto", "ragged_dot", "tiled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,8 @@ class ModelConfig:
     # backend that runs the low-precision recipes.
     expert_precision: str = "bf16"
     expert_backend: str = "reference"
+    # The bf16 grouped GEMM: "ragged_dot", "tiled" (fast on CPU), or "auto" (chosen by platform).
+    expert_gemm_impl: str = "auto"
     rms_norm_eps: float = 1e-6
     # Multi-token prediction: number of extra sequential depths (0 disables MTP).
     num_mtp_layers: int = 1
@@ -172,6 +175,17 @@ def validate_model(m: ModelConfig, where: str = "model") -> None:
         m.expert_backend in EXPERT_BACKENDS,
         f"{where}.expert_backend",
         f"must be one of {EXPERT_BACKENDS}, got {m.expert_backend!r}",
+    )
+    _check(
+        m.expert_gemm_impl in EXPERT_GEMM_IMPLS,
+        f"{where}.expert_gemm_impl",
+        f"must be one of {EXPERT_GEMM_IMPLS}, got {m.expert_gemm_impl!r}",
+    )
+    _check(
+        m.expert_gemm_impl == "auto" or m.expert_precision == "bf16",
+        f"{where}.expert_gemm_impl",
+        f"{m.expert_gemm_impl!r} applies to expert_precision='bf16' only (the low-precision "
+        f"recipes pick their kernels with expert_backend), got {m.expert_precision!r}",
     )
     _check(0 <= m.replay_min_ratio <= 1, f"{where}.replay_min_ratio", "must lie in [0, 1]")
     if m.rope_scaling is not None:

@@ -20,6 +20,7 @@ FREE_FIELDS = frozenset(
         "replay_min_ratio",
         "expert_precision",
         "expert_backend",
+        "expert_gemm_impl",
     }
 )
 
