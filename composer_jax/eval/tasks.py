@@ -30,10 +30,6 @@ class TaskEvalConfig:
     seed: int = 0
 
 
-def _group_of(task: envs.Task) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted(task.metadata.items()))
-
-
 def evaluate_tasks(
     model,
     tokenizer,
@@ -95,7 +91,7 @@ def evaluate_tasks(
                         flagged=bool(trace.flags),
                         turns=int(trace.counts.get("turns", 0)),
                         scores=dict((trace.grade or {}).get("scores", {})),
-                        group=_group_of(task),
+                        group=task.group,
                     )
                 )
             bar.update(len(wave) // cfg.samples)
