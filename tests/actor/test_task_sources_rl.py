@@ -1,7 +1,11 @@
 """`launch.rl` takes its prompts from any task source chosen by flag: here one run on a weighted
 mixture of a JSONL file, simplejson feature deletion and a source defined in a test module,
 loaded by import path (the package is not touched). Every prompt of the epoch is trained once,
-and they are exactly the ones the source yields for the run's seed."""
+and they are exactly the ones the source yields for the run's seed.
+
+The feature-deletion tasks are synthesised here first, into a cache of the test's own, so the run
+reads the very tasks the expectation was built from (synthesis under a time budget may find fewer
+on a loaded machine)."""
 
 import json
 import os
@@ -35,12 +39,14 @@ def _jsonl(path):
     return str(path)
 
 
-def test_rl_trains_on_a_mixture_of_jsonl_feature_deletion_and_a_plugin(tmp_path):
+def test_rl_trains_on_a_mixture_of_jsonl_feature_deletion_and_a_plugin(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     spec = (
         f"jsonl:{_jsonl(tmp_path / 'tasks.jsonl')}:1,"
         "feature_deletion:simplejson:count=2:1,"
         "tests.envs.task_plugin:make_source:count=4:1"
     )
+    want = envs.load_task_source(spec).take(STEPS * GROUPS, "train", seed=1)  # cfg.seed + 1
     workdir = tmp_path / "run"
     args = [
         sys.executable,
@@ -69,7 +75,6 @@ def test_rl_trains_on_a_mixture_of_jsonl_feature_deletion_and_a_plugin(tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ledger = GroupLedger(str(workdir / "ledger"))
     trained = sorted(ledger.load(g).prompt_id for g in ledger if ledger.trained_step(g))
-    want = envs.load_task_source(spec).take(STEPS * GROUPS, "train", seed=1)  # cfg.seed + 1
     assert trained == sorted(t.task_id for t in want)
     prefixes = {t.task_id.split("-")[0] for t in want}
     assert prefixes == {"scale", "simplejson", "plugin"}  # the seed draws from all three parts
