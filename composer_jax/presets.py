@@ -150,7 +150,10 @@ def rl_tiny() -> ExperimentConfig:
     base = tiny()
     return dataclasses.replace(
         base,
-        optim=OptimizerConfig(learning_rate=1e-4, warmup_steps=0, min_lr_ratio=1.0),
+        # Adam without weight decay, as the report's RL (decay would pull the policy toward 0).
+        optim=OptimizerConfig(
+            learning_rate=1e-4, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0
+        ),
         data=dataclasses.replace(base.data, tasks="builtin:max_ops=1"),
         train=dataclasses.replace(
             base.train,
@@ -203,7 +206,9 @@ def rl_small() -> ExperimentConfig:
     base = small()
     return dataclasses.replace(
         base,
-        optim=OptimizerConfig(learning_rate=1e-5, warmup_steps=0, min_lr_ratio=1.0),
+        optim=OptimizerConfig(
+            learning_rate=1e-5, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0
+        ),
         train=dataclasses.replace(
             base.train,
             phases=(PhaseConfig("sft", 1.0, seq_len=2048, batch_size=64, data="tasks"),),

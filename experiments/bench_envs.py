@@ -1,8 +1,9 @@
 r"""Environment throughput and task synthesis time, plus an example pass@k report.
 
 Runs `--episodes` built-in episodes at once through `EpisodePool` (half scripted oracle, half
-random policy, several samples per task), prints episodes/s and the evaluation table, and times
-feature-deletion synthesis (cached after the first run).
+random policy, several samples per task), prints episodes/s and the evaluation table, the cost of
+one sandboxed command and of one grading per sandbox backend usable here (against the unisolated
+fallback, in the same run), and times feature-deletion synthesis (cached after the first run).
 
   python experiments/bench_envs.py [--episodes=64] [--workers=16] [--stdlib_tasks=50] \
       [--report=envs_report.json]
@@ -16,8 +17,11 @@ from absl import app, flags
 from composer_jax.envs import (
     EnvConfig,
     EpisodePool,
+    Sandbox,
     builtin_tasks,
     bwrap_available,
+    grade,
+    isolation,
     oracle_turns,
     random_turns,
     synthesize_stdlib_tasks,
@@ -31,6 +35,36 @@ _STDLIB = flags.DEFINE_integer(
     "stdlib_tasks", 50, "Feature-deletion tasks to synthesise (0: skip)."
 )
 _REPORT = flags.DEFINE_string("report", "", "If set, write the evaluation report JSON here.")
+_COMMANDS = flags.DEFINE_integer("commands", 20, "Commands timed per backend (0: skip).")
+
+
+def backend_costs(repeats: int) -> None:
+    """Mean wall seconds of `true` and of grading an oracle solution, per usable backend."""
+    task = builtin_tasks(1, split="held_out")[0]
+    rows = []
+    for backend in ("rlimit", "unshare", "bwrap"):
+        if not isolation.usable(backend):
+            rows.append((backend, None, None))
+            continue
+        with Sandbox.from_files(task.files, backend=backend, require_isolation=False) as box:
+            start = time.perf_counter()
+            for _ in range(repeats):
+                box.run("true")
+            command = (time.perf_counter() - start) / repeats
+            box.restore({**task.files, **task.oracle_files})
+            start = time.perf_counter()
+            for _ in range(max(1, repeats // 4)):
+                assert grade(box, task).reward == 1.0
+            grading = (time.perf_counter() - start) / max(1, repeats // 4)
+        rows.append((backend, command, grading))
+    base = rows[0][1]
+    print("backend   command ms  vs rlimit  grading ms")
+    for backend, command, grading in rows:
+        if command is None:
+            print(f"{backend:8}  n/a: not usable here")
+            continue
+        ratio = command / base
+        print(f"{backend:8}  {command * 1e3:10.1f}  {ratio:8.2f}x  {grading * 1e3:10.1f}")
 
 
 def run_concurrent(num_episodes: int, workers: int, samples: int) -> list[EpisodeRecord]:
@@ -65,7 +99,12 @@ def run_concurrent(num_episodes: int, workers: int, samples: int) -> list[Episod
         tokens = sum(v for k, v in counts.items() if k.endswith("_tokens"))
         records.append(
             EpisodeRecord(
-                task.task_id, result.reward, tokens, counts["tool_calls"], bool(result.flags)
+                task.task_id,
+                result.reward,
+                tokens,
+                counts["tool_calls"],
+                bool(result.flags),
+                turns=counts["turns"],
             )
         )
     return records
@@ -73,6 +112,8 @@ def run_concurrent(num_episodes: int, workers: int, samples: int) -> list[Episod
 
 def main(argv):
     del argv
+    if _COMMANDS.value:
+        backend_costs(_COMMANDS.value)
     records = run_concurrent(_EPISODES.value, _WORKERS.value, _SAMPLES.value)
     report = evaluate(records, ks=(1, 2, _SAMPLES.value))
     print(format_table(report))

@@ -42,7 +42,13 @@ def measure(model_cfg, batch_size: int, seq_len: int, steps: int) -> dict:
     }
     step = jax.jit(
         functools.partial(
-            step_lib.train_step, graphdef, optimizer, model_cfg, config_lib.TrainConfig(), schedule
+            step_lib.train_step,
+            graphdef,
+            optimizer,
+            model_cfg,
+            config_lib.TrainConfig(),
+            schedule,
+            None,  # one device: no layout
         ),
         donate_argnums=0,
     )

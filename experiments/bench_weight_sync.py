@@ -47,7 +47,7 @@ def _bench_preset(name: str) -> None:
 
     from composer_jax import config
     from composer_jax.model import init_model
-    from composer_jax.rl.weight_sync import LocalDirStore, WeightPublisher, WeightSubscriber
+    from composer_jax.weight_sync import LocalDirStore, WeightPublisher, WeightSubscriber
 
     params = nnx.to_pure_dict(nnx.state(init_model(getattr(config, name)().model), nnx.Param))
     params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
@@ -169,13 +169,13 @@ def _rl_step_preset(name: str) -> bool:
     import numpy as np
 
     from composer_jax import config, envs
+    from composer_jax.actor.rollout import collect_batch
+    from composer_jax.actor.trainer import RLTrainer
     from composer_jax.infer import InferenceEngine, SamplingParams
     from composer_jax.model import init_model
-    from composer_jax.rl.rollout import collect_batch
-    from composer_jax.rl.trainer import RLTrainer
-    from composer_jax.rl.weight_sync import WeightPublisher, WeightSubscriber, open_store
     from composer_jax.train.runs import resolve_tokenizer
     from composer_jax.train.step import split_model
+    from composer_jax.weight_sync import WeightPublisher, WeightSubscriber, open_store
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = dataclasses.replace(getattr(config, name)(), workdir=f"{tmp}/run")

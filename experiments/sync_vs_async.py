@@ -28,7 +28,7 @@ _MULTI = flags.DEFINE_bool("multi_thread", False, "Let XLA use every core per co
 def _run(base, name: str, max_staleness: int, warm: str):
     import dataclasses
 
-    from composer_jax.rl.run import run_rl
+    from composer_jax.actor.run import run_rl
 
     rl = dataclasses.replace(base.rl, max_staleness=max_staleness, warm_start=warm)
     cfg = dataclasses.replace(base, rl=rl, workdir=os.path.join(_OUT.value, name))
@@ -47,7 +47,7 @@ def main(argv):
     import numpy as np
 
     from composer_jax import config as config_lib
-    from composer_jax.rl.run import warm_start_config
+    from composer_jax.actor.setup import warm_start_config
     from composer_jax.train.metrics import read_metrics
 
     base = config_lib.rl_tiny()

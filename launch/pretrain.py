@@ -23,12 +23,15 @@ def main(argv):
 
     runtime.initialize()
     from composer_jax import config as config_lib
+    from composer_jax import interop
     from composer_jax.train import CheckpointError, NonFiniteLossError, run_pretraining
 
     metrics = [("pretrain", os.path.join(cfg.workdir, "metrics.jsonl"), cfg.steps)]
     try:
         with plain_log.progress_context(metrics, _PROGRESS.value, _LOG_EVERY_S.value):
-            result = run_pretraining(cfg, progress=_PROGRESS.value)
+            result = run_pretraining(
+                cfg, progress=_PROGRESS.value, pretrained=lambda: interop.load_pretrained(cfg)
+            )
     except (config_lib.ConfigError, NonFiniteLossError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

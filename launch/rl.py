@@ -35,8 +35,8 @@ def main(argv):
 
     runtime.initialize()
     from composer_jax import config as config_lib
-    from composer_jax.rl.run import exit_code, run_rl
-    from composer_jax.rl.trainer import NonFiniteRLLossError
+    from composer_jax.actor.run import exit_code, run_rl
+    from composer_jax.actor.trainer import NonFiniteRLLossError
     from composer_jax.train import CheckpointError, NonFiniteLossError
 
     try:

@@ -13,6 +13,7 @@ def initialize() -> None:
     """
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
+    _show_project_logs()
     import jax
 
     if os.environ.get("COORDINATOR_ADDRESS"):
@@ -23,6 +24,29 @@ def initialize() -> None:
         )
     elif os.environ.get("SLURM_NTASKS", "1") != "1" or os.environ.get("OMPI_COMM_WORLD_SIZE"):
         jax.distributed.initialize()
+
+
+def _show_project_logs() -> None:
+    """The project's own INFO lines (warm start, held-out rewards, resumes) on stdout as plain
+    text, whatever the libraries' verbosity."""
+    import logging as std_logging
+    import sys
+
+    project = std_logging.getLogger("composer_jax")
+    if any(getattr(h, "composer_jax", False) for h in project.handlers):
+        return
+
+    class Plain(std_logging.Formatter):
+        def format(self, record):
+            text = super().format(record)
+            return f"{record.levelname.lower()}: {text}" if record.levelno > 20 else text
+
+    handler = std_logging.StreamHandler(sys.stdout)
+    handler.setFormatter(Plain("%(message)s"))
+    handler.composer_jax = True
+    project.addHandler(handler)
+    project.setLevel(std_logging.INFO)
+    project.propagate = False
 
 
 def initialize_ray() -> None:

@@ -130,6 +130,18 @@ def make_task(seed: int, max_ops: int = MAX_OPS) -> Task:
     (an easier family: the same seed gives the first `max_ops` transforms of the full task)."""
     rng = random.Random(seed)
     spec = _random_spec(rng, max_ops)
+    return _instance(spec, rng, f"builtin-{seed}")
+
+
+def task_variant(task: Task, seed: int) -> Task:
+    """A fresh instance of a built-in task: the same function, other inputs (a new task id)."""
+    steps = tuple((i, tuple(params)) for i, params in json.loads(task.metadata["function"])[1])
+    spec = FunctionSpec(json.loads(task.metadata["function"])[0], steps)
+    return _instance(spec, random.Random(seed), f"{task.task_id}-v{seed}")
+
+
+def _instance(spec: FunctionSpec, rng: random.Random, task_id: str) -> Task:
+    """The task of `spec` with inputs drawn from `rng`."""
     inputs: list = []
     while len(inputs) < _NUM_HIDDEN_CASES + 1:
         value = _random_input(rng, spec.input_kind)
@@ -144,7 +156,7 @@ def make_task(seed: int, max_ops: int = MAX_OPS) -> Task:
     )
     visible = f"from solution import f\nassert f({example!r}) == {example_out!r}\nprint('ok')\n"
     return Task(
-        task_id=f"builtin-{seed}",
+        task_id=task_id,
         prompt=prompt,
         files={
             SOLUTION_FILE: "def f(x):\n    raise NotImplementedError\n",
@@ -163,6 +175,7 @@ def make_task(seed: int, max_ops: int = MAX_OPS) -> Task:
         oracle_files={SOLUTION_FILE: solution_source(spec)},
         split=_split_of(spec),
         family="builtin",
+        metadata={"function": spec.key()},
     )
 
 

@@ -17,6 +17,7 @@ by the interpreter version, which is never mounted in the sandbox.
 """
 
 import ast
+import collections
 import concurrent.futures
 import dataclasses
 import glob
@@ -286,28 +287,28 @@ def _synthesize(targets, kind, count, seed, cache_dir, time_budget_s, workers, b
         return cached[:count]
     started = time.monotonic()
     tasks: list[Task] = []
+    # Results are taken in target order, not completion order, so which tasks a seed yields does
+    # not depend on which worker finishes first.
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        pending = {}
+        window: collections.deque = collections.deque()
         queue = targets()
         while len(tasks) < count:
             for target in queue:
                 rng = random.Random(f"{seed}-{target.name}")
-                pending[pool.submit(_target_tasks, target, rng, backend)] = target.name
-                if len(pending) >= workers:
+                window.append((pool.submit(_target_tasks, target, rng, backend), target.name))
+                if len(window) >= workers:
                     break
-            if not pending:
+            if not window:
                 break
-            done, _ = concurrent.futures.wait(pending, return_when="FIRST_COMPLETED")
-            for future in done:
-                name = pending.pop(future)
-                try:
-                    tasks.extend(future.result())
-                except (OSError, SyntaxError, UnicodeError) as error:
-                    log.warning("skipping %s: %s", name, error)
+            future, name = window.popleft()
+            try:
+                tasks.extend(future.result())
+            except (OSError, SyntaxError, UnicodeError) as error:
+                log.warning("skipping %s: %s", name, error)
             if time.monotonic() - started > time_budget_s:
                 log.warning("feature deletion: time budget spent with %d tasks", len(tasks))
                 break
-        for future in pending:
+        for future, _ in window:
             future.cancel()
     tasks.sort(key=lambda t: t.task_id)
     log.info("feature deletion: %d tasks in %.0fs", len(tasks), time.monotonic() - started)

@@ -23,6 +23,7 @@ Fields (`FIELDS` is the machine-readable form):
     oracle_files       {path: text}: a reference solution (SFT data, oracle checks)
     split              str, default "train"
     test_literals      [str, ...]: reprs of hidden inputs (the special-casing monitor)
+    group              str: what evaluation reports break results down by (e.g. "difficulty=hard")
 
 A `test_command` whose printed output decides the grade is not supported: output of a process
 that runs the code under test can be forged (see `harness`).
@@ -49,6 +50,7 @@ FIELDS = {
     "oracle_files": (dict, False),
     "split": (str, False),
     "test_literals": (list, False),
+    "group": (str, False),
 }
 
 
@@ -132,6 +134,7 @@ def parse_task(record: object, where: str, family: str = "jsonl") -> Task:
             oracle_files=_text_map(record.get("oracle_files", {}), where, "oracle_files"),
             split=record.get("split", "train"),
             family=family,
+            group=record.get("group", ""),
         )
     except TaskError as error:
         raise JsonlTaskError(f"{where}: {error}") from None

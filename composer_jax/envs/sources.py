@@ -28,7 +28,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 
 from composer_jax.envs import feature_deletion, humaneval, jsonl_tasks
-from composer_jax.envs.builtin_tasks import MAX_OPS, iter_builtin_tasks
+from composer_jax.envs.builtin_tasks import MAX_OPS, iter_builtin_tasks, task_variant
 from composer_jax.envs.task import Task
 
 
@@ -48,6 +48,12 @@ class TaskSource(abc.ABC):
 
     def size(self, split: str = "train") -> int | None:
         """How many tasks the split has, or None when it is endless."""
+        return None
+
+    def variant(self, task: Task, seed: int) -> Task | None:
+        """A fresh instance of `task` (the same problem, new inputs, a new id), or None when
+        this source cannot make one. RL's hard-prompt emphasis revisits hard prompts this way,
+        so no prompt is trained twice."""
         return None
 
     @property
@@ -98,6 +104,9 @@ class BuiltinSource(TaskSource):
     def tasks(self, split: str = "train", seed: int = 0) -> Iterator[Task]:
         self._check_split(split)
         return iter_builtin_tasks(split, seed, self.max_ops)
+
+    def variant(self, task: Task, seed: int) -> Task | None:
+        return task_variant(task, seed) if task.family == "builtin" else None
 
 
 class FeatureDeletionSource(TaskSource):
@@ -172,6 +181,9 @@ class MixtureSource(TaskSource):
     def size(self, split: str = "train") -> int | None:
         sizes = [s.size(split) for s, _ in self.parts]
         return None if None in sizes else sum(sizes)
+
+    def variant(self, task: Task, seed: int) -> Task | None:
+        return next((v for s, _ in self.parts if (v := s.variant(task, seed)) is not None), None)
 
 
 def _state_tracking(*args, **options) -> TaskSource:

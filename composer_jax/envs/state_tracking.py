@@ -124,6 +124,7 @@ class StateTrackingSource(TaskSource):
                     split="test",
                     family="state_tracking",
                     metadata={"history_length": length},
+                    group=f"history_length={length}",
                 )
 
     def size(self, split: str = "test") -> int | None:

@@ -50,7 +50,9 @@ class Task:
     grading_hidden_paths: host paths still masked while grading.
     test_literals: literal inputs of the hidden tests (for the special-casing monitor).
     oracle_files: files that solve the task (for SFT data and the oracle test).
-    metadata: JSON-able facts reports group by (e.g. a state-tracking task's history length).
+    metadata: JSON-able facts about the task (e.g. a built-in task's function, which its
+      source uses to make fresh variants).
+    group: what evaluation reports break results down by (e.g. "history_length=8"; "" none).
     """
 
     task_id: str
@@ -67,6 +69,7 @@ class Task:
     split: str = "train"
     family: str = ""
     metadata: dict = dataclasses.field(default_factory=dict)
+    group: str = ""
 
     def __post_init__(self):
         kind = self.grader.get("kind") if isinstance(self.grader, dict) else None

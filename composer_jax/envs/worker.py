@@ -1,4 +1,4 @@
-"""The worker side of the environment pools (`composer_jax.rl.env_workers`): episodes held by id.
+"""The worker side of the environment pools (`composer_jax.actor.env_workers`): episodes held by id.
 
 JAX-free on purpose: a worker process runs `python -m composer_jax.envs.worker` and a Ray actor
 imports `EpisodeHost` from here, so neither pulls in the trainer's stack. A worker process talks

@@ -11,9 +11,9 @@ import time
 from tqdm.auto import tqdm
 
 from composer_jax import envs
+from composer_jax.actor.rollout import play_episodes
 from composer_jax.eval.passk import EpisodeRecord, evaluate
 from composer_jax.infer import InferenceEngine, SamplingParams
-from composer_jax.rl.rollout import play_episodes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,10 +28,6 @@ class TaskEvalConfig:
     num_slots: int = 16
     env_workers: int = 4  # environment steps of one turn run this many at a time
     seed: int = 0
-
-
-def _group_of(task: envs.Task) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted(task.metadata.items()))
 
 
 def evaluate_tasks(
@@ -95,7 +91,7 @@ def evaluate_tasks(
                         flagged=bool(trace.flags),
                         turns=int(trace.counts.get("turns", 0)),
                         scores=dict((trace.grade or {}).get("scores", {})),
-                        group=_group_of(task),
+                        group=task.group,
                     )
                 )
             bar.update(len(wave) // cfg.samples)

@@ -8,9 +8,12 @@ from composer_jax.interop.hf import (
     load_hf_checkpoint,
     params_from_hf,
 )
+from composer_jax.interop.init import check_same_architecture, load_pretrained
 from composer_jax.interop.safetensors_io import read_hf_checkpoint
 
 __all__ = [
+    "check_same_architecture",
+    "load_pretrained",
     "CheckpointMismatchError",
     "export_hf_checkpoint",
     "config_from_hf",

@@ -130,3 +130,23 @@ def attention_mask(
     same_doc = q_segments_BT[:, :, None] == k_segments_BS[:, None, :]
     causal = k_positions_BS[:, None, :] <= q_positions_BT[:, :, None]
     return same_doc & causal
+
+
+def mla_max_logits(
+    attn: MLA, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array
+) -> jax.Array:
+    """Largest visible pre-softmax logit of each head [H] over a batch, as `MLA.attend` scores it.
+
+    For tests and offline checks; in training the attention layer should report these maxima
+    from its own forward pass instead of recomputing them.
+    """
+    cos, sin = rope.rope_tables(positions_BT, attn.cfg)
+    q_nope, q_rope = attn.queries(x_BTD, cos, sin)
+    c_kv, k_rope = attn.latents(x_BTD, cos, sin)
+    kv = jnp.einsum("bsr,rhk->bshk", c_kv, attn.kv_b_proj[...].astype(c_kv.dtype))
+    k_nope = kv[..., : attn.cfg.qk_nope_head_dim]
+    scores = jnp.einsum("bthk,bshk->bhts", q_nope, k_nope, preferred_element_type=jnp.float32)
+    scores += jnp.einsum("bthk,bsk->bhts", q_rope, k_rope, preferred_element_type=jnp.float32)
+    scores = scores * rope.softmax_scale(attn.cfg)
+    mask = attention_mask(segment_ids_BT, positions_BT, segment_ids_BT, positions_BT)
+    return jnp.max(jnp.where(mask[:, None], scores, -jnp.inf), axis=(0, 2, 3))

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from composer_jax.config import ModelConfig
+from composer_jax.config import EXPERT_GEMM_IMPLS, ModelConfig
+from composer_jax.model import grouped_gemm
 from composer_jax.model.layers import DenseMLP, fan_in_param
 from composer_jax.parallel import expert_parallel
 from composer_jax.parallel.mesh import current_layout
@@ -36,17 +37,28 @@ class RoutingStats(NamedTuple):
     replay_replaced: jax.Array  # replayed (token, slot) pairs the plausibility filter replaced
 
 
+def _ragged_dot(lhs_MK: jax.Array, rhs_EKN: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
+    return jax.lax.ragged_dot(
+        lhs_MK, rhs_EKN, group_sizes_E, preferred_element_type=jnp.float32
+    ).astype(lhs_MK.dtype)
+
+
 def expert_gemm(
     lhs_MK: jax.Array,
     rhs_EKN: jax.Array,
     group_sizes_E: jax.Array,
     precision: str = "bf16",
     backend: str = "reference",
+    impl: str = "auto",
 ) -> jax.Array:
     """The one grouped matmul all expert FLOPs go through: rows are sorted by expert.
 
     Rows [sum(group_sizes[:e]), sum(group_sizes[:e+1])) are multiplied by rhs[e]. `precision`
-    "bf16" multiplies in the compute dtype; the low-precision recipes live in `composer_jax.quant`.
+    "bf16" multiplies in the compute dtype with float32 accumulation, by `impl`: "ragged_dot"
+    (`lax.ragged_dot`), "tiled" (`grouped_gemm.grouped_matmul`, expert-aligned row tiles as one
+    batched matmul: XLA:CPU expands ragged_dot densely, ~groups x the work), or "auto" (tiled
+    where the program is lowered for CPU, ragged_dot elsewhere). The low-precision recipes live
+    in `composer_jax.quant`.
     """
     if precision != "bf16":
         from composer_jax.quant import moe_gemm
@@ -54,9 +66,19 @@ def expert_gemm(
         return moe_gemm.quantized_expert_gemm(
             lhs_MK, rhs_EKN, group_sizes_E, precision=precision, backend=backend
         )
-    return jax.lax.ragged_dot(
-        lhs_MK, rhs_EKN, group_sizes_E, preferred_element_type=jnp.float32
-    ).astype(lhs_MK.dtype)
+    if impl == "ragged_dot":
+        return _ragged_dot(lhs_MK, rhs_EKN, group_sizes_E)
+    if impl == "tiled":
+        return grouped_gemm.grouped_matmul(lhs_MK, rhs_EKN, group_sizes_E)
+    if impl == "auto":
+        return jax.lax.platform_dependent(
+            lhs_MK,
+            rhs_EKN,
+            group_sizes_E,
+            cpu=grouped_gemm.grouped_matmul,
+            default=_ragged_dot,
+        )
+    raise ValueError(f"expert gemm impl must be one of {EXPERT_GEMM_IMPLS}, got {impl!r}")
 
 
 def _select_experts(scores_BTE: jax.Array, bias_E: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -148,6 +170,7 @@ class MoE(nnx.Module):
             group_sizes_E=group_sizes,
             precision=cfg.expert_precision,
             backend=cfg.expert_backend,
+            impl=cfg.expert_gemm_impl,
         )
         rows = rows_MD[order]
         h = jax.nn.silu(gemm(rows, gate_EDF)) * gemm(rows, up_EDF)

@@ -9,7 +9,7 @@ from composer_jax.optim.muon import (
     scale_by_muon,
     split_table,
 )
-from composer_jax.optim.qk_clip import clip_factors, mla_max_logits, qk_clip
+from composer_jax.optim.qk_clip import clip_factors, qk_clip
 from composer_jax.optim.sharding import shard_like_params
 
 __all__ = [
@@ -17,7 +17,6 @@ __all__ = [
     "learning_rate_schedule",
     "make_optimizer",
     "matrix_layout",
-    "mla_max_logits",
     "muon",
     "newton_schulz",
     "orthogonalize",

@@ -5,16 +5,14 @@ head whose largest pre-softmax logit S_h (softmax scale included) exceeded the t
 gamma_h = tau / S_h folded into its weights. In MLA a logit is q_nope . k_nope + q_rope . k_rope
 where k_rope is shared by all heads, so the head-specific parts are scaled as: q_nope and k_nope
 columns by sqrt(gamma_h), q_rope columns by gamma_h, k_rope and the values untouched. Every logit
-of head h then scales by exactly gamma_h: its maximum becomes tau.
+of head h then scales by exactly gamma_h: its maximum becomes tau. The maxima come from the
+model (`composer_jax.model.attention.mla_max_logits`); this module works on arrays only.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
-from composer_jax.model import rope
-from composer_jax.model.attention import MLA, attention_mask
 
 
 def clip_factors(max_logits_H: jax.Array, threshold: float) -> jax.Array:
@@ -47,23 +45,3 @@ def qk_clip(
         (q_proj_RHK * q_scale).astype(q_proj_RHK.dtype),
         (kv_b_proj_RHK * kv_scale).astype(kv_b_proj_RHK.dtype),
     )
-
-
-def mla_max_logits(
-    attn: MLA, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array
-) -> jax.Array:
-    """Largest visible pre-softmax logit of each head [H] over a batch, as `MLA.attend` scores it.
-
-    For tests and offline checks; in training the attention layer should report these maxima
-    from its own forward pass instead of recomputing them.
-    """
-    cos, sin = rope.rope_tables(positions_BT, attn.cfg)
-    q_nope, q_rope = attn.queries(x_BTD, cos, sin)
-    c_kv, k_rope = attn.latents(x_BTD, cos, sin)
-    kv = jnp.einsum("bsr,rhk->bshk", c_kv, attn.kv_b_proj[...].astype(c_kv.dtype))
-    k_nope = kv[..., : attn.cfg.qk_nope_head_dim]
-    scores = jnp.einsum("bthk,bshk->bhts", q_nope, k_nope, preferred_element_type=jnp.float32)
-    scores += jnp.einsum("bthk,bsk->bhts", q_rope, k_rope, preferred_element_type=jnp.float32)
-    scores = scores * rope.softmax_scale(attn.cfg)
-    mask = attention_mask(segment_ids_BT, positions_BT, segment_ids_BT, positions_BT)
-    return jnp.max(jnp.where(mask[:, None], scores, -jnp.inf), axis=(0, 2, 3))

@@ -1,7 +1,7 @@
-"""Settings of the RL objective and actor loop (DESIGN.md sections 6 and 7).
+"""Settings of the RL objective (DESIGN.md section 6).
 
 They live in `composer_jax.config`, the one home of typed configs, hung under the experiment config
-as `rl.*` (`--config.rl.kl_coef=0.01`); re-exported here for the RL modules.
+as `rl.*` (`--config.rl.kl_coef=0.01`); re-exported here for the objective's modules.
 """
 
 from composer_jax.config import (
@@ -9,9 +9,7 @@ from composer_jax.config import (
     IMPORTANCE_WEIGHTINGS,
     KL_ESTIMATORS,
     KL_PLACEMENTS,
-    RLConfig,
     RLObjectiveConfig,
-    validate_rl,
     validate_rl_objective,
 )
 
@@ -20,8 +18,6 @@ __all__ = [
     "IMPORTANCE_WEIGHTINGS",
     "KL_ESTIMATORS",
     "KL_PLACEMENTS",
-    "RLConfig",
     "RLObjectiveConfig",
-    "validate_rl",
     "validate_rl_objective",
 ]

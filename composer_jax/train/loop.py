@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -136,12 +137,6 @@ def task_source(spec: str, field: str) -> envs.TaskSource:
         raise config_lib.ConfigError(f"{field}: {error}") from None
 
 
-def _phase_bounds(cfg) -> list[tuple[int, int]]:
-    lengths = config_lib.phase_steps(cfg)
-    starts = np.cumsum([0] + lengths[:-1])
-    return [(int(s), int(s + n)) for s, n in zip(starts, lengths)]
-
-
 def _phase_of(step: int, bounds) -> int:
     for i, (start, end) in enumerate(bounds):
         if start <= step < end:
@@ -190,11 +185,23 @@ class TrainSetup:
 
 
 def make_train_setup(cfg: config_lib.ExperimentConfig, layout: Layout | None = None) -> TrainSetup:
+    """The pretraining setup: one learning-rate schedule over the phases of cfg.train."""
+    lengths = config_lib.phase_steps(cfg)
+    return make_setup(cfg, layout, lengths, [p.lr_scale for p in cfg.train.phases])
+
+
+def make_setup(
+    cfg: config_lib.ExperimentConfig,
+    layout: Layout | None,
+    phase_lengths: list[int],
+    lr_scales: list[float],
+) -> TrainSetup:
+    """Shardings, optimizer and schedule of a train state of cfg.model under cfg.optim, the
+    schedule running over phases of the given lengths and learning-rate scales."""
     layout = make_layout(cfg.mesh) if layout is None else layout
-    bounds = _phase_bounds(cfg)
-    schedule = optim.learning_rate_schedule(
-        cfg.optim, cfg.steps, [e - s for s, e in bounds], [p.lr_scale for p in cfg.train.phases]
-    )
+    starts = np.cumsum([0] + phase_lengths[:-1])
+    bounds = [(int(s), int(s + n)) for s, n in zip(starts, phase_lengths)]
+    schedule = optim.learning_rate_schedule(cfg.optim, cfg.steps, phase_lengths, lr_scales)
     model = nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0)))
     graphdef, abstract_params, _ = split_model(model)
     axes = logical_axes_of(abstract_params)
@@ -216,19 +223,13 @@ def make_train_setup(cfg: config_lib.ExperimentConfig, layout: Layout | None = N
     return TrainSetup(cfg, layout, bounds, schedule, optimizer, graphdef, abstract, shardings)
 
 
-def _initial_state(setup: TrainSetup) -> TrainState:
-    """Fresh state; with `init_from`, every pretrained tensor replaces its random initialisation
-    (MTP heads absent from the checkpoint keep theirs and are trained from scratch)."""
+def initial_state(setup: TrainSetup, pretrained: Transformer | None = None) -> TrainState:
+    """A fresh state; every tensor of `pretrained` (a model of the same architecture, e.g. from
+    `interop.load_pretrained`) replaces its random initialisation (MTP heads it lacks keep
+    theirs and are trained from scratch)."""
     state = setup.init_state()
-    cfg = setup.cfg
-    if not cfg.init_from:
+    if pretrained is None:
         return state
-    from composer_jax import interop
-
-    pretrained = interop.load_hf_checkpoint(
-        cfg.init_from, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype
-    )
-    _check_same_architecture(cfg.model, pretrained.cfg)
     loaded = nnx.to_pure_dict(nnx.state(pretrained))
     params, buffers = nnx.to_pure_dict(state.params), nnx.to_pure_dict(state.buffers)
     for path, value in jax.tree_util.tree_leaves_with_path(loaded):
@@ -240,7 +241,6 @@ def _initial_state(setup: TrainSetup) -> TrainState:
         node[keys[-1]] = value
     nnx.replace_by_pure_dict(state.params, params)
     nnx.replace_by_pure_dict(state.buffers, buffers)
-    print(f"Initialised from {cfg.init_from}", flush=True)
     return jax.device_put(state, setup.shardings)
 
 
@@ -250,32 +250,6 @@ def _has_path(tree: dict, keys: list) -> bool:
             return False
         tree = tree[key]
     return True
-
-
-# Fields that may differ between a pretrained checkpoint and the model trained from it.
-_FREE_FIELDS = {
-    "dtype",
-    "param_dtype",
-    "scan_layers",
-    "remat",
-    "num_mtp_layers",
-    "router_bias_update_rate",
-    "max_position_embeddings",
-    "replay_min_ratio",
-    "expert_precision",
-    "expert_backend",
-}
-
-
-def _check_same_architecture(ours: config_lib.ModelConfig, theirs: config_lib.ModelConfig):
-    for field in dataclasses.fields(ours):
-        if field.name in _FREE_FIELDS:
-            continue
-        a, b = getattr(ours, field.name), getattr(theirs, field.name)
-        if a != b:
-            raise config_lib.ConfigError(
-                f"model.{field.name}: the config has {a!r} but the init_from checkpoint has {b!r}"
-            )
 
 
 def load_trained_model(workdir: str, step: int | None = None) -> tuple[Transformer, int]:
@@ -298,8 +272,14 @@ def load_trained_model(workdir: str, step: int | None = None) -> tuple[Transform
     return nnx.merge(setup.graphdef, state.params, state.buffers), step
 
 
-def run_pretraining(cfg: config_lib.ExperimentConfig, progress: bool = True) -> PretrainResult:
-    """Trains (or resumes) the run described by `cfg` in `cfg.workdir`."""
+def run_pretraining(
+    cfg: config_lib.ExperimentConfig,
+    progress: bool = True,
+    pretrained: Callable[[], Transformer] | None = None,
+) -> PretrainResult:
+    """Trains (or resumes) the run described by `cfg` in `cfg.workdir`. A fresh run with
+    `cfg.init_from` starts from `pretrained()` (`interop.load_pretrained`: this module knows no
+    checkpoint format); it is not called on a resume."""
     config_lib.validate(cfg, jax.device_count())
     if cfg.init_from and not os.path.isdir(cfg.init_from):
         raise config_lib.ConfigError(f"init_from: {cfg.init_from!r} is not a folder")
@@ -314,7 +294,15 @@ def run_pretraining(cfg: config_lib.ExperimentConfig, progress: bool = True) -> 
     restored = ckpt.restore_latest(setup.abstract_state)
     data_position: dict = {}
     if restored is None:
-        resume_step, state = None, _initial_state(setup)
+        if cfg.init_from and pretrained is None:
+            raise config_lib.ConfigError(
+                "init_from: pass pretrained=lambda: interop.load_pretrained(cfg) "
+                "(launch.pretrain does)"
+            )
+        model = pretrained() if cfg.init_from else None
+        resume_step, state = None, initial_state(setup, model)
+        if model is not None:
+            print(f"Initialised from {cfg.init_from}", flush=True)
     else:
         resume_step, state, data_position = restored
         print(f"Resumed from {ckpt.directory}/{resume_step}", flush=True)

@@ -9,6 +9,7 @@ document.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -106,6 +107,30 @@ def pretrain_loss(
     return loss, metrics
 
 
+def apply_gradients(
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    layout: Layout | None,
+    state: TrainState,
+    model_loss: Callable[[Transformer], tuple[jax.Array, dict]],
+) -> tuple[Any, Any, dict[str, jax.Array]]:
+    """The gradient step every trainer shares: differentiate `model_loss` (of the model merged
+    from the state's params and buffers) with respect to the params, apply the optimizer.
+    Returns (new params, new optimizer state, the loss's metrics plus grad_norm and lr)."""
+
+    def loss_fn(params):
+        return model_loss(nnx.merge(graphdef, params, state.buffers))
+
+    with use_layout(layout):
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics["grad_norm"] = optax.tree_utils.tree_norm(grads)
+    metrics["lr"] = schedule(state.step)
+    return params, opt_state, metrics
+
+
 def train_step(
     graphdef: nnx.GraphDef,
     optimizer: optax.GradientTransformation,
@@ -117,16 +142,9 @@ def train_step(
     batch: Batch,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step; `layout` (bound before jit) enables EP/CP and activation shardings."""
-
-    def loss_fn(params):
-        m = nnx.merge(graphdef, params, state.buffers)
-        return pretrain_loss(m, batch, train_cfg)
-
-    with use_layout(layout):
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-
+    params, opt_state, metrics = apply_gradients(
+        graphdef, optimizer, schedule, layout, state, lambda m: pretrain_loss(m, batch, train_cfg)
+    )
     load = metrics.pop("expert_load")
     buffers = state.buffers
     if load.shape[0]:
@@ -135,8 +153,6 @@ def train_step(
         metrics["expert_load_max_over_mean"] = jnp.max(
             load / jnp.maximum(load.mean(-1, keepdims=True), 1e-9)
         )
-    metrics["grad_norm"] = optax.tree_utils.tree_norm(grads)
-    metrics["lr"] = schedule(state.step)
     return TrainState(state.step + 1, params, buffers, opt_state), metrics
 
 

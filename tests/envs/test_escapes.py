@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from composer_jax import envs
+from composer_jax.actor.env_workers import ProcessEnvironmentPool
 from composer_jax.envs import cgroups, isolation, protocol
 from composer_jax.envs import sandbox as sandbox_module
 from composer_jax.envs.sandbox import IsolationUnavailable, Sandbox, SandboxLimits
 from composer_jax.envs.tools import ToolBox
-from composer_jax.rl.env_workers import ProcessEnvironmentPool
 
 REPO = Path(__file__).resolve().parents[2]
 LIMITS = SandboxLimits(cpu_seconds=5, wall_seconds=10, memory_bytes=512 << 20, max_processes=32)
@@ -298,7 +298,7 @@ def test_worker_timeout_covers_the_slowest_legitimate_turn():
 
 def test_a_too_short_worker_timeout_is_refused():
     from composer_jax import config as config_lib
-    from composer_jax.rl.run import _env_timeout
+    from composer_jax.actor.setup import env_timeout as _env_timeout
 
     rl = config_lib.RLConfig(env_timeout_s=60.0)
     with pytest.raises(config_lib.ConfigError, match="rl.env_timeout_s"):

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 from jax.scipy.stats import chi2
 
 from composer_jax import config
 from composer_jax.model.transformer import compute_logits, init_model
+from tests.helpers import tiny_model_config
 
 VOCAB = 16  # statistical tests: small vocabulary, fixed prompt, number of draws
 PROMPT = [3, 1, 4, 1, 5]
@@ -19,7 +18,7 @@ YARN = config.YarnConfig(factor=4.0, original_max_position_embeddings=16, mscale
 
 def model_config(**overrides) -> config.ModelConfig:
     """The tiny preset in float32 (one dense and one MoE layer, one MTP depth)."""
-    return dataclasses.replace(config.tiny().model, dtype="float32", **overrides)
+    return tiny_model_config(**overrides)
 
 
 @pytest.fixture(scope="session")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,12 +9,13 @@ from flax import nnx
 
 from composer_jax import config
 from composer_jax.model.transformer import Transformer, init_model
+from tests.helpers import tiny_model_config
 
 
 def model_config(**kw) -> config.ModelConfig:
     """Tiny preset with stacks of two dense and two MoE layers, two MTP depths, float32 compute."""
     base = dict(
-        dtype="float32",
+        replay_min_ratio=0.0,  # plain replay: forced experts are kept (test_replay checks the filter)
         num_layers=4,
         first_k_dense=2,
         num_mtp_layers=2,
@@ -24,8 +23,7 @@ def model_config(**kw) -> config.ModelConfig:
         topk_group=1,
         routed_scaling_factor=2.5,
     )
-    base.update(kw)
-    return dataclasses.replace(config.tiny().model, **base)
+    return tiny_model_config(**{**base, **kw})
 
 
 def randomize_buffers(m: Transformer, seed: int = 0) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -11,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from composer_jax import config
 from composer_jax.model import moe as moe_lib
+from tests.helpers import tiny_model_config
 from tests.model import reference as ref
 
 B, T = 2, 6
@@ -20,7 +19,7 @@ B, T = 2, 6
 
 def _cfg(**kw):
     base = dict(
-        dtype="float32",
+        replay_min_ratio=0.0,  # plain replay: forced experts are kept (test_replay checks the filter)
         hidden_size=32,
         moe_intermediate_size=16,
         num_experts=8,
@@ -28,8 +27,7 @@ def _cfg(**kw):
         num_shared_experts=1,
         routed_scaling_factor=2.5,
     )
-    base.update(kw)
-    return dataclasses.replace(config.tiny().model, **base)
+    return tiny_model_config(**{**base, **kw})
 
 
 ROUTE_CFGS = {

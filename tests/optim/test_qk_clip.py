@@ -8,8 +8,8 @@ import numpy as np
 from flax import nnx
 
 from composer_jax import config
-from composer_jax.model.attention import MLA
-from composer_jax.optim.qk_clip import mla_max_logits, qk_clip
+from composer_jax.model.attention import MLA, mla_max_logits
+from composer_jax.optim.qk_clip import qk_clip
 
 
 def test_qk_clip_caps_max_logit_per_head():

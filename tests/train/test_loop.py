@@ -123,7 +123,7 @@ def test_init_from_pretrained_checkpoint(tmp_path, corpus):
     pretrained = init_model(dataclasses.replace(cfg.model, num_mtp_layers=0), seed=11)
     interop.export_hf_checkpoint(pretrained, tmp_path / "hf")
     cfg = dataclasses.replace(cfg, init_from=str(tmp_path / "hf"))
-    state = loop._initial_state(loop.make_train_setup(cfg))
+    state = loop.initial_state(loop.make_train_setup(cfg), interop.load_pretrained(cfg))
     fresh = loop.make_train_setup(dataclasses.replace(cfg, init_from="")).init_state()
     want = nnx.to_pure_dict(nnx.state(pretrained))
     got = nnx.to_pure_dict(state.params)
@@ -136,7 +136,9 @@ def test_init_from_pretrained_checkpoint(tmp_path, corpus):
     )
     other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_heads=4))
     with pytest.raises(ConfigError, match="model.num_heads"):
-        loop._initial_state(loop.make_train_setup(other))
+        interop.load_pretrained(other)
+    with pytest.raises(ConfigError, match="init_from: pass pretrained"):
+        loop.run_pretraining(dataclasses.replace(cfg, workdir=str(tmp_path / "b")), False)
 
 
 def test_mismatched_checkpoint_is_reported(tmp_path, corpus):

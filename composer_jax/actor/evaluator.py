@@ -1,0 +1,94 @@
+"""The evaluator role: mean reward on held-out tasks, with a confidence interval.
+
+Held-out tasks come from a task source (`rl.heldout_tasks`, split `rl.heldout_split`, seeds the
+warm start and the RL prompts never use: `setup.heldout_task_set`). Each task is sampled `samples` times with the RL sampling settings; the task is
+the unit of the interval (samples of one task are not independent), and a before/after comparison
+is paired by task.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from composer_jax.actor.rollout import collect_batch
+from composer_jax.config import RLConfig
+from composer_jax.data.tokenizer import Tokenizer
+from composer_jax.envs import EnvConfig, Task
+from composer_jax.infer import InferenceEngine, SamplingParams
+from composer_jax.model.transformer import Transformer
+
+Z_95 = 1.959964
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldoutResult:
+    per_task: np.ndarray  # mean reward of each task's samples
+    pass_rate: float  # share of samples with reward 1
+
+    @property
+    def mean(self) -> float:
+        return float(self.per_task.mean())
+
+    @property
+    def half_width(self) -> float:
+        """95% normal-approximation half-width over tasks."""
+        n = len(self.per_task)
+        return Z_95 * float(self.per_task.std(ddof=1)) / math.sqrt(n) if n > 1 else float("nan")
+
+    def __str__(self) -> str:
+        return f"{self.mean:.3f} +- {self.half_width:.3f} (95% CI, pass rate {self.pass_rate:.2f})"
+
+    def improvement_over(self, before: "HeldoutResult") -> tuple[float, float]:
+        """Mean paired difference (self - before) over tasks and its 95% half-width."""
+        diff = self.per_task - before.per_task
+        n = len(diff)
+        half = Z_95 * float(diff.std(ddof=1)) / math.sqrt(n) if n > 1 else float("nan")
+        return float(diff.mean()), half
+
+
+class Evaluator:
+    """Plays `samples` episodes of every held-out task with a fresh engine on the given model."""
+
+    def __init__(
+        self,
+        cfg: RLConfig,
+        tasks: list[Task],
+        tokenizer: Tokenizer,
+        samples: int,
+        temperature: float,
+        env_config: EnvConfig = EnvConfig(),
+        seed: int = 0,
+    ):
+        self.cfg, self.tasks, self.tokenizer = cfg, tasks, tokenizer
+        self.samples, self.temperature, self.seed = samples, temperature, seed
+        self.env_config = env_config
+
+    def evaluate(self, model: Transformer) -> HeldoutResult:
+        cfg = self.cfg
+        engine = InferenceEngine(
+            model,
+            num_slots=cfg.num_slots,
+            max_len=cfg.context_len,
+            prefill_buckets=tuple(sorted({64, 256, cfg.context_len})),
+            tokenizer=self.tokenizer,
+        )
+        sampling = SamplingParams(
+            temperature=self.temperature,
+            top_p=cfg.top_p,
+            max_new_tokens=cfg.max_new_tokens,
+            seed=self.seed,
+        )
+        _, stats = collect_batch(
+            engine,
+            self.tasks,
+            self.samples,
+            sampling,
+            cfg.max_turns,
+            self.tokenizer,
+            env_config=self.env_config,
+        )
+        rewards = stats["reward"].reshape(len(self.tasks), self.samples)
+        return HeldoutResult(rewards.mean(axis=1), float((rewards >= 1.0).mean()))

@@ -1,0 +1,98 @@
+"""What an RL run reports: held-out evaluations (computed once per key, kept in heldout.json),
+per-step metrics of the trained groups, and the curves."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import numpy as np
+
+from composer_jax.actor.evaluator import HeldoutResult
+from composer_jax.train.metrics import read_metrics
+
+log = logging.getLogger(__name__)
+
+
+def heldout_once(cfg, evaluator, model, path, key, progress) -> HeldoutResult:
+    """The held-out evaluation under `key` ("before", "after-<step>"): read from `path` when a
+    start of this run already made it, else computed and added there."""
+    stored = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            stored = json.load(f)
+    if key in stored:
+        r = stored[key]
+        return HeldoutResult(np.asarray(r["per_task"]), r["pass_rate"])
+    start = time.perf_counter()
+    result = evaluator.evaluate(model)
+    log.info(
+        f"Held-out reward ({cfg.rl.heldout_split} split) {key.split('-')[0]} RL: {result} "
+        f"[{time.perf_counter() - start:.0f} s]"
+    )
+    stored[key] = {"per_task": result.per_task.tolist(), "pass_rate": result.pass_rate}
+    with open(path, "w") as f:
+        json.dump(stored, f)
+    return result
+
+
+def group_metrics(groups, version: int, cfg) -> dict[str, float]:
+    rewards = np.concatenate([g.rewards for g in groups])
+    lags = [version - g.min_version for g in groups]
+    tokens = [
+        int(sum(g.arrays["sequence_lengths"][g.arrays["sequence_sample"] == i]))
+        for g in groups
+        for i in range(len(g.rewards))
+    ]
+    summaries = [s for g in groups for s in g.metadata["summaries"]]
+    return {
+        "reward_mean": float(rewards.mean()),
+        "pass_rate": float((rewards >= 1.0).mean()),
+        "staleness_mean": float(np.mean(lags)),
+        "staleness_max": float(np.max(lags)),
+        "summaries_per_sample": float(np.mean(summaries)),
+        "tokens_per_chain": float(np.mean(tokens)),
+    }
+
+
+def plot_curves(metrics_path: str, out_path: str) -> None:
+    """Reward, pass rate, KL, length penalty and staleness against the step, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = [m for m in read_metrics(metrics_path) if "reward_mean" in m]
+    heldout = [m for m in read_metrics(metrics_path) if "heldout_reward" in m]
+    if not lines:
+        return
+    steps = [m["step"] for m in lines]
+    panels = (
+        ("rollout_reward", "reward (all rollouts)"),
+        ("pass_rate", "train pass rate"),
+        ("kl_k1", "KL (k1) to reference"),
+        ("length_penalty", "length penalty"),
+        ("staleness_mean", "staleness (versions)"),
+        ("tokens_per_second", "sampled tokens / s"),
+    )
+    fig, axes = plt.subplots(2, 3, figsize=(12, 6))
+    for ax, (key, title) in zip(axes.flat, panels):
+        values = [m.get(key, np.nan) for m in lines]
+        ax.plot(steps, values, lw=1.2)
+        if key == "rollout_reward" and heldout:
+            ax.scatter(
+                [m["step"] for m in heldout],
+                [m["heldout_reward"] for m in heldout],
+                color="C3",
+                zorder=3,
+                label="held-out",
+            )
+            ax.legend()
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)

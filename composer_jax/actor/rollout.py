@@ -1,0 +1,286 @@
+"""Synchronous multi-turn rollouts: the inference engine plays episodes, the result is packed.
+
+Each episode is one request that keeps its cache slot between turns: the policy writes a turn
+(generation stops once its text holds a closing marker of the protocol, or at eos / the chat
+template's end of turn), the environment runs it, and the tool output, rendered by the
+tokenizer's chat format, is appended with `continue_request`, so only new tokens are prefilled. An episode becomes
+one `Sequence`: policy tokens are trainable with the sampler's log-probs, versions and routed
+experts; prompt and tool output are context. Episodes of every group in a wave run side by side,
+as many as the engine has slots (a parked episode holds its slot until it ends).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from composer_jax.actor.feedback import teacher_sequence
+from composer_jax.data.chat import OBSERVATION, ChatFormat, Segment, chat_format_for
+from composer_jax.data.tokenizer import Tokenizer
+from composer_jax.envs import EnvConfig, Episode, Task, protocol
+from composer_jax.infer import Completion, InferenceEngine, SamplingParams
+from composer_jax.rl.batch import SegmentKind, Sequence, TrajectoryBatch, pack_trajectories
+
+# A turn ends after a tool call (the environment must answer it) or the final message.
+TURN_END_MARKERS = (protocol.CALL_CLOSE, protocol.FINAL_CLOSE)
+_SPANS = (
+    (protocol.THINK_OPEN, protocol.THINK_CLOSE, SegmentKind.THINKING),
+    (protocol.CALL_OPEN, protocol.CALL_CLOSE, SegmentKind.TOOL_CALL),
+    (protocol.FINAL_OPEN, protocol.FINAL_CLOSE, SegmentKind.FINAL_MESSAGE),
+)
+
+
+def turn_sampling(
+    params: SamplingParams, chat: ChatFormat, markers: tuple[str, ...] = TURN_END_MARKERS
+) -> SamplingParams:
+    """`params` that end a turn at the protocol's closing markers (by text, so any tokenization
+    of them stops) and at the chat format's end-of-turn tokens."""
+    return dataclasses.replace(
+        params,
+        stop_sequences=tuple((i,) for i in chat.stop_token_ids),
+        stop_strings=markers,
+        tokenizer=chat.tokenizer.spec,
+    )
+
+
+def segment_kind(segment: Segment) -> SegmentKind:
+    """Tool output counts as such for the length penalty; the chat scaffolding is prompt."""
+    return SegmentKind.TOOL_OUTPUT if segment.role == OBSERVATION else SegmentKind.PROMPT
+
+
+def text_kinds(text: str) -> np.ndarray:
+    """SegmentKind per character of an agent turn. Untagged text counts as thinking, as the
+    environment's counts do; an unclosed tag runs to the end."""
+    kinds = np.full(len(text), SegmentKind.THINKING, np.int32)
+    pos = 0
+    while pos < len(text):
+        found = [(text.find(o, pos), o, c, k) for o, c, k in _SPANS]
+        found = [f for f in found if f[0] >= 0]
+        if not found:
+            break
+        start, _, close, kind = min(found)
+        end = text.find(close, start)
+        end = len(text) if end < 0 else end + len(close)
+        kinds[start:end] = kind
+        pos = end
+    return kinds
+
+
+def token_kinds(tokens: list[int], tokenizer: Tokenizer) -> np.ndarray:
+    """Kinds of generated tokens: each token takes the kind of the first character it adds to
+    the turn's text (`Tokenizer.token_texts`; a token that adds nothing, e.g. the first bytes of
+    a character or a special token, takes the kind of the text at its place)."""
+    pieces = tokenizer.token_texts(tokens)
+    kinds = text_kinds("".join(pieces))
+    starts = np.cumsum([0] + [len(p) for p in pieces[:-1]])
+    if len(kinds) == 0:
+        return np.full(len(tokens), SegmentKind.THINKING, np.int32)
+    return kinds[np.minimum(starts, len(kinds) - 1)].astype(np.int32)
+
+
+@dataclasses.dataclass(kw_only=True, eq=False)
+class Generation:
+    """One generation's growing token buffers, in the engine's token order."""
+
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    kinds: list[int] = dataclasses.field(default_factory=list)
+    policy: list[bool] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    routes: list[np.ndarray] = dataclasses.field(default_factory=list)  # [moe_layers, k] each
+
+    def add_context(self, tokens, kind: SegmentKind) -> None:
+        self.tokens += [int(t) for t in tokens]
+        self.kinds += [int(kind)] * len(tokens)
+        self.policy += [False] * len(tokens)
+        self.logprobs += [0.0] * len(tokens)
+        self.versions += [0] * len(tokens)
+
+    def add_turn(self, completion: Completion, kinds) -> None:
+        """Generated tokens, and the routes of the positions prefilled for this turn. The engine
+        reports token i's experts at the position that produced it (i - 1); the turn's last token
+        is routed when the next turn prefills it, so it appears in that turn's prompt_experts."""
+        self.routes += [np.asarray(e) for e in completion.prompt_experts]
+        self.routes += [np.asarray(e) for e in completion.experts[1:]]
+        self.tokens += completion.tokens
+        self.kinds += [int(k) for k in kinds]
+        self.policy += [True] * len(completion.tokens)
+        self.logprobs += completion.logprobs
+        self.versions += completion.versions
+
+    def to_sequence(self, sample_index: int, num_moe_layers: int, k: int, flagged=()) -> Sequence:
+        """The generation as a Sequence. Every position but the last is routed; the last token
+        predicts nothing and gets experts 0..k-1, as the packer gives padding. `flagged`: turns
+        (start, end, hint tokens) whose hinted teacher context is attached."""
+        if len(self.routes) != len(self.tokens) - 1:
+            raise RuntimeError(f"{len(self.routes)} routes for {len(self.tokens)} tokens")
+        filler = np.broadcast_to(np.arange(k, dtype=np.int32), (num_moe_layers, k))
+        tokens = np.asarray(self.tokens, np.int32)
+        teacher_tokens = teacher_index = None
+        if flagged:
+            teacher_tokens, teacher_index = teacher_sequence(tokens, list(flagged))
+        return Sequence(
+            sample_index=sample_index,
+            tokens=tokens,
+            kinds=np.asarray(self.kinds, np.int32),
+            policy_mask=np.asarray(self.policy, bool),
+            sampler_logprobs=np.asarray(self.logprobs, np.float32),
+            policy_versions=np.asarray(self.versions, np.int32),
+            router_indices=np.stack(self.routes + [filler], axis=1).astype(np.int32),
+            teacher_tokens=teacher_tokens,
+            teacher_target_index=teacher_index,
+        )
+
+
+@dataclasses.dataclass(kw_only=True, eq=False)
+class EpisodeTrace(Generation):
+    """One episode's growing sequence and what the environment said at its end."""
+
+    episode: Episode
+    params: SamplingParams
+    request_id: int = -1
+    done: bool = False
+    truncated: bool = False
+    reward: float = 0.0
+    counts: dict = dataclasses.field(default_factory=dict)
+    flags: tuple = ()  # reward-hack monitor flags
+    grade: dict | None = None  # the grader's result (outcomes, scores) when the episode ended
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(self.policy)
+
+
+def play_episodes(
+    engine: InferenceEngine,
+    tasks: list[Task],
+    sampling: SamplingParams,
+    max_turns: int,
+    tokenizer: Tokenizer,
+    env_config: EnvConfig,
+    first_seed: int,
+    step_map=map,
+) -> list[EpisodeTrace]:
+    """Plays one episode per task side by side, turn by turn, and closes them. `step_map(fn,
+    items)` runs the environment steps of one turn (e.g. a thread pool's map, so commands and
+    grading of different episodes overlap); the episode of sample i is seeded first_seed + i."""
+    if len(tasks) > engine.num_slots:
+        raise ValueError(f"{len(tasks)} episodes need as many engine slots ({engine.num_slots})")
+    config = dataclasses.replace(env_config, max_turns=max_turns)  # the last turn is graded
+    chat = chat_format_for(tokenizer)
+    base = turn_sampling(sampling, chat)
+    traces = []
+    try:
+        for i, task in enumerate(tasks):
+            seed = first_seed + i  # distinct samples within a group
+            params = dataclasses.replace(base, seed=seed, keep_cache=True)
+            traces.append(EpisodeTrace(episode=Episode(task, config), params=params))
+        for trace in traces:
+            prompt = chat.prompt(trace.episode.prompt)
+            trace.add_context(prompt, SegmentKind.PROMPT)
+            if len(prompt) + 1 >= engine.max_len:  # no room to answer: reward 0, like a full turn
+                trace.done = trace.truncated = True
+                continue
+            trace.request_id = engine.submit(prompt, trace.params)
+        while not all(t.done for t in traces):
+            engine.run()
+            turns = []
+            for trace in (t for t in traces if not t.done):
+                completion = engine.completions.pop(trace.request_id)
+                trace.add_turn(completion, token_kinds(completion.tokens, tokenizer))
+                turns.append((trace, completion, tokenizer.decode(completion.tokens)))
+            results = list(step_map(lambda turn: turn[0].episode.step(turn[2]), turns))
+            for (trace, completion, _), result in zip(turns, results):
+                trace.counts, trace.reward = result.counts, result.reward
+                segments = chat.after_turn(result.observation, completion.tokens)
+                appended = [i for segment in segments for i in segment.ids]
+                full = completion.finish_reason == "max_len"
+                if full or len(trace.tokens) + len(appended) + 1 >= engine.max_len:
+                    trace.truncated = not result.done  # no room for another turn: reward 0
+                if result.done or trace.truncated:
+                    trace.done = True
+                    trace.flags, trace.grade = result.flags, result.info.get("grade")
+                    engine.release(trace.request_id)
+                    continue
+                for segment in segments:
+                    trace.add_context(segment.ids, segment_kind(segment))
+                trace.request_id = engine.continue_request(trace.request_id, appended, trace.params)
+        return traces
+    finally:
+        for trace in traces:
+            trace.episode.close()
+
+
+def collect_group(
+    engine: InferenceEngine,
+    task: Task,
+    group_size: int,
+    sampling: SamplingParams,
+    max_turns: int,
+    tokenizer: Tokenizer,
+    env_config: EnvConfig = EnvConfig(),
+    first_sample: int = 0,
+) -> tuple[list[Sequence], dict[str, np.ndarray]]:
+    """`group_size` episodes of one task. Returns their sequences (sample indices from
+    `first_sample`) and per-sample arrays: "reward" (the episode's), "num_tool_calls",
+    "num_turns", "truncated"."""
+    traces = play_episodes(
+        engine, [task] * group_size, sampling, max_turns, tokenizer, env_config, sampling.seed
+    )
+    return _sequences(engine, traces, first_sample)
+
+
+def _sequences(engine, traces, first_sample):
+    cfg = engine.cfg
+    sequences = [
+        t.to_sequence(first_sample + i, cfg.num_moe_layers, cfg.num_experts_per_tok)
+        for i, t in enumerate(traces)
+    ]
+    stats = {
+        "reward": np.array([t.reward for t in traces], np.float32),
+        "num_tool_calls": np.array([t.counts.get("tool_calls", 0) for t in traces], np.float32),
+        "num_turns": np.array([t.counts.get("turns", 0) for t in traces], np.float32),
+        "truncated": np.array([t.truncated for t in traces], bool),
+    }
+    return sequences, stats
+
+
+def collect_batch(
+    engine: InferenceEngine,
+    tasks: list[Task],
+    group_size: int,
+    sampling: SamplingParams,
+    max_turns: int,
+    tokenizer: Tokenizer,
+    seq_len: int | None = None,
+    num_rows: int | None = None,
+    env_config: EnvConfig = EnvConfig(),
+) -> tuple[TrajectoryBatch, dict[str, np.ndarray]]:
+    """One group per task, packed into rows of `seq_len` (default: the engine's max_len). Groups
+    run in waves of as many as fit in the engine's slots. Returns the batch (reward component
+    "task") and the per-sample stats of `collect_group`."""
+    if not 0 < group_size <= engine.num_slots:
+        raise ValueError(f"group_size {group_size} must be in [1, {engine.num_slots}]")
+    per_wave = engine.num_slots // group_size
+    sequences, stats = [], []
+    for start in range(0, len(tasks), per_wave):
+        wave = [t for t in tasks[start : start + per_wave] for _ in range(group_size)]
+        first = start * group_size
+        traces = play_episodes(
+            engine, wave, sampling, max_turns, tokenizer, env_config, sampling.seed + first
+        )
+        wave_sequences, wave_stats = _sequences(engine, traces, first)
+        sequences += wave_sequences
+        stats.append(wave_stats)
+    stats = {name: np.concatenate([s[name] for s in stats]) for name in stats[0]}
+    batch = pack_trajectories(
+        sequences,
+        group_id=np.repeat(np.arange(len(tasks), dtype=np.int32), group_size),
+        rewards={"task": stats["reward"]},
+        seq_len=seq_len or engine.max_len,
+        num_rows=num_rows,
+        num_tool_calls=stats["num_tool_calls"],
+        num_turns=stats["num_turns"],
+    )
+    return batch, stats

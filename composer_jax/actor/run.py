@@ -1,0 +1,296 @@
+"""`run_rl`: warm start, held-out evaluation, the asynchronous actor loop, curves.
+
+Everything a run writes lives in `cfg.workdir`:
+  warm_start/        the SFT run that warm-starts the policy (unless rl.warm_start names one)
+  checkpoints/       RL train state (orbax), every train.checkpoint_every steps and at the end
+  ledger/            finished groups and which step consumed them (exactly-once on restart)
+  inflight/          the groups in flight at each checkpoint (a restart resumes them mid-episode)
+  weights/attempt-N/ the compressed-delta weight store of the N-th start of this run
+  metrics.jsonl      one line per step (reward, pass rate, staleness, tokens/s, KL, length
+                     penalty, health counters), plus `heldout_reward` before RL and at the end
+  heldout.json       the held-out evaluations; rl_curves.png the curves
+Starting again with the same workdir resumes: the train state from the last checkpoint, finished
+groups from the ledger (too-stale ones are dropped and their prompts sampled again), and the groups
+that were in flight at that checkpoint from their environment snapshots.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import signal
+import time
+
+import jax
+from tqdm.auto import tqdm
+
+from composer_jax import config as config_lib
+from composer_jax import envs
+from composer_jax.actor.coordinator import Coordinator
+from composer_jax.actor.env_workers import make_environment_pool
+from composer_jax.actor.evaluator import Evaluator, HeldoutResult
+from composer_jax.actor.inflight import InFlightError, InFlightStore
+from composer_jax.actor.ledger import GroupLedger
+from composer_jax.actor.report import group_metrics, heldout_once, plot_curves
+from composer_jax.actor.sampler import LocalSampler
+from composer_jax.actor.samples import groups_to_batch
+from composer_jax.actor.scheduler import next_groups
+from composer_jax.actor.setup import (
+    check_model,
+    env_timeout,
+    heldout_task_set,
+    rl_task_source,
+    store_dir,
+    warm_start,
+)
+from composer_jax.actor.trainer import RLTrainer
+from composer_jax.rl.rewards import reward_weights
+from composer_jax.train.loop import StopRequest
+from composer_jax.train.metrics import MetricsWriter
+from composer_jax.train.runs import resolve_tokenizer, save_run_tokenizer
+from composer_jax.train.step import split_model
+from composer_jax.train.workdir import check_run_folder, prepare_workdir, write_config
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RLResult:
+    final_step: int
+    heldout_before: HeldoutResult | None
+    heldout_after: HeldoutResult | None
+    workdir: str
+    staleness_histogram: dict[int, int]
+    interrupted: str | None = None
+
+
+def _interrupted(stop, trainer) -> bool:
+    """A signal asked the run to stop, or the last weight publication failed (raises it)."""
+    if trainer.last_publish is not None and trainer.last_publish.done():
+        trainer.last_publish.result()  # re-raises a failed publication
+    return stop.signal is not None
+
+
+def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
+    """Trains (or resumes) the asynchronous RL run described by `cfg` in `cfg.workdir`."""
+    config_lib.validate(cfg, jax.device_count())
+    rl = cfg.rl
+    if rl.warm_start:  # before the workdir exists: a typo must not leave an empty run behind
+        check_run_folder(rl.warm_start, "rl.warm_start")
+    prepare_workdir(cfg.workdir)
+    tokenizer = resolve_tokenizer(cfg)  # the warm start's unless data.tokenizer names one
+    save_run_tokenizer(tokenizer, cfg.workdir)
+    model = warm_start(cfg, progress)
+    check_model(cfg, model)
+    _, warm_params, warm_buffers = split_model(model)
+
+    env_config = envs.EnvConfig(max_turns=rl.max_turns, require_isolation=rl.require_sandbox)
+    env_timeout_s = env_timeout(rl, env_config)
+    heldout_tasks = heldout_task_set(cfg)
+    evaluator = Evaluator(
+        rl, heldout_tasks, tokenizer, rl.heldout_samples, rl.heldout_temperature, env_config
+    )
+    heldout_path = os.path.join(cfg.workdir, "heldout.json")
+    before = heldout_once(cfg, evaluator, model, heldout_path, "before", progress)
+
+    ledger = GroupLedger(os.path.join(cfg.workdir, "ledger"))
+    store = store_dir(cfg)
+    trainer = RLTrainer(cfg, warm_params, warm_buffers, store)
+    write_config(cfg.workdir, cfg)  # only now: a refused resume leaves the old config as it was
+    num_prompts = rl.num_prompts or cfg.steps * rl.groups_per_step
+    source = rl_task_source(cfg)
+    tasks = source.take(num_prompts, "train", seed=cfg.seed + 1)
+    if len(tasks) < num_prompts:
+        log.warning(
+            "the RL task source has %d training tasks, fewer than the %d prompts of the epoch",
+            len(tasks),
+            num_prompts,
+        )
+    prompts = [(f"p{i:05d}", task) for i, task in enumerate(tasks)]
+    # Steps the restored state never saw (all of them without a checkpoint) give back their groups.
+    returned = ledger.rewind(trainer.version)
+    if trainer.restored_step is not None or returned:
+        log.info(
+            f"Resumed RL at step {trainer.version}; {len(returned)} groups returned to "
+            f"pending, {len(ledger.pending())} pending in all"
+        )
+    # Too stale to train on (or sampled by weights the restored state never had): drop them. The
+    # scheduler samples again the prompt of every dropped group without a live successor.
+    ledger.drop_stale(
+        trainer.version, rl.max_staleness if rl.stale_policy == "drop" else 1 << 30, drop_newer=True
+    )
+    writer = MetricsWriter(cfg.workdir, trainer.restored_step)
+    if trainer.restored_step is None:
+        writer.write(0, {"heldout_reward": before.mean, "heldout_pass_rate": before.pass_rate})
+
+    if rl.backend == "ray":
+        from composer_jax.actor.ray_backend import RaySampler
+
+        pool = make_environment_pool("ray", rl.num_env_workers, env_timeout_s)
+        sampler = RaySampler(
+            cfg.model, store, rl.num_slots, rl.context_len, rl.recompute_cache_on_update
+        )
+    else:
+        pool = make_environment_pool(rl.env_workers, rl.num_env_workers, env_timeout_s)
+        sampler = LocalSampler(
+            model,
+            store,
+            num_slots=rl.num_slots,
+            max_len=rl.context_len,
+            recompute_cache=rl.recompute_cache_on_update,
+        )
+    trainer.publish().result()
+    sampler.sync_weights(wait_for=trainer.version)
+    inflight_store = InFlightStore(os.path.join(cfg.workdir, "inflight"))
+    resume = []
+    if trainer.restored_step is not None:
+        try:
+            resume = inflight_store.load(trainer.version)
+        except InFlightError as error:  # those groups start over; nothing else is lost
+            log.warning("%s; the groups in flight start over", error)
+        if resume:
+            mid = sum(not s.scored for g in resume for s in g.samples)
+            log.info(
+                f"In flight at step {trainer.version}: {len(resume)} groups ({mid} samples "
+                "between turns resume from their environment snapshots)"
+            )
+    coordinator = Coordinator(
+        rl,
+        sampler,
+        pool,
+        ledger,
+        prompts,
+        tokenizer,
+        cfg.model.num_moe_layers,
+        cfg.model.num_experts_per_tok,
+        env_config,
+        seed=cfg.seed,
+        resume=resume,
+        inflight_store=inflight_store,
+        variant=source.variant,
+    )
+    coordinator.trainer_version = trainer.version
+    histogram: collections.Counter = collections.Counter()
+    interrupted = None
+    bar = tqdm(
+        total=cfg.steps, initial=trainer.version, desc="rl", disable=not progress, unit="step"
+    )
+    last_time, last_tokens, last_finished, last_reward_sum = time.perf_counter(), 0, 0, 0.0
+    try:
+        with StopRequest() as stop:
+            coordinator.start()
+            while trainer.version < cfg.steps:
+                if stop.signal:
+                    interrupted = stop.signal
+                    break
+                version = trainer.version
+                waited = time.perf_counter()
+                groups, weights, dropped = next_groups(
+                    coordinator,
+                    ledger,
+                    rl,
+                    version,
+                    interrupted=lambda: _interrupted(stop, trainer),
+                )
+                waited = time.perf_counter() - waited
+                if groups is None:
+                    interrupted = stop.signal
+                    break
+                if not groups:
+                    log.warning("the prompt epoch is exhausted before cfg.steps")
+                    break
+                ids = [g.group_id for g in groups]
+                histogram.update(version - g.min_version for g in groups)
+                batch = groups_to_batch(
+                    groups,
+                    rl.context_len,
+                    row_multiple=trainer.data_parallel,
+                    weights=weights,
+                    min_rows=rl.groups_per_step * rl.group_size,  # one shape for most steps
+                    reward_weights=reward_weights(rl),
+                )
+                trained = time.perf_counter()
+                metrics = trainer.step(batch)
+                trained = time.perf_counter() - trained
+                ledger.mark_trained(ids, trainer.version)
+                coordinator.groups_trained(len(ids), trainer.version)
+                now = time.perf_counter()
+                generated = coordinator.sampler_stats.get("generated_tokens", 0)
+                snapshot = coordinator.snapshot()
+                finished = snapshot["rollout_reward_samples"] - last_finished
+                rollout_reward = (snapshot["rollout_reward_sum"] - last_reward_sum) / max(
+                    finished, 1
+                )
+                last_finished = snapshot["rollout_reward_samples"]
+                last_reward_sum = snapshot["rollout_reward_sum"]
+                record = {
+                    **metrics,
+                    **group_metrics(groups, version, rl),
+                    **snapshot,
+                    # Every sample of the groups finished since the last step, trained or
+                    # not: the policy's reward (reward_mean is over the trained groups only).
+                    "rollout_reward": rollout_reward,
+                    **{f"ledger/{k}": v for k, v in ledger.stats().items()},
+                    "groups_dropped_stale": dropped,
+                    "tokens_per_second": (generated - last_tokens) / max(now - last_time, 1e-9),
+                    "seconds_per_step": now - last_time,
+                    "wait_seconds": waited,  # the trainer idle, waiting for finished groups
+                    "train_seconds": trained,
+                }
+                last_time, last_tokens = now, generated
+                if trainer.last_publish is not None and trainer.last_publish.done():
+                    info = trainer.last_publish.result()
+                    if not info.skipped:
+                        record["weight_sync_ratio"] = info.ratio
+                writer.write(trainer.version, record)
+                bar.update(1)
+                bar.set_postfix(
+                    reward=f"{rollout_reward:.2f}",
+                    passed=f"{record['pass_rate']:.2f}",
+                    stale=f"{record['staleness_mean']:.1f}",
+                    tok_s=f"{record['tokens_per_second']:.0f}",
+                    kl=f"{record.get('kl_k1', 0.0):.4f}",
+                    len_pen=f"{record.get('length_penalty', 0.0):.4f}",
+                )
+                if trainer.version % cfg.train.checkpoint_every == 0:
+                    _checkpoint(trainer, coordinator)
+            if trainer.checkpointer.latest_step() != trainer.version and trainer.version > 0:
+                _checkpoint(trainer, coordinator)
+    finally:
+        bar.close()
+        coordinator.stop()
+        pool.shutdown()
+    after = None
+    if interrupted is None:
+        after = heldout_once(
+            cfg, evaluator, trainer.model(), heldout_path, f"after-{trainer.version}", progress
+        )
+        writer.write(
+            trainer.version, {"heldout_reward": after.mean, "heldout_pass_rate": after.pass_rate}
+        )
+        diff, half = after.improvement_over(before)
+        log.info(
+            f"Held-out reward: before {before}\n                 after  {after}\n"
+            f"                 paired difference {diff:+.3f} +- {half:.3f} (95% CI)"
+        )
+    writer.close()
+    trainer.close()
+    plot_curves(writer.path, os.path.join(cfg.workdir, "rl_curves.png"))
+    log.info("Staleness of trained groups (versions: groups): %s", dict(sorted(histogram.items())))
+    return RLResult(
+        trainer.version, before, after, cfg.workdir, dict(histogram), interrupted=interrupted
+    )
+
+
+def _checkpoint(trainer, coordinator, timeout_s: float = 120.0) -> None:
+    """The train state, then the groups in flight at that step (waited for, so the pair is
+    complete before training goes on)."""
+    trainer.save({"step": trainer.version})
+    coordinator.save_in_flight(trainer.version).result(timeout=timeout_s)
+
+
+def exit_code(result: RLResult) -> int:
+    """The shell's convention for a run stopped by a signal."""
+    return 128 + int(getattr(signal, result.interrupted)) if result.interrupted else 0

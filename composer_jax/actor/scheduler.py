@@ -1,0 +1,168 @@
+"""The staleness policy and the prompt order, in one place.
+
+At scheduling time (`Scheduler`): one epoch over the prompts, each as a group of `group_size`
+samples, admitted only while the trainer version the group will meet (the current version plus
+the untrained groups ahead of it) is within `max_staleness` of the sampler's; dropped groups' prompts
+come back first in line as retries; later in the epoch a share of the groups goes to the hardest
+prompts seen, each as a fresh variant of the task (another instance of the same problem, a new
+prompt), so no prompt is ever trained twice.
+
+At training time (`next_groups`): groups whose oldest token still lags more than `max_staleness`
+are dropped (their prompt is scheduled again) or re-weighted, per `stale_policy`; with dynamic
+sampling, groups whose total rewards are all equal carry no signal and are dropped; damaged
+ledger records are set aside and their prompts redone.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable
+
+import numpy as np
+
+from composer_jax.actor.ids import GroupId
+from composer_jax.actor.ledger import DamagedGroup, GroupLedger
+from composer_jax.actor.samples import total_rewards
+from composer_jax.config import RLConfig
+from composer_jax.envs import Task
+
+Variant = Callable[[Task, int], "Task | None"]
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Which group is sampled next. Not thread-safe: the coordinator calls it under its lock."""
+
+    def __init__(
+        self,
+        cfg: RLConfig,
+        prompts: list[tuple[str, Task]],
+        ledger: GroupLedger,
+        seed: int = 0,
+        variant: Variant | None = None,
+    ):
+        self.cfg, self.seed, self.variant = cfg, seed, variant
+        self._tasks = dict(prompts)
+        self._retries = collections.Counter()  # prompt -> highest retry in the ledger
+        live, dropped = set(), set()
+        all_dropped = set(ledger.dropped())
+        for text in ledger:
+            group = GroupId.parse(text)
+            self._retries[group.prompt] = max(self._retries[group.prompt], group.retry)
+            (dropped if text in all_dropped else live).add(group.prompt)
+        self._queue: collections.deque[GroupId] = collections.deque(
+            GroupId(p) for p, _ in prompts if str(GroupId(p)) not in ledger
+        )
+        # A prompt whose every group was dropped (by an earlier start too) is sampled again.
+        for prompt in sorted((dropped - live) & set(self._tasks)):
+            self._queue.append(self._retry(prompt))
+        self._num_prompts = len(self._queue)
+        self._hard: list[tuple[float, str]] = []  # (hardness, prompt) of finished originals
+        self._variants: set[str] = set()
+        self.revisits = 0
+
+    def _retry(self, prompt: str) -> GroupId:
+        self._retries[prompt] += 1
+        return GroupId(prompt, self._retries[prompt])
+
+    def task(self, group: GroupId) -> Task:
+        return self._tasks[group.prompt]
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def is_queued(self, group: GroupId) -> bool:
+        return group in self._queue
+
+    def take(self, group: GroupId) -> None:
+        """Removes a group from the queue (it is resumed from an in-flight record instead)."""
+        self._queue.remove(group)
+
+    def admits(self, trainer_version: int, untrained: int, sampler_version: int) -> bool:
+        """Whether a group scheduled now would meet a trainer at most `max_staleness` versions
+        ahead of the policy that samples it."""
+        meets = trainer_version + untrained // self.cfg.groups_per_step
+        return meets - sampler_version <= self.cfg.max_staleness
+
+    def next_group(self) -> GroupId | None:
+        """The next group; past half the epoch, a share of them revisits the hardest prompts as
+        fresh variants (when the task source makes them)."""
+        cfg = self.cfg
+        used = self._num_prompts - len(self._queue)
+        if (
+            cfg.hard_prompt_fraction > 0
+            and self.variant is not None
+            and self._hard
+            and used >= self._num_prompts // 2
+            and np.random.default_rng(self.seed + used + self.revisits).random()
+            < cfg.hard_prompt_fraction
+        ):
+            self._hard.sort()
+            _, prompt = self._hard.pop()
+            fresh = self.variant(self._tasks[prompt], self.seed + len(self._tasks))
+            if fresh is not None:
+                self.revisits += 1
+                variant = f"{prompt}v{self.revisits}"
+                self._tasks[variant] = fresh
+                self._variants.add(variant)
+                return GroupId(variant)
+        return self._queue.popleft() if self._queue else None
+
+    def redispatch(self, group_ids: list[str]) -> None:
+        """The prompts of dropped groups go first in line again, so the epoch covers them."""
+        for text in group_ids:
+            self._queue.appendleft(self._retry(GroupId.parse(text).prompt))
+            self._num_prompts += 1
+
+    def finished(self, group: GroupId, num_turns: int, thinking_tokens: int) -> None:
+        """Records how hard an original prompt was (most turns, then most thinking tokens)."""
+        if self.cfg.hard_prompt_fraction > 0 and group.prompt not in self._variants:
+            self._hard.append((num_turns * 1e6 + thinking_tokens, group.prompt))
+
+
+def next_groups(coordinator, ledger: GroupLedger, rl: RLConfig, version: int, interrupted=None):
+    """The next batch of finished groups for the trainer at `version`: (groups, advantage
+    weights, groups dropped as stale). Groups whose oldest token lags more than rl.max_staleness
+    versions are dropped for good (and the wait goes on) or kept with weight
+    stale_decay ** (lag - max_staleness), per rl.stale_policy; a dropped group's prompt is
+    sampled again. With rl.skip_uniform_groups, groups whose samples' total rewards (task,
+    behaviour and length penalty) are all equal are dropped too (not redone). Fewer groups only
+    at the end of the prompt epoch; none when it is over; (None, None, dropped) when
+    `interrupted()` returned True."""
+    dropped = 0
+    while True:
+        ids = coordinator.wait_for_groups(rl.groups_per_step, interrupted=interrupted)
+        if ids is None:
+            return None, None, dropped
+        stale = ledger.drop_stale(version, rl.max_staleness) if rl.stale_policy == "drop" else []
+        if stale:
+            dropped += len(stale)
+            coordinator.groups_trained(len(stale), version)
+            coordinator.redispatch(stale)
+            continue
+        groups, damaged = [], []
+        for group_id in ids:
+            try:
+                groups.append(ledger.load(group_id))
+            except DamagedGroup as error:  # set aside and counted by the ledger
+                log.warning("%s; its prompt is sampled again", error)
+                damaged.append(group_id)
+        if damaged:
+            coordinator.groups_trained(len(damaged), version)
+            coordinator.redispatch(damaged)
+            continue
+        uniform = [
+            g.group_id
+            for g in groups
+            if rl.skip_uniform_groups and np.ptp(total_rewards(g, rl)) == 0
+        ]
+        if not uniform:
+            break
+        ledger.drop(uniform, version, "uninformative")
+        coordinator.groups_trained(len(uniform), version)
+    lags = [version - g.min_version for g in groups]
+    weights = [rl.stale_decay ** max(lag - rl.max_staleness, 0) for lag in lags]
+    return groups, weights, dropped

@@ -1,0 +1,106 @@
+"""What an RL run is built from before its loop starts: the warm-start policy, the prompts' and
+the held-out tasks' sources, the environment workers' timeout, the weight store's location."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+from composer_jax import config as config_lib
+from composer_jax import envs, interop
+from composer_jax.train.loop import load_trained_model, run_pretraining, task_source
+
+log = logging.getLogger(__name__)
+
+
+def warm_start_config(cfg: config_lib.ExperimentConfig) -> config_lib.ExperimentConfig:
+    """The run of cfg.train.phases that warm-starts RL when no checkpoint is given."""
+    rl = cfg.rl
+    return dataclasses.replace(
+        cfg,
+        steps=rl.warm_start_steps,
+        workdir=os.path.join(cfg.workdir, "warm_start"),
+        optim=dataclasses.replace(
+            cfg.optim, learning_rate=rl.warm_start_lr, warmup_steps=20, min_lr_ratio=0.1
+        ),
+        train=dataclasses.replace(
+            cfg.train,
+            eval_every=rl.warm_start_steps,
+            checkpoint_every=rl.warm_start_steps,
+            log_every=max(rl.warm_start_steps // 10, 1),
+        ),
+    )
+
+
+def rl_task_source(cfg: config_lib.ExperimentConfig) -> envs.TaskSource:
+    """The RL prompts' source: rl.tasks, else data.tasks."""
+    field = "rl.tasks" if cfg.rl.tasks else "data.tasks"
+    return task_source(cfg.rl.tasks or cfg.data.tasks, field)
+
+
+def heldout_task_set(cfg: config_lib.ExperimentConfig) -> list[envs.Task]:
+    """The evaluation tasks: `rl.heldout_num_tasks` of the `rl.heldout_split` split of
+    rl.heldout_tasks (else the RL tasks' source), drawn with seed cfg.seed + 2 (SFT draws from
+    cfg.seed, RL prompts from cfg.seed + 1: a seeded source never repeats them)."""
+    rl = cfg.rl
+    if rl.heldout_tasks:
+        source = task_source(rl.heldout_tasks, "rl.heldout_tasks")
+    else:
+        source = rl_task_source(cfg)
+    if rl.heldout_split not in source.splits:
+        raise config_lib.ConfigError(
+            f"rl.heldout_split: {source.name} has splits {source.splits}, not {rl.heldout_split!r}"
+        )
+    tasks = source.take(rl.heldout_num_tasks, rl.heldout_split, seed=cfg.seed + 2)
+    if not tasks:
+        raise config_lib.ConfigError(
+            f"rl.heldout_split: {source.name} has no {rl.heldout_split!r} tasks"
+        )
+    return tasks
+
+
+def warm_start(cfg, progress: bool):
+    if cfg.rl.warm_start:
+        model, step = load_trained_model(cfg.rl.warm_start)
+        log.info("Warm start: %s step %d", cfg.rl.warm_start, step)
+        return model
+    sft = warm_start_config(cfg)
+    names = ", ".join(p.name for p in sft.train.phases)
+    log.info("Warm start: %d steps of %s in %s", sft.steps, names, sft.workdir)
+    run_pretraining(sft, progress=progress, pretrained=lambda: interop.load_pretrained(sft))
+    model, _ = load_trained_model(sft.workdir)
+    return model
+
+
+def check_model(cfg, model) -> None:
+    """The warm-start model must be the configured one (its parameters become the train state);
+    only the compute dtype may differ."""
+    for field in dataclasses.fields(cfg.model):
+        ours, theirs = getattr(cfg.model, field.name), getattr(model.cfg, field.name)
+        if field.name != "dtype" and ours != theirs:
+            raise config_lib.ConfigError(
+                f"model.{field.name}: the warm-start model has {theirs!r}, the config {ours!r}"
+            )
+
+
+def env_timeout(rl, env_config) -> float:
+    """How long an environment worker may take for one call before it counts as hung: at least
+    the longest a step can legitimately take under the environment's limits."""
+    needed = env_config.step_seconds()
+    if rl.env_timeout_s and rl.env_timeout_s < needed:
+        raise config_lib.ConfigError(
+            f"rl.env_timeout_s: {rl.env_timeout_s} s is shorter than a step may legitimately take "
+            f"under the environment's limits ({needed:.0f} s); use 0 to derive it"
+        )
+    return rl.env_timeout_s or needed
+
+
+def store_dir(cfg) -> str:
+    root = cfg.rl.weight_store or os.path.abspath(os.path.join(cfg.workdir, "weights"))
+    if "://" in root:
+        return f"{root.rstrip('/')}/attempt-{int(time.time())}"
+    os.makedirs(root, exist_ok=True)
+    attempt = len([d for d in os.listdir(root) if d.startswith("attempt-")])
+    return os.path.join(root, f"attempt-{attempt}")

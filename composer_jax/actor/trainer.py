@@ -1,0 +1,208 @@
+"""The trainer role: jitted RL steps on finished groups, orbax checkpoints, weight publishing.
+
+The policy's train state (fp32 master weights, optimizer moments) is sharded by the experiment's
+layout exactly like pretraining's; the reference policy of the KL term is the warm-start model,
+kept frozen. Each step publishes the new weights to the sampler through the compressed-delta
+store in the background (`WeightPublisher.publish_async`), so the trainer never waits for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from composer_jax import config as config_lib
+from composer_jax.config import RLConfig, RLObjectiveConfig
+from composer_jax.model.transformer import Transformer
+from composer_jax.parallel import Layout, make_layout
+from composer_jax.parallel.mesh import BATCH_AXES, use_layout
+from composer_jax.rl.batch import TrajectoryBatch
+from composer_jax.rl.policy import reference_logprobs, rl_loss
+from composer_jax.train.checkpoint import Checkpointer
+from composer_jax.train.loop import TrainSetup, make_setup
+from composer_jax.train.step import TrainState, apply_gradients
+from composer_jax.weight_sync import WeightPublisher, open_store
+
+
+class NonFiniteRLLossError(FloatingPointError):
+    """An RL step produced a NaN/Inf loss or gradient; nothing from it was saved or published."""
+
+
+def rl_train_step(
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    objective: RLObjectiveConfig,
+    schedule: optax.Schedule,
+    layout: Layout | None,
+    state: TrainState,
+    batch: TrajectoryBatch,
+    ref_logprobs_BT: jax.Array | None,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One policy-gradient step (the gradient step pretraining uses, on the RL loss). Expert
+    routing biases are left alone: routing is replayed."""
+    params, opt_state, metrics = apply_gradients(
+        graphdef,
+        optimizer,
+        schedule,
+        layout,
+        state,
+        lambda m: rl_loss(m, batch, objective, ref_logprobs_BT),
+    )
+    # A non-finite step leaves the state as it was (the caller raises): the old state's buffers
+    # are donated, so the kept copy has to come out of the step.
+    ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+    new = TrainState(state.step + 1, params, state.buffers, opt_state)
+    kept = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, state)
+    return kept, metrics
+
+
+def rl_objective(rl: RLConfig) -> RLObjectiveConfig:
+    """The objective the trainer optimises: `rl` with its loss normaliser fixed for the run
+    (groups_per_step * group_size * max_generation_len unless configured), so a step with fewer
+    groups (the epoch's last) weighs each token the same as every other step."""
+    normalizer = rl.loss_normalizer or float(
+        rl.groups_per_step * rl.group_size * rl.max_generation_len
+    )
+    fields = {f.name: getattr(rl, f.name) for f in dataclasses.fields(RLObjectiveConfig)}
+    return RLObjectiveConfig(**{**fields, "loss_normalizer": normalizer})
+
+
+def _reference_logprobs(graphdef, layout, params, buffers, batch):
+    m = nnx.merge(graphdef, params, buffers)
+    with use_layout(layout):
+        return reference_logprobs(m, batch)
+
+
+def rl_setup(cfg: config_lib.ExperimentConfig, layout: Layout | None = None) -> TrainSetup:
+    """Shardings and optimizer of the policy's train state: the run's optimizer over one
+    schedule of cfg.steps steps."""
+    return make_setup(cfg, layout, phase_lengths=[cfg.steps], lr_scales=[1.0])
+
+
+class RLTrainer:
+    """Owns the policy's train state; `step(batch)` applies one update and publishes it.
+
+    `warm_params` / `warm_buffers`: the warm-start policy, which is also the KL reference; the
+    train state starts from it (fresh optimizer) unless `<workdir>/checkpoints` has a checkpoint.
+    """
+
+    def __init__(
+        self,
+        cfg: config_lib.ExperimentConfig,
+        warm_params: nnx.State,
+        warm_buffers: nnx.State,
+        weight_store: str,
+        layout: Layout | None = None,
+    ):
+        self.cfg = cfg
+        self.setup = setup = rl_setup(cfg, layout or make_layout(cfg.mesh))
+        self.layout = setup.layout
+        mesh = self.layout.mesh
+        self.data_parallel = mesh.shape["replica"] * mesh.shape["fsdp"]
+        self.reference = (
+            jax.device_put(warm_params, setup.shardings.params),
+            jax.device_put(warm_buffers, setup.shardings.buffers),
+        )
+        self.checkpointer = Checkpointer(
+            os.path.join(cfg.workdir, "checkpoints"), cfg.train.keep_checkpoints
+        )
+        restored = self.checkpointer.restore_latest(setup.abstract_state)
+        if restored is None:
+            # Copies: the train state is donated each step, the reference (and whatever else
+            # holds the warm-start arrays, e.g. a sampler) must survive.
+            params, buffers = jax.tree.map(lambda x: x.copy(), self.reference)
+            opt_state = jax.jit(setup.optimizer.init, out_shardings=setup.shardings.opt_state)(
+                params
+            )
+            self.state = TrainState(
+                jax.device_put(np.int32(0), setup.shardings.step), params, buffers, opt_state
+            )
+            self.restored_step = None
+        else:
+            self.restored_step, self.state, _ = restored
+        self._step_fn = jax.jit(
+            functools.partial(
+                rl_train_step,
+                setup.graphdef,
+                setup.optimizer,
+                rl_objective(cfg.rl),
+                setup.schedule,
+                self.layout,
+            ),
+            donate_argnums=0,
+        )
+        self._ref_fn = jax.jit(functools.partial(_reference_logprobs, setup.graphdef, self.layout))
+        self.publisher = WeightPublisher(
+            open_store(weight_store),
+            delta=cfg.rl.weight_delta,
+            snapshot_every=cfg.rl.snapshot_every,
+        )
+        self.last_publish = None
+
+    @property
+    def version(self) -> int:
+        """The policy version the current weights are: the number of steps applied."""
+        return int(self.state.step)
+
+    def publish(self):
+        """Queues the current weights as `version` (compress and write in the background)."""
+        self.last_publish = self.publisher.publish_async(self.state.params, self.version)
+        return self.last_publish
+
+    def place_batch(self, batch: TrajectoryBatch) -> TrajectoryBatch:
+        """Rows over (replica, fsdp) x cp; per-sample arrays and hinted rows replicated."""
+        mesh = self.layout.mesh
+        rows = NamedSharding(mesh, P(BATCH_AXES, "cp"))
+        replicated = NamedSharding(mesh, P())
+        router = NamedSharding(mesh, P(None, BATCH_AXES, "cp"))
+        teacher = {
+            "teacher_tokens_BT",
+            "teacher_positions_BT",
+            "teacher_segment_ids_BT",
+        }
+
+        def sharding_of(path, leaf):
+            name = path[0].name  # the TrajectoryBatch field
+            if name == "router_indices_LBTK":
+                return router
+            if name in teacher or np.ndim(leaf) < 2:
+                return replicated
+            return rows
+
+        shardings = jax.tree_util.tree_map_with_path(sharding_of, batch)
+        return jax.device_put(batch, shardings)
+
+    def step(self, batch: TrajectoryBatch) -> dict[str, float]:
+        """One update on a packed batch; raises NonFiniteRLLossError on NaN (state unchanged,
+        nothing published)."""
+        batch = self.place_batch(batch)
+        ref = self._ref_fn(*self.reference, batch) if self.cfg.rl.kl_coef > 0 else None
+        self.state, metrics = self._step_fn(self.state, batch, ref)
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if not (np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])):
+            raise NonFiniteRLLossError(
+                f"RL step {self.version + 1}: loss {metrics['loss']}, grad norm "
+                f"{metrics['grad_norm']}; the state is unchanged, the last checkpoint kept"
+            )
+        self.publish()
+        return metrics
+
+    def save(self, metadata: dict) -> None:
+        self.checkpointer.save(self.version, self.state, metadata)
+
+    def model(self) -> Transformer:
+        """The current policy as a model (for evaluation)."""
+        return nnx.merge(self.setup.graphdef, self.state.params, self.state.buffers)
+
+    def close(self) -> None:
+        self.publisher.close()
+        self.checkpointer.close()

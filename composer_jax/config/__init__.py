@@ -1,0 +1,89 @@
+"""Typed experiment configuration: frozen dataclasses are the source of truth.
+
+`launch/` turns these into `ml_collections.ConfigDict`s so every field can be overridden from the
+command line (`--config.model.num_layers=4`), then rebuilds the dataclasses with `from_dict`, which
+rejects unknown fields and wrong types, and `validate`, which rejects contradictory values. Both
+name the offending field and run before anything is compiled. By concern: `model` (model and
+mesh), `training` (optimizer, data, phases), `rl` (objective and actor loop), `experiment` (the
+whole and its checks), `base` (errors and conversion). Presets live in `composer_jax.presets`;
+`config.tiny()` and `config.PRESETS` reach them lazily (no import cycle).
+"""
+
+from composer_jax.config.base import ConfigError, from_dict, to_dict
+from composer_jax.config.experiment import ExperimentConfig, phase_steps, validate
+from composer_jax.config.model import (
+    EXPERT_BACKENDS,
+    EXPERT_GEMM_IMPLS,
+    EXPERT_PRECISIONS,
+    MeshConfig,
+    ModelConfig,
+    YarnConfig,
+    mesh_shape,
+    validate_model,
+)
+from composer_jax.config.rl import (
+    ADVANTAGE_MODES,
+    ENV_WORKER_KINDS,
+    IMPORTANCE_WEIGHTINGS,
+    KL_ESTIMATORS,
+    KL_PLACEMENTS,
+    RL_BACKENDS,
+    STALE_POLICIES,
+    RLConfig,
+    RLObjectiveConfig,
+    validate_rl,
+    validate_rl_objective,
+)
+from composer_jax.config.training import DataConfig, OptimizerConfig, PhaseConfig, TrainConfig
+
+__all__ = [
+    "ADVANTAGE_MODES",
+    "ENV_WORKER_KINDS",
+    "EXPERT_BACKENDS",
+    "EXPERT_GEMM_IMPLS",
+    "EXPERT_PRECISIONS",
+    "IMPORTANCE_WEIGHTINGS",
+    "KL_ESTIMATORS",
+    "KL_PLACEMENTS",
+    "RL_BACKENDS",
+    "STALE_POLICIES",
+    "ConfigError",
+    "DataConfig",
+    "ExperimentConfig",
+    "MeshConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "PhaseConfig",
+    "RLConfig",
+    "RLObjectiveConfig",
+    "TrainConfig",
+    "YarnConfig",
+    "from_dict",
+    "mesh_shape",
+    "phase_steps",
+    "to_dict",
+    "validate",
+    "validate_model",
+    "validate_rl",
+    "validate_rl_objective",
+]
+
+_PRESET_NAMES = (
+    "PRESETS",
+    "kimi_k2",
+    "kimi_k2_model",
+    "rl_small",
+    "rl_tiny",
+    "rl_tiny_bpe",
+    "small",
+    "tiny",
+)
+
+
+def __getattr__(name: str):
+    """The presets, imported on first use (`composer_jax.presets` imports this package)."""
+    if name in _PRESET_NAMES:
+        from composer_jax import presets
+
+        return getattr(presets, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

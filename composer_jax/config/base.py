@@ -1,0 +1,84 @@
+"""Config errors and the dict <-> dataclass conversion that rejects unknown or mistyped fields."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, mistyped or inconsistent; the message names the field."""
+
+
+def check(ok: bool, field: str, message: str) -> None:
+    """Raises a ConfigError naming `field` unless `ok`."""
+    if not ok:
+        raise ConfigError(f"{field}: {message}")
+
+
+def to_dict(cfg: Any) -> Any:
+    """Dataclass tree -> plain dicts/lists (tuples of dataclasses become lists of dicts)."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (tuple, list)):
+        return [to_dict(v) for v in cfg]
+    return cfg
+
+
+def _convert(value: Any, annotation: Any, where: str) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _convert(value, option, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{where}: {value!r} does not fit {annotation}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a sequence, got {value!r}")
+        (item_type, _) = typing.get_args(annotation)
+        return tuple(_convert(v, item_type, f"{where}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(annotation):
+        return from_dict(annotation, value, where)
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if annotation in (bool, str):
+        if not isinstance(value, annotation):
+            raise ConfigError(f"{where}: expected {annotation.__name__}, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported annotation {annotation}")
+
+
+def from_dict(cls: type, data: Any, where: str = "config") -> Any:
+    """Rebuilds dataclass `cls` from nested mappings, naming any unknown field or mistyped value."""
+    if dataclasses.is_dataclass(data):
+        data = to_dict(data)
+    if hasattr(data, "to_dict"):  # ml_collections.ConfigDict
+        data = data.to_dict()
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping for {cls.__name__}, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(
+            f"{where}.{unknown[0]}: unknown field of {cls.__name__} "
+            f"(known: {', '.join(sorted(known))})"
+        )
+    kwargs = {k: _convert(v, hints[k], f"{where}.{k}") for k, v in data.items()}
+    return cls(**kwargs)

@@ -1,0 +1,136 @@
+"""One experiment: the model, mesh, optimizer, data, training phases and RL settings, and the
+checks that reject contradictory values before anything compiles."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from composer_jax.config.base import check as _check
+from composer_jax.config.model import MeshConfig, ModelConfig, mesh_shape, validate_model
+from composer_jax.config.rl import RLConfig, validate_rl
+from composer_jax.config.training import DataConfig, OptimizerConfig, TrainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    model: ModelConfig = ModelConfig()
+    mesh: MeshConfig = MeshConfig()
+    optim: OptimizerConfig = OptimizerConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    rl: RLConfig = RLConfig()
+    steps: int = 200
+    seed: int = 0
+    workdir: str = "runs/default"
+    # Hugging Face DeepSeek-V3-format folder whose weights start a fresh run (continued
+    # pretraining); its architecture must match `model`. Ignored when the workdir has a checkpoint.
+    init_from: str = ""
+    print_sharding: bool = False  # print every parameter's resolved sharding at start-up
+
+
+def validate(cfg: ExperimentConfig, num_devices: int | None = None) -> None:
+    """Checks the whole experiment; with `num_devices`, also that the mesh and batches fit it."""
+    validate_model(cfg.model)
+    validate_rl(cfg.rl)
+    _check(cfg.steps > 0, "steps", f"must be positive, got {cfg.steps}")
+    o = cfg.optim
+    _check(o.name in ("adamw", "muon"), "optim.name", f"unknown optimizer {o.name!r}")
+    _check(
+        o.muon_scaling in ("rms", "spectral"),
+        "optim.muon_scaling",
+        f"must be 'rms' or 'spectral', got {o.muon_scaling!r}",
+    )
+    _check(o.muon_ns_steps > 0, "optim.muon_ns_steps", "must be positive")
+    _check(o.learning_rate > 0, "optim.learning_rate", "must be positive")
+    _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must lie in [0, 1]")
+    _check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+    _check(o.clip_norm > 0, "optim.clip_norm", "must be positive")
+    t = cfg.train
+    _check(len(t.phases) > 0, "train.phases", "needs at least one phase")
+    total = sum(p.fraction for p in t.phases)
+    _check(abs(total - 1.0) < 1e-6, "train.phases", f"fractions must sum to 1, got {total}")
+    for i, p in enumerate(t.phases):
+        _check(p.fraction > 0, f"train.phases[{i}].fraction", "must be positive")
+        _check(p.seq_len > 1, f"train.phases[{i}].seq_len", "must be > 1")
+        _check(p.batch_size > 0, f"train.phases[{i}].batch_size", "must be positive")
+        _check(
+            p.data in ("corpus", "tasks"),
+            f"train.phases[{i}].data",
+            f"must be 'corpus' or 'tasks', got {p.data!r}",
+        )
+    _check(t.mtp_loss in ("distill", "ce"), "train.mtp_loss", f"unknown MTP loss {t.mtp_loss!r}")
+    for name in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "eval_batches"):
+        _check(getattr(t, name) > 0, f"train.{name}", "must be positive")
+    _check(0 < cfg.data.eval_fraction < 1, "data.eval_fraction", "must lie in (0, 1)")
+    _check(bool(cfg.data.tasks.strip()), "data.tasks", "must name a task source")
+    _check_tokenizer_spec(cfg.data.tokenizer)
+    _check(bool(cfg.data.text_field), "data.text_field", "must name a field")
+    for axis in cfg.mesh.ep:
+        _check(axis in ("replica", "fsdp", "cp"), "mesh.ep", f"unknown mesh axis {axis!r}")
+    _check(len(set(cfg.mesh.ep)) == len(cfg.mesh.ep), "mesh.ep", "repeats an axis")
+    _check(
+        cfg.mesh.ep_quantize in ("auto", "mxfp8", "none"),
+        "mesh.ep_quantize",
+        f"must be auto, mxfp8 or none, got {cfg.mesh.ep_quantize!r}",
+    )
+    _check(
+        cfg.mesh.ep_dispatch in ("auto", "ragged", "padded", "ragged_emulated"),
+        "mesh.ep_dispatch",
+        f"must be auto, ragged, padded or ragged_emulated, got {cfg.mesh.ep_dispatch!r}",
+    )
+    _check(
+        cfg.mesh.ep_quantize == "none" or cfg.model.hidden_size % 32 == 0,
+        "mesh.ep_quantize",
+        f"MXFP8 dispatch needs model.hidden_size divisible by 32, got {cfg.model.hidden_size}",
+    )
+    if num_devices is not None:
+        shape = mesh_shape(cfg.mesh, num_devices)
+        ep_size = 1
+        for axis in cfg.mesh.ep:
+            ep_size *= shape[axis]
+        _check(
+            cfg.model.num_experts % ep_size == 0,
+            "mesh.ep",
+            f"the expert-parallel group {cfg.mesh.ep} has {ep_size} devices, which does not "
+            f"divide model.num_experts={cfg.model.num_experts}",
+        )
+        data_parallel = shape["replica"] * shape["fsdp"]
+        for i, p in enumerate(t.phases):
+            _check(
+                p.batch_size % data_parallel == 0,
+                f"train.phases[{i}].batch_size",
+                f"{p.batch_size} is not divisible by replica*fsdp={data_parallel}",
+            )
+            _check(
+                p.seq_len % (2 * shape["cp"]) == 0 or shape["cp"] == 1,
+                f"train.phases[{i}].seq_len",
+                f"{p.seq_len} must be divisible by 2*cp={2 * shape['cp']} for load-balanced CP",
+            )
+
+
+def _check_tokenizer_spec(spec: str) -> None:
+    from composer_jax.data.tokenizer import BYTE, available_shipped
+
+    if spec in ("auto", BYTE) or spec in available_shipped():
+        return
+    has_files = os.path.isfile(os.path.join(spec, "tokenizer.json")) or os.path.isfile(
+        os.path.join(spec, "tiktoken.model")
+    )
+    _check(
+        has_files,
+        "data.tokenizer",
+        f"{spec!r} is not 'auto', 'byte', a shipped tokenizer ({', '.join(available_shipped())})"
+        " or a folder with tokenizer.json / tiktoken.model",
+    )
+
+
+def phase_steps(cfg: ExperimentConfig) -> list[int]:
+    """Steps per phase: fractions of `cfg.steps`, rounded so that they add up exactly."""
+    bounds = [0]
+    acc = 0.0
+    for p in cfg.train.phases:
+        acc += p.fraction
+        bounds.append(round(acc * cfg.steps))
+    bounds[-1] = cfg.steps
+    return [b - a for a, b in zip(bounds[:-1], bounds[1:])]

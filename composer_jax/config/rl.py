@@ -1,0 +1,233 @@
+"""The RL objective (DESIGN.md section 6) and the actor loop that feeds it (section 7)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from composer_jax.config.base import check as _check
+
+KL_ESTIMATORS = ("k1", "k2", "k3", "exact")
+KL_PLACEMENTS = ("in_reward", "in_loss")
+IMPORTANCE_WEIGHTINGS = ("none", "truncated", "ppo_clip")
+ADVANTAGE_MODES = ("mean", "mean_std", "leave_one_out")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLObjectiveConfig:
+    """Group policy gradient with KL, length penalty and text-feedback distillation."""
+
+    # KL(pi || pi_ref): "k1" log(pi/ref), "k2" (log ratio)^2/2, "k3" (r - 1) - log r with
+    # r = ref/pi, or "exact" (full-vocabulary KL per position from the logits; in_loss only).
+    # "in_reward": -kl_coef * estimate folded into the sample's reward (stop-gradient; reaches the
+    # policy through the score function). "in_loss": added as a differentiable loss (ablation).
+    kl_estimator: str = "k1"
+    kl_placement: str = "in_reward"
+    kl_coef: float = 1e-3
+    # Importance weight between the trainer's log-probs and the sampler's: "none", "truncated"
+    # (stop-gradient ratio capped at importance_cap) or "ppo_clip" (ratio clipped to
+    # [1 - clip_eps_low, 1 + clip_eps_high], pessimistic surrogate).
+    importance_weighting: str = "truncated"
+    importance_cap: float = 2.0
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.28
+    # Token losses are summed and divided by a constant, never by a sequence's length:
+    # loss_normalizer, or (when 0) the batch's sample slots (groups * G) * max_generation_len.
+    loss_normalizer: float = 0.0
+    max_generation_len: int = 1024
+    # Advantage = reward - group mean ("mean", Dr. GRPO); "mean_std" also divides by the group's
+    # std + advantage_std_eps; "leave_one_out" subtracts the mean of the *other* samples.
+    advantage_mode: str = "mean"
+    advantage_std_eps: float = 1e-6
+    # Length penalty coef * C(x), C(x) = ((1 + k x)^(1 - q) - 1) / (k (1 - q)) (log(1 + k x) / k at
+    # q = 1), x = the report's weighted sum over the whole sample: tokens the policy wrote by kind
+    # (thinking, tool calls, final message, summaries: 1 each), tool-output tokens it made the
+    # environment produce (0.5: cheaper than writing), and a fixed cost per tool call (25
+    # token-equivalents: a call's latency and context) and per turn (50: a round trip).
+    length_penalty_coef: float = 1e-3
+    length_penalty_k: float = 1e-3
+    length_penalty_q: float = 1.5
+    length_weight_thinking: float = 1.0
+    length_weight_tool_call: float = 1.0
+    length_weight_tool_output: float = 0.5
+    length_weight_final_message: float = 1.0
+    length_weight_summary: float = 1.0
+    length_weight_per_tool_call: float = 25.0
+    length_weight_per_turn: float = 50.0
+    # Behaviour rewards (`composer_jax.rl.rewards`), each component in [-1, 0] times its weight:
+    # style (share of turns the style detector flagged), tool misuse (share of tool calls in
+    # turns flagged for unknown tools, bad arguments or ignored errors), communication (no final
+    # message), harm (a reward-hack monitor's flag; the task reward is already 0 then).
+    reward_weight_style: float = 0.05
+    reward_weight_tool_misuse: float = 0.1
+    reward_weight_communication: float = 0.05
+    reward_weight_harm: float = 0.5
+    # Text-feedback distillation: coefficient of KL(student || hinted teacher) on flagged turns.
+    distill_coef: float = 0.1
+    # Router replay: force the sampler's experts in the trainer's forward (the plausibility ratio
+    # is the model's `replay_min_ratio`, since it changes the model's routing).
+    router_replay: bool = True
+
+
+RL_BACKENDS = ("threads", "ray")
+ENV_WORKER_KINDS = ("process", "thread")
+STALE_POLICIES = ("drop", "reweight")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig(RLObjectiveConfig):
+    """The RL objective plus the asynchronous actor loop that feeds it (`launch/rl.py`)."""
+
+    # Roles: "threads" runs trainer, sampler, environments and evaluator in one process; "ray"
+    # runs the sampler and the environment workers as Ray actors (multi-host rollouts).
+    backend: str = "threads"
+    env_workers: str = "process"  # threads backend: environment workers as processes or threads
+    num_env_workers: int = 2
+    # A step slower than this counts as a hung worker; 0 derives it from the environment's
+    # limits (the longest a turn of commands plus grading may legitimately take).
+    env_timeout_s: float = 0.0
+    # Model-written code runs only in an isolating sandbox (bubblewrap or util-linux unshare);
+    # False allows the unisolated fallback, for quick local experiments.
+    require_sandbox: bool = True
+    # The RL prompts' task source spec (empty: data.tasks), their split "train".
+    tasks: str = ""
+    # Scheduling: one epoch over `num_prompts` distinct training tasks (0: steps x groups_per_step),
+    # `group_size` samples each; a step trains on `groups_per_step` finished groups.
+    group_size: int = 4
+    groups_per_step: int = 4
+    num_prompts: int = 0
+    # A group's oldest token may lag the trained policy by at most `max_staleness` versions; older
+    # groups are dropped or have their advantages scaled by stale_decay ** (lag - max_staleness).
+    max_staleness: int = 2
+    stale_policy: str = "drop"
+    stale_decay: float = 0.5
+    # Dynamic sampling (DAPO): skip groups whose samples all got the same task reward (their
+    # advantages carry only the KL and length terms); they are counted, their prompts not redone.
+    skip_uniform_groups: bool = False
+    # Later in the epoch, revisit the hardest prompts seen (most turns, then most thinking tokens):
+    # this fraction of the scheduled groups is drawn from them once half the prompts are used.
+    hard_prompt_fraction: float = 0.0
+    # Sampling.
+    num_slots: int = 16
+    context_len: int = 768
+    max_new_tokens: int = 256  # per turn
+    max_turns: int = 2
+    temperature: float = 1.0
+    top_p: float = 1.0
+    recompute_cache_on_update: bool = False
+    # Self-summarisation: when a generation's context reaches summary_budget tokens (0: off), the
+    # policy writes a summary and continues from system prompt + task + summary.
+    summary_budget: int = 0
+    max_summaries: int = 4
+    summary_max_tokens: int = 128
+    # Text feedback: detectors that flag turns and build the hint of the teacher context.
+    feedback_detectors: tuple[str, ...] = (
+        "unknown_tool",
+        "invalid_arguments",
+        "ignored_tool_error",
+        "style",
+    )
+    # Weight sync from trainer to sampler ("" : <workdir>/weights); deltas "xor" or "add".
+    weight_store: str = ""
+    weight_delta: str = "xor"
+    snapshot_every: int = 8
+    # Warm start: a pretraining workdir whose latest checkpoint starts RL, or, when empty, a run
+    # of the experiment's train.phases (e.g. SFT on the built-in tasks) for warm_start_steps steps
+    # at warm_start_lr (in <workdir>/warm_start).
+    warm_start: str = ""
+    warm_start_steps: int = 300
+    warm_start_lr: float = 3e-3
+    # Held-out evaluation before RL and at the end: `heldout_num_tasks` tasks of the
+    # `heldout_split` split of `heldout_tasks` (a task source spec; empty: the RL tasks'), each
+    # sampled `heldout_samples` times. The split "held_out" holds tasks never trained on (for
+    # builtin: other functions); "train" with the held-out seed gives fresh instances of training
+    # tasks. Seeds: SFT draws from cfg.seed, RL prompts cfg.seed + 1, held-out cfg.seed + 2.
+    heldout_tasks: str = ""
+    heldout_split: str = "held_out"
+    heldout_num_tasks: int = 32
+    heldout_samples: int = 2
+    heldout_temperature: float = 1.0
+
+
+def validate_rl_objective(cfg: RLObjectiveConfig, where: str = "rl") -> None:
+    """Rejects unknown choices and out-of-range values, naming the field."""
+    choices = (
+        ("kl_estimator", KL_ESTIMATORS),
+        ("kl_placement", KL_PLACEMENTS),
+        ("importance_weighting", IMPORTANCE_WEIGHTINGS),
+        ("advantage_mode", ADVANTAGE_MODES),
+    )
+    for name, allowed in choices:
+        value = getattr(cfg, name)
+        _check(value in allowed, f"{where}.{name}", f"{value!r} is not one of {allowed}")
+    _check(
+        not (cfg.kl_estimator == "exact" and cfg.kl_placement == "in_reward"),
+        f"{where}.kl_placement",
+        "the exact KL is a per-position expectation: use it with 'in_loss'",
+    )
+    non_negative = (
+        "kl_coef",
+        "loss_normalizer",
+        "length_penalty_coef",
+        "length_penalty_q",
+        "distill_coef",
+        "length_weight_thinking",
+        "length_weight_tool_call",
+        "length_weight_tool_output",
+        "length_weight_final_message",
+        "length_weight_summary",
+        "length_weight_per_tool_call",
+        "length_weight_per_turn",
+    )
+    for name in non_negative:
+        _check(getattr(cfg, name) >= 0, f"{where}.{name}", "must be >= 0")
+    positive = ("importance_cap", "advantage_std_eps", "length_penalty_k", "max_generation_len")
+    for name in positive:
+        _check(getattr(cfg, name) > 0, f"{where}.{name}", "must be > 0")
+    _check(0 <= cfg.clip_eps_low < 1, f"{where}.clip_eps_low", "must lie in [0, 1)")
+    _check(cfg.clip_eps_high >= 0, f"{where}.clip_eps_high", "must be >= 0")
+
+
+def validate_rl(cfg: RLConfig, where: str = "rl") -> None:
+    """The objective's checks plus the actor loop's."""
+    validate_rl_objective(cfg, where)
+    for name, allowed in (
+        ("backend", RL_BACKENDS),
+        ("env_workers", ENV_WORKER_KINDS),
+        ("stale_policy", STALE_POLICIES),
+        ("weight_delta", ("xor", "add")),
+    ):
+        value = getattr(cfg, name)
+        _check(value in allowed, f"{where}.{name}", f"{value!r} is not one of {allowed}")
+    for name in (
+        "num_env_workers",
+        "group_size",
+        "groups_per_step",
+        "num_slots",
+        "context_len",
+        "max_new_tokens",
+        "max_turns",
+        "summary_max_tokens",
+        "snapshot_every",
+        "warm_start_steps",
+        "heldout_num_tasks",
+        "heldout_samples",
+    ):
+        _check(getattr(cfg, name) > 0, f"{where}.{name}", "must be positive")
+    for name in ("num_prompts", "max_staleness", "summary_budget", "max_summaries"):
+        _check(getattr(cfg, name) >= 0, f"{where}.{name}", "must be >= 0")
+    _check(cfg.env_timeout_s >= 0, f"{where}.env_timeout_s", "must be >= 0 (0: derived)")
+    _check(0 < cfg.stale_decay <= 1, f"{where}.stale_decay", "must lie in (0, 1]")
+    _check(0 <= cfg.hard_prompt_fraction < 1, f"{where}.hard_prompt_fraction", "must lie in [0, 1)")
+    _check(cfg.temperature > 0, f"{where}.temperature", "RL samples: must be > 0")
+    _check(0 < cfg.top_p <= 1, f"{where}.top_p", "must lie in (0, 1]")
+    _check(cfg.heldout_temperature >= 0, f"{where}.heldout_temperature", "must be >= 0")
+    _check(
+        cfg.group_size <= cfg.num_slots,
+        f"{where}.group_size",
+        f"a group ({cfg.group_size}) must fit in the sampler's num_slots ({cfg.num_slots})",
+    )
+    _check(
+        cfg.summary_budget == 0 or cfg.summary_budget + cfg.summary_max_tokens < cfg.context_len,
+        f"{where}.summary_budget",
+        "summary_budget + summary_max_tokens must be below context_len",
+    )

@@ -1,0 +1,73 @@
+"""Optimizer, data and the phases of training."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    name: str = "adamw"
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    # Muon (name="muon"): matrices get orthogonalised momentum, everything else AdamW above.
+    muon_learning_rate: float = 0.02
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muon_scaling: str = "rms"  # "rms": 0.2*sqrt(max(A, B)) (AdamW-matched); "spectral"
+    qk_clip_threshold: float = 0.0  # MuonClip for MLA: 0 disables
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    # "auto" (the init_from checkpoint's tokenizer when its folder has one, else the RL warm
+    # start run's, else "byte"), "byte", a tokenizer shipped in composer_jax/data/tokenizers/, or
+    # a folder with tokenizer.json (HF) or tiktoken.model. Saved with the run.
+    tokenizer: str = "auto"
+    # Empty: the running interpreter's standard library. A folder of code, or JSONL / Parquet /
+    # ArrayRecord documents (a file or a folder of them; the text in `text_field`).
+    corpus_root: str = ""
+    text_field: str = "text"
+    extensions: tuple[str, ...] = (".py",)
+    eval_fraction: float = 0.02
+    # The coding tasks of SFT phases: a task source spec (`composer_jax.envs.load_task_source`:
+    # builtin[:max_ops=N], feature_deletion[:package], humaneval, jsonl:PATH, a weighted mixture
+    # a:0.7,b:0.3, or pkg.module:function). RL prompts and held-out evaluation default to it.
+    tasks: str = "builtin"
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseConfig:
+    """One stage of training; phases run in order and split `ExperimentConfig.steps` by fraction.
+
+    `data`: "corpus" (packed source files, every token a target) or "tasks" (SFT on the coding
+    tasks of `data.tasks`: first observation -> the agent's oracle turn, loss on the turn only).
+    """
+
+    name: str = "main"
+    fraction: float = 1.0
+    seq_len: int = 128
+    batch_size: int = 8
+    lr_scale: float = 1.0
+    data: str = "corpus"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    phases: tuple[PhaseConfig, ...] = (PhaseConfig(),)
+    mtp_weight: float = 0.3
+    mtp_loss: str = (
+        "distill"  # "distill": KL to the main head's (stop-gradient) logits; "ce": labels.
+    )
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2

@@ -1,0 +1,47 @@
+"""Starting a run from a Hugging Face checkpoint: the model of `init_from`, checked to be the
+config's architecture (`train.loop.run_pretraining(cfg, pretrained=...)` copies its tensors)."""
+
+import dataclasses
+
+from composer_jax import config as config_lib
+from composer_jax.interop.hf import load_hf_checkpoint
+from composer_jax.model.transformer import Transformer
+
+# Fields that may differ between a pretrained checkpoint and the model trained from it.
+FREE_FIELDS = frozenset(
+    {
+        "dtype",
+        "param_dtype",
+        "scan_layers",
+        "remat",
+        "num_mtp_layers",
+        "router_bias_update_rate",
+        "max_position_embeddings",
+        "replay_min_ratio",
+        "expert_precision",
+        "expert_backend",
+        "expert_gemm_impl",
+    }
+)
+
+
+def check_same_architecture(ours: config_lib.ModelConfig, theirs: config_lib.ModelConfig) -> None:
+    """A ConfigError naming the first architecture field the two configs disagree on."""
+    for field in dataclasses.fields(ours):
+        if field.name in FREE_FIELDS:
+            continue
+        a, b = getattr(ours, field.name), getattr(theirs, field.name)
+        if a != b:
+            raise config_lib.ConfigError(
+                f"model.{field.name}: the config has {a!r} but the init_from checkpoint has {b!r}"
+            )
+
+
+def load_pretrained(cfg: config_lib.ExperimentConfig) -> Transformer:
+    """The `cfg.init_from` checkpoint as a model in cfg's numerics, after the architecture
+    check."""
+    model = load_hf_checkpoint(
+        cfg.init_from, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype
+    )
+    check_same_architecture(cfg.model, model.cfg)
+    return model

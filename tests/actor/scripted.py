@@ -1,0 +1,91 @@
+"""A sampler that plays scripted turns: the coordinator's tests plant exact agent behaviour.
+
+It keeps each request's context like the engine does (a continuation appends, a restart keeps a
+prefix) and reports routes of every prefilled and generated position, so the sequences it yields
+have the engine's shape. `script(prompt_text, turn_index) -> text` decides each turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from composer_jax.actor.sampler import Sampler
+from composer_jax.infer import Completion
+
+
+@dataclasses.dataclass
+class _Request:
+    context: list[int]
+    params: object
+    turn: int
+    start: int
+    prompt: list[int]
+
+
+class ScriptedSampler(Sampler):
+    def __init__(self, script, tokenizer, num_slots=8, max_len=1024, moe_layers=1, k=2):
+        self.script, self.tokenizer = script, tokenizer
+        self.num_slots, self.max_len = num_slots, max_len
+        self.moe_layers, self.k = moe_layers, k
+        self._requests: dict[int, _Request] = {}
+        self._running: list[int] = []
+        self._next = 0
+        self._version = 0
+        self.generated_tokens = 0
+
+    @property
+    def version(self):
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        self._version = version
+
+    def _new(self, context, params, turn, start, prompt) -> int:
+        rid, self._next = self._next, self._next + 1
+        self._requests[rid] = _Request(list(context), params, turn, start, list(prompt))
+        self._running.append(rid)
+        return rid
+
+    def submit(self, prompt, params):
+        return self._new(prompt, params, 0, 0, prompt)
+
+    def continue_request(self, request_id, appended, params):
+        # As the engine: the previous turn's last token is prefilled (and routed) first.
+        old = self._requests.pop(request_id)
+        feed = [old.context[-1], *appended]
+        context = old.context + list(appended)
+        return self._new(context, params, old.turn + 1, len(old.context) - 1, feed)
+
+    def restart_request(self, request_id, keep, appended, params):
+        old = self._requests.pop(request_id)
+        return self._new(old.context[:keep] + list(appended), params, old.turn + 1, keep, appended)
+
+    def release(self, request_id):
+        self._requests.pop(request_id, None)
+
+    def poll(self, max_steps: int = 8):
+        done = []
+        for rid in self._running:
+            req = self._requests[rid]
+            prompt_text = self.tokenizer.decode(req.context)
+            text = self.script(prompt_text, req.turn)
+            tokens = list(self.tokenizer.encode(text))[: req.params.max_new_tokens]
+            route = np.tile(np.arange(self.k, dtype=np.int32), (self.moe_layers, 1))
+            c = Completion(rid, req.prompt, req.start)
+            c.prompt_experts = [route] * len(req.prompt)
+            for t in tokens:
+                c.record(t, -0.5, -0.5, self._version, route)
+            c.finish_reason = "stop"
+            req.context += tokens
+            done.append(c)
+            self.generated_tokens += len(tokens)
+        self._running = []
+        return done
+
+    def sync_weights(self, wait_for=None, timeout_s=600.0):
+        return self._version
+
+    def stats(self):
+        return {"generated_tokens": self.generated_tokens}

@@ -1,0 +1,340 @@
+"""The coordinator's rollout mechanics: text feedback, self-summarisation, worker failures."""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from composer_jax import data, envs
+from composer_jax.actor import feedback
+from composer_jax.actor.coordinator import Coordinator
+from composer_jax.actor.env_workers import ProcessEnvironmentPool
+from composer_jax.actor.episodes import SUMMARY_OPEN
+from composer_jax.actor.ids import GroupId
+from composer_jax.actor.ledger import GroupLedger
+from composer_jax.actor.lifecycle import SampleState
+from composer_jax.actor.sampler import LocalSampler
+from composer_jax.actor.samples import group_sequences, groups_to_batch
+from composer_jax.actor.thread_pool import ThreadEnvironmentPool
+from composer_jax.config import ModelConfig, RLConfig
+from composer_jax.model import init_model
+from composer_jax.rl import SegmentKind
+from composer_jax.rl.advantages import per_sample_sum
+from composer_jax.rl.loss import distillation_token_kl
+from composer_jax.rl.policy import rl_loss, teacher_logits, trainer_logits
+from composer_jax.train.step import split_model
+from composer_jax.weight_sync import WeightPublisher, open_store
+from tests.actor.scripted import ScriptedSampler
+
+TOKENIZER = data.get_tokenizer("byte")
+MODEL_CFG = ModelConfig()
+BAD_CALL = '<call tool="launch_rockets"><arg name="count">3</arg></call>'
+
+
+def _run_one_group(cfg, sampler, pool, ledger, task, timeout_s=120):
+    coordinator = Coordinator(
+        cfg,
+        sampler,
+        pool,
+        ledger,
+        [("p0", task)],
+        TOKENIZER,
+        MODEL_CFG.num_moe_layers,
+        MODEL_CFG.num_experts_per_tok,
+    )
+    coordinator.start()
+    try:
+        ids = coordinator.wait_for_groups(1, timeout_s=timeout_s)
+    finally:
+        coordinator.stop()
+    assert ids == ["p0"]
+    return coordinator, ledger.load("p0")
+
+
+def test_planted_bad_tool_call_is_distilled_on_that_turn_alone(tmp_path):
+    task = envs.builtin_tasks(1, seed=21, max_ops=1)[0]
+    turns = [BAD_CALL, *envs.oracle_turns(task)]
+    sampler = ScriptedSampler(
+        lambda prompt, turn: turns[turn],
+        TOKENIZER,
+        moe_layers=MODEL_CFG.num_moe_layers,
+        k=MODEL_CFG.num_experts_per_tok,
+    )
+    cfg = RLConfig(group_size=2, groups_per_step=1, max_turns=4, context_len=1024)
+    with ThreadEnvironmentPool(4, timeout_s=60) as pool:
+        coordinator, group = _run_one_group(
+            cfg, sampler, pool, GroupLedger(tmp_path / "ledger"), task
+        )
+    np.testing.assert_array_equal(group.rewards, [1.0, 1.0])
+    assert group.metadata["feedback"] == [{"unknown_tool": 1}] * 2
+    assert coordinator.snapshot()["feedback/unknown_tool"] == 2
+
+    hint_marker = feedback.render_hint([("unknown_tool", "x")]).split("x")[0]
+    for seq in group_sequences(group):
+        student_text = TOKENIZER.decode(seq.tokens)
+        teacher_text = TOKENIZER.decode(seq.teacher_tokens)
+        assert hint_marker not in student_text and hint_marker in teacher_text
+        distilled = seq.teacher_target_index >= 0
+        assert TOKENIZER.decode(seq.tokens[distilled]) == BAD_CALL  # that turn, nothing else
+        np.testing.assert_array_equal(
+            seq.teacher_tokens[seq.teacher_target_index[distilled]], seq.tokens[distilled]
+        )
+
+    batch = groups_to_batch([group], 1024)
+    model = init_model(MODEL_CFG, seed=3)
+    rl_cfg = RLConfig(distill_coef=1.0, kl_coef=0.0)
+    logits, _ = trainer_logits(model, batch)
+    per_token = distillation_token_kl(logits, teacher_logits(model, batch), batch.teacher_index_BT)
+    per_token = np.asarray(per_token)
+    policy_turn = np.asarray(batch.teacher_index_BT) >= 0
+    assert per_token[policy_turn].min() > 0  # the hint changes the teacher on every such token
+    assert np.all(per_token[~policy_turn] == 0)
+    _, metrics = rl_loss(model, batch, rl_cfg)
+    assert float(metrics["distill_loss"]) > 0
+
+
+def _publish_random_model(tmp_path, seed=0):
+    model = init_model(MODEL_CFG, seed=seed)
+    store = str(tmp_path / "weights")
+    with WeightPublisher(open_store(store)) as publisher:
+        publisher.publish(split_model(model)[1], 0)
+    return model, store
+
+
+def test_rollout_summarises_repeatedly_and_trains_the_chain_as_one_sample(tmp_path):
+    model, store = _publish_random_model(tmp_path)
+    cfg = RLConfig(
+        group_size=2,
+        groups_per_step=1,
+        num_slots=2,
+        context_len=640,
+        max_new_tokens=24,
+        max_turns=10,
+        summary_budget=380,
+        summary_max_tokens=24,
+        max_summaries=3,
+        feedback_detectors=(),
+    )
+    sampler = LocalSampler(model, store, num_slots=2, max_len=cfg.context_len)
+    assert sampler.sync_weights(wait_for=0) == 0
+    task = envs.builtin_tasks(1, seed=5, max_ops=1)[0]
+    with ThreadEnvironmentPool(4, timeout_s=60) as pool:
+        coordinator, group = _run_one_group(
+            cfg, sampler, pool, GroupLedger(tmp_path / "ledger"), task, timeout_s=300
+        )
+    summaries = group.metadata["summaries"]
+    assert min(summaries) >= 2
+    sequences = group_sequences(group)
+    for sample in range(2):
+        chain = [s for s in sequences if s.sample_index == sample]
+        assert len(chain) == summaries[sample] + 1
+        prompt = chain[0].tokens[: np.argmax(chain[0].policy_mask)]
+        for before, after in zip(chain[:-1], chain[1:]):
+            summary = before.tokens[before.kinds == SegmentKind.SUMMARY]
+            assert (
+                len(summary) > 0 and before.policy_mask[before.kinds == SegmentKind.SUMMARY].all()
+            )
+            # The next generation starts from the task prompt and the summary, as context.
+            np.testing.assert_array_equal(after.tokens[: len(prompt)], prompt)
+            carried = TOKENIZER.decode(
+                after.tokens[len(prompt) :][~after.policy_mask[len(prompt) :]]
+            )
+            assert carried.startswith(SUMMARY_OPEN + TOKENIZER.decode(summary))
+            assert not after.policy_mask[: len(prompt) + len(summary)].any()
+
+    batch = groups_to_batch([group], cfg.context_len)
+    policy_per_sample = per_sample_sum(
+        batch.policy_mask_BT.astype(np.float32), batch.sample_index_BT, batch.num_samples
+    )
+    expected = [
+        sum(int(s.policy_mask.sum()) for s in sequences if s.sample_index == i) for i in range(2)
+    ]
+    np.testing.assert_array_equal(np.asarray(policy_per_sample), expected)
+    loss, _ = rl_loss(model, batch, RLConfig(kl_coef=0.0))
+    assert np.isfinite(float(loss))
+
+
+@pytest.mark.parametrize("failure", ["kill", "hang"])
+def test_environment_worker_failure_requeues_the_sample(tmp_path, failure):
+    task = envs.builtin_tasks(1, seed=8, max_ops=1)[0]
+    slow = envs.protocol.render_call("run_shell", {"command": "sleep 1.5"})
+    turns = [slow, *envs.oracle_turns(task)]
+    sampler = ScriptedSampler(
+        lambda prompt, turn: turns[turn],
+        TOKENIZER,
+        moe_layers=MODEL_CFG.num_moe_layers,
+        k=MODEL_CFG.num_experts_per_tok,
+    )
+    cfg = RLConfig(group_size=2, groups_per_step=1, max_turns=4, feedback_detectors=())
+    pool = ProcessEnvironmentPool(2, timeout_s=3.0 if failure == "hang" else 30.0)
+    ledger = GroupLedger(tmp_path / "ledger")
+    coordinator = Coordinator(
+        cfg, sampler, pool, ledger, [("p0", task)], TOKENIZER, MODEL_CFG.num_moe_layers, 2
+    )
+    try:
+        coordinator.start()
+        deadline = time.monotonic() + 30
+        while pool.health()["calls"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)  # both episodes started and their slow first step sent
+        time.sleep(0.3)
+        victim = pool.worker_pids()[pool.worker_of("p0-s0-a0")]
+        os.kill(victim, signal.SIGKILL if failure == "kill" else signal.SIGSTOP)
+        assert coordinator.wait_for_groups(1, timeout_s=120) == ["p0"]
+    finally:
+        coordinator.stop()
+        pool.shutdown()
+        if failure == "hang":
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    np.testing.assert_array_equal(ledger.load("p0").rewards, [1.0, 1.0])
+    snapshot = coordinator.snapshot()
+    assert snapshot["env_failures"] >= 1 and snapshot["samples_requeued"] >= 1
+    key = "env/worker_crashes" if failure == "kill" else "env/worker_timeouts"
+    assert snapshot[key] >= 1 and snapshot["env/workers_replaced"] >= 1
+
+
+def test_hardest_prompts_are_revisited_late_in_the_epoch(tmp_path):
+    tasks = envs.builtin_tasks(4, seed=31, max_ops=1)
+    hard = tasks[0].prompt.splitlines()[0]  # the first finished: not merely the latest
+    look = envs.protocol.render_call("list_dir", {})
+
+    def script(prompt, turn):
+        oracle = envs.oracle_turns(next(t for t in tasks if t.prompt.splitlines()[0] in prompt))
+        lead = [look, look] if hard in prompt else []  # the hard prompt takes three more turns
+        return (lead + oracle)[turn]
+
+    sampler = ScriptedSampler(
+        script, TOKENIZER, moe_layers=MODEL_CFG.num_moe_layers, k=MODEL_CFG.num_experts_per_tok
+    )
+    cfg = RLConfig(
+        group_size=2,
+        groups_per_step=1,
+        max_turns=6,
+        num_slots=2,  # one group at a time: the epoch runs in prompt order
+        max_staleness=100,
+        hard_prompt_fraction=0.99,
+        feedback_detectors=(),
+    )
+    ledger = GroupLedger(tmp_path / "ledger")
+    prompts = [(f"p{i}", task) for i, task in enumerate(tasks)]
+    variant = envs.load_task_source("builtin:max_ops=1").variant
+    with ThreadEnvironmentPool(4, timeout_s=60) as pool:
+        coordinator = Coordinator(
+            cfg, sampler, pool, ledger, prompts, TOKENIZER, 1, 2, variant=variant
+        )
+        coordinator.start()
+        try:
+            deadline = time.monotonic() + 60
+            while "p0v1" not in ledger and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            coordinator.stop()
+    assert "p0v1" in ledger, sorted(ledger.pending())
+    revisit = ledger.load("p0v1")
+    # A fresh instance of the hard task (same function, new inputs): a new prompt, never the same
+    # one trained twice.
+    assert revisit.prompt_id.startswith(tasks[0].task_id + "-v")
+    prompt_ids = [ledger.load(g).prompt_id for g in ledger]
+    assert len(prompt_ids) == len(set(prompt_ids))
+    assert coordinator.snapshot()["revisited_prompts"] >= 1
+
+
+class _HoldingSampler(ScriptedSampler):
+    """Holds every request past the first turn while `held` is set (samples wait between
+    turns, as they do while the policy generates)."""
+
+    held = True
+
+    def poll(self, max_steps: int = 8):
+        def later_turn(rid):
+            return envs.protocol.CALL_OPEN in self.tokenizer.decode(self._requests[rid].context)
+
+        hold = [rid for rid in self._running if self.held and later_turn(rid)]
+        self._running = [rid for rid in self._running if rid not in hold]
+        done = super().poll(max_steps)
+        self._running = hold
+        return done
+
+
+def test_restart_resumes_samples_mid_episode_from_the_in_flight_record(tmp_path):
+    """Both samples write the solution, then the run stops while they wait on their second turn.
+    A new coordinator resumes them from the record: the environment holds the written file (the
+    final turn alone scores 1), the first turn is not generated again and keeps its tokens,
+    log-probs and routes, and the chain is one trainable sample."""
+    from composer_jax.actor.inflight import InFlightStore
+
+    task = envs.builtin_tasks(1, seed=41, max_ops=1)[0]
+    write, final = envs.oracle_turns(task)
+
+    def script(prompt, turn):
+        return final if envs.protocol.CALL_OPEN in prompt else write
+
+    def make_sampler():
+        return _HoldingSampler(script, TOKENIZER, moe_layers=MODEL_CFG.num_moe_layers, k=2)
+
+    cfg = RLConfig(group_size=2, groups_per_step=1, max_turns=4, feedback_detectors=())
+    store = InFlightStore(str(tmp_path / "inflight"))
+    ledger = GroupLedger(tmp_path / "ledger")
+    args = (TOKENIZER, MODEL_CFG.num_moe_layers, MODEL_CFG.num_experts_per_tok)
+    first_sampler = make_sampler()
+    with ThreadEnvironmentPool(2) as pool:
+        coordinator = Coordinator(
+            cfg, first_sampler, pool, ledger, [("p0", task)], *args, inflight_store=store
+        )
+        coordinator.start()
+        try:
+            deadline = time.monotonic() + 60
+            while coordinator.snapshot()["env/calls"] < 4 or any(
+                s.state is not SampleState.GENERATING
+                for s in coordinator.state.groups[GroupId("p0")].samples
+            ):
+                assert time.monotonic() < deadline, "the samples never reached their second turn"
+                time.sleep(0.02)
+            assert coordinator.save_in_flight(3).result(timeout=60) == 2
+        finally:
+            coordinator.stop()
+    saved = store.load(3)
+    assert [g.group_id for g in saved] == ["p0"] and len(saved[0].samples) == 2
+    recorded = saved[0].samples[0].fields
+    generated_before = first_sampler.generated_tokens
+
+    second_sampler = make_sampler()
+    second_sampler.held = False
+    with ThreadEnvironmentPool(2) as pool:
+        coordinator = Coordinator(
+            cfg,
+            second_sampler,
+            pool,
+            ledger,
+            [("p0", task)],
+            *args,
+            resume=saved,
+            inflight_store=store,
+        )
+        coordinator.trainer_version = 3
+        coordinator.start()
+        try:
+            assert coordinator.wait_for_groups(1, timeout_s=60) == ["p0"]
+        finally:
+            coordinator.stop()
+    assert coordinator.snapshot()["samples_resumed"] == 2
+    # Only the final turn was generated after the restart.
+    assert second_sampler.generated_tokens == 2 * len(TOKENIZER.encode(final))
+    assert generated_before == 2 * len(TOKENIZER.encode(write))
+    group = ledger.load("p0")
+    np.testing.assert_array_equal(group.rewards, [1.0, 1.0])
+    sequences = group_sequences(group)
+    assert len(sequences) == 2  # one chain per sample
+    seq = sequences[0]
+    prefix = len(recorded["tokens"])
+    np.testing.assert_array_equal(seq.tokens[:prefix], recorded["tokens"])
+    np.testing.assert_array_equal(seq.sampler_logprobs[:prefix], recorded["logprobs"])
+    np.testing.assert_array_equal(  # [moe_layers, positions, k]
+        seq.router_indices[:, : len(recorded["routes"])], np.stack(recorded["routes"], axis=1)
+    )
+    policy_text = TOKENIZER.decode(seq.tokens[seq.policy_mask])
+    assert policy_text == write + final

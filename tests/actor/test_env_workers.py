@@ -1,0 +1,261 @@
+"""Environment worker pools: oracle episodes through every kind match in-process episodes; a
+killed or hung worker loses only its own episodes and is replaced; worker processes never
+import JAX."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from composer_jax import envs
+from composer_jax.actor.env_workers import (
+    POOL_KINDS,
+    EnvWorkerError,
+    ProcessEnvironmentPool,
+    make_environment_pool,
+)
+from composer_jax.actor.ray_backend import RayEnvironmentPool
+from composer_jax.actor.thread_pool import ThreadEnvironmentPool
+from composer_jax.envs import worker as env_worker
+
+# Slow enough that a signal lands while the worker is inside the call.
+SLOW_TURN = envs.render_turn(calls=(("run_shell", {"command": "sleep 10"}),))
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    return envs.builtin_tasks(4, seed=23)
+
+
+@pytest.fixture(scope="module")
+def references(tasks):
+    return [envs.run_episode(task, envs.oracle_turns(task)) for task in tasks]
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def play(pool, episodes, config=envs.EnvConfig()):
+    """Runs {episode_id: (task, turns)} concurrently, turn by turn; the last results by id."""
+    prompts = {eid: pool.start(eid, task, config) for eid, (task, _) in episodes.items()}
+    for eid, future in prompts.items():
+        assert future.result(timeout=60).startswith(episodes[eid][0].prompt)
+    results = {}
+    for turn in range(max(len(turns) for _, turns in episodes.values())):
+        futures = {eid: pool.step(eid, turns[turn]) for eid, (_, turns) in episodes.items()}
+        results = {eid: future.result(timeout=60) for eid, future in futures.items()}
+    for eid in episodes:
+        pool.close(eid)
+    return results
+
+
+def oracle(task):
+    return task, envs.oracle_turns(task)
+
+
+def wait_for_child(pid, timeout_s=20.0):
+    """Waits until process `pid` has a child: the sandboxed command of the call is running."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if parent == pid:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} started no command")
+
+
+@pytest.mark.parametrize("kind", POOL_KINDS)
+def test_oracle_episodes_match_in_process(kind, tasks, references, request):
+    if kind == "ray":
+        request.getfixturevalue("ray_session")
+    with make_environment_pool(kind, num_workers=2, timeout_s=60.0) as pool:
+        results = play(pool, {f"e{i}": oracle(task) for i, task in enumerate(tasks)})
+        health = pool.health()
+    for i, reference in enumerate(references):
+        assert reference.done and reference.reward == 1.0
+        assert results[f"e{i}"] == reference
+    assert health["calls"] == 3 * len(tasks)
+    assert health["worker_crashes"] == health["worker_timeouts"] == health["episodes_lost"] == 0
+
+
+def test_flags_and_config_cross_the_pipe(tasks):
+    config = envs.EnvConfig(
+        strict_tools=False,
+        max_turns=4,
+        max_output_bytes=512,
+        limits=envs.SandboxLimits(cpu_seconds=5, wall_seconds=10.0, output_bytes=4096),
+    )
+    assert env_worker.config_from_json(env_worker.config_to_json(config)) == config
+    network = envs.render_turn(calls=(("run_shell", {"command": "echo no curl here"}),))
+    turns = [network, *envs.oracle_turns(tasks[0])]
+    reference = envs.run_episode(tasks[0], turns, config)
+    assert [flag.kind for flag in reference.flags] == ["network"] and reference.reward == 0.0
+    with ProcessEnvironmentPool(num_workers=1) as pool:
+        assert play(pool, {"flagged": (tasks[0], turns)}, config)["flagged"] == reference
+
+
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_unknown_and_duplicate_ids(kind, tasks):
+    with make_environment_pool(kind, num_workers=1, timeout_s=60.0) as pool:
+        with pytest.raises(KeyError):
+            pool.step("nobody", "<final>x</final>").result(timeout=30)
+        pool.close("nobody")
+        assert pool.start("e", tasks[0]).result(timeout=60)
+        with pytest.raises(ValueError, match="already started"):
+            pool.start("e", tasks[1]).result(timeout=60)
+        pool.close("e")
+        with pytest.raises(KeyError):
+            pool.step("e", "<final>x</final>").result(timeout=30)
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.step("e", "<final>x</final>")
+
+
+def test_make_environment_pool_rejects_unknown_kinds():
+    with pytest.raises(ValueError, match="kind"):
+        make_environment_pool("fork", num_workers=1, timeout_s=1.0)
+
+
+def test_process_worker_killed_mid_call(tasks):
+    with ProcessEnvironmentPool(num_workers=2, timeout_s=30.0) as pool:
+        for i, task in enumerate(tasks[:3]):
+            pool.start(f"e{i}", task).result(timeout=60)
+        assert [pool.worker_of(f"e{i}") for i in range(3)] == [0, 1, 0]  # least loaded
+        victim = pool.worker_pids()[0]
+        slow = pool.step("e0", SLOW_TURN)
+        wait_for_child(victim)
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(EnvWorkerError, match="SIGKILL"):
+            slow.result(timeout=30)
+        health = pool.health()
+        assert health["worker_crashes"] == 1 and health["workers_replaced"] == 1
+        assert health["episodes_lost"] == 2 and health["workers_started"] == 3
+        assert pool.worker_pids()[0] != victim
+        lost = pool.step("e2", envs.oracle_turns(tasks[2])[0])
+        assert lost.done() and isinstance(lost.exception(), EnvWorkerError)
+        pool.close("e2")
+        pool.close("e0")
+        # The other worker's episode and a new one on the fresh worker still finish.
+        for turn in envs.oracle_turns(tasks[1]):
+            survivor = pool.step("e1", turn).result(timeout=60)
+        assert survivor.done and survivor.reward == 1.0
+        assert play(pool, {"new": oracle(tasks[3])})["new"].reward == 1.0
+
+
+def test_process_worker_hang_times_out(tasks):
+    with ProcessEnvironmentPool(num_workers=1, timeout_s=3.0) as pool:
+        pool.start("hung", tasks[0]).result(timeout=30)
+        victim = pool.worker_pids()[0]
+        os.kill(victim, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(EnvWorkerError, match="timed out"):
+            pool.step("hung", envs.oracle_turns(tasks[0])[0]).result(timeout=30)
+        assert 3.0 <= time.monotonic() - start < 15.0
+        health = pool.health()
+        assert health["worker_timeouts"] == 1 and health["workers_replaced"] == 1
+        assert health["episodes_lost"] == 1 and health["worker_crashes"] == 0
+        assert pool.worker_pids()[0] != victim
+        assert play(pool, {"after": oracle(tasks[1])})["after"].reward == 1.0
+
+
+def test_thread_call_past_timeout_loses_the_episode(tasks):
+    with ThreadEnvironmentPool(max_workers=2, timeout_s=2.0) as pool:
+        pool.start("slow", tasks[0]).result(timeout=30)
+        with pytest.raises(EnvWorkerError, match="timed out"):
+            pool.step("slow", SLOW_TURN).result(timeout=30)
+        health = pool.health()
+        assert health["worker_timeouts"] == 1 and health["workers_replaced"] == 1
+        assert health["episodes_lost"] == 1 and health["workers_started"] == 3
+        lost = pool.step("slow", "<final>x</final>")
+        assert lost.done() and isinstance(lost.exception(), EnvWorkerError)
+        pool.close("slow")
+        results = play(pool, {"a": oracle(tasks[1]), "b": oracle(tasks[2])})
+        assert all(result.reward == 1.0 for result in results.values())
+
+
+def test_ray_actor_killed_mid_call(ray_session, tasks):
+    ray = ray_session
+    with RayEnvironmentPool(num_workers=2, timeout_s=60.0) as pool:
+        victim = pool.actors()[0]
+        assert ray.get(victim.__ray_call__.remote(lambda host: "jax" in sys.modules)) is False
+        victim_pid = ray.get(victim.pid.remote())  # asked now: the actor serialises its calls
+        pool.start("e0", tasks[0]).result(timeout=60)
+        pool.start("e1", tasks[1]).result(timeout=60)
+        slow = pool.step("e0", SLOW_TURN)
+        wait_for_child(victim_pid)
+        ray.kill(victim)
+        with pytest.raises(EnvWorkerError, match="died"):
+            slow.result(timeout=60)
+        health = pool.health()
+        assert health["worker_crashes"] == 1 and health["workers_replaced"] == 1
+        assert health["episodes_lost"] == 1 and health["workers_started"] == 3
+        assert pool.actors()[0]._actor_id != victim._actor_id
+        for turn in envs.oracle_turns(tasks[1]):
+            survivor = pool.step("e1", turn).result(timeout=60)
+        assert survivor.done and survivor.reward == 1.0
+        assert play(pool, {"new": oracle(tasks[2])})["new"].reward == 1.0
+
+
+def test_worker_process_never_imports_jax(tasks):
+    """Drives the real worker loop through an episode, then reports its imports."""
+    code = (
+        "import runpy, sys\n"
+        "runpy.run_module('composer_jax.envs.worker', run_name='__main__', alter_sys=True)\n"
+        "print('imported jax:', 'jax' in sys.modules, file=sys.stderr)\n"
+    )
+    task = tasks[0]
+    requests = [
+        ("start", ("e", task.to_json(), env_worker.config_to_json(envs.EnvConfig()))),
+        ("step", ("nobody", "<final>x</final>")),
+        *(("step", ("e", turn)) for turn in envs.oracle_turns(task)),
+    ]
+    worker = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert env_worker.read_frame(worker.stdout) == (True, worker.pid)
+    replies = []
+    for request in requests:
+        worker.stdin.write(env_worker.encode_frame(request))
+        worker.stdin.flush()
+        replies.append(env_worker.read_frame(worker.stdout))
+    worker.stdin.close()
+    stderr = worker.stderr.read().decode()
+    assert worker.wait(timeout=30) == 0
+    assert replies[0][0] and replies[0][1].startswith(task.prompt)
+    assert not replies[1][0] and isinstance(replies[1][1], KeyError)
+    assert replies[-1][0] and replies[-1][1].reward == 1.0
+    assert "imported jax: False" in stderr
+
+
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_episode_resumes_from_a_snapshot_on_another_worker(kind, tasks):
+    """The snapshot crosses the pool (and the pipe); the resumed episode ends like the original."""
+    task = tasks[1]
+    write, final = envs.oracle_turns(task)
+    with make_environment_pool(kind, num_workers=2, timeout_s=60.0) as pool:
+        pool.start("first", task).result(timeout=60)
+        assert not pool.step("first", write).result(timeout=60).done
+        snapshot = pool.snapshot("first").result(timeout=60)
+        pool.close("first")
+        assert pool.start("resumed", task, envs.EnvConfig(), snapshot).result(timeout=60)
+        result = pool.step("resumed", final).result(timeout=60)
+        with pytest.raises(ValueError, match="not an episode snapshot"):
+            pool.start("bad", task, envs.EnvConfig(), {"format": 0}).result(timeout=60)
+        with pytest.raises(KeyError):
+            pool.snapshot("nobody").result(timeout=30)
+    assert result.done and result.reward == 1.0 and result.counts["turns"] == 2

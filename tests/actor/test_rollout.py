@@ -1,0 +1,119 @@
+"""The synchronous rollout: tiny-model episodes on built-in tasks become a trainable batch."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from composer_jax import config
+from composer_jax.actor.rollout import collect_batch, collect_group, text_kinds, token_kinds
+from composer_jax.data import ByteTokenizer
+from composer_jax.envs import builtin_tasks, render_turn
+from composer_jax.infer import InferenceEngine, SamplingParams
+from composer_jax.model import init_model
+from composer_jax.rl import RLObjectiveConfig, SegmentKind, reference_logprobs, rl_loss
+
+MAX_NEW = 48
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_model(dataclasses.replace(config.tiny().model, dtype="float32"), 0)
+
+
+def test_token_kinds_follow_the_protocol():
+    turn = render_turn("plan", (("run_tests", {}),), "done")
+    kinds = token_kinds(ByteTokenizer().encode("x" + turn), ByteTokenizer())
+    want = np.concatenate([[SegmentKind.THINKING], text_kinds(turn)])
+    np.testing.assert_array_equal(kinds, want)
+    assert kinds[1 : 1 + len("<think>plan</think>")].tolist() == [SegmentKind.THINKING] * 19
+    call_start = turn.index("<call")
+    assert kinds[1 + call_start] == SegmentKind.TOOL_CALL
+    assert kinds[1 + turn.index("</call>") + 6] == SegmentKind.TOOL_CALL
+    assert kinds[-1] == SegmentKind.FINAL_MESSAGE
+
+
+def test_collect_batch_trains(model):
+    cfg = model.cfg
+    engine = InferenceEngine(model, num_slots=4, max_len=768, prefill_buckets=(64, 512))
+    tokenizer = ByteTokenizer()
+    tasks = builtin_tasks(2, "train", seed=0)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, seed=3)
+    generated = []
+    original_run = engine.run
+
+    def run_and_record():
+        out = original_run()
+        generated.extend(c for c in out.values() if c.finish_reason is not None)
+        return out
+
+    engine.run = run_and_record
+    batch, stats = collect_batch(engine, tasks, 2, sampling, max_turns=2, tokenizer=tokenizer)
+
+    assert batch.num_samples == 4
+    np.testing.assert_array_equal(batch.group_id_N, [0, 0, 1, 1])
+    rewards = np.asarray(batch.rewards_N["task"])
+    assert ((rewards >= 0) & (rewards <= 1)).all()
+    assert (stats["num_turns"] >= 1).all() and (stats["num_turns"] <= 2).all()
+    assert (stats["num_turns"] == 2).any()  # a continuation ran, after tool output
+    assert (np.asarray(batch.kinds_BT) == SegmentKind.TOOL_OUTPUT).any()
+    # Trainable tokens are exactly the generated ones: each turn is one run of the policy mask, with
+    # the engine's tokens, log-probs and versions, and the experts that routed the position before.
+    mask = np.asarray(batch.policy_mask_BT)
+    tokens, logprobs = np.asarray(batch.tokens_BT), np.asarray(batch.sampler_logprobs_BT)
+    router = np.asarray(batch.router_indices_LBTK)
+    runs = {}
+    for row in range(mask.shape[0]):
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], mask[row].astype(int), [0]])))
+        for start, end in zip(edges[::2], edges[1::2]):
+            runs[tuple(tokens[row, start:end])] = (row, start, end)
+    turns = {id(c): c for c in generated}.values()
+    assert sorted(runs) == sorted(tuple(c.tokens) for c in turns)
+    for c in turns:
+        row, start, end = runs[tuple(c.tokens)]
+        np.testing.assert_array_equal(logprobs[row, start:end], np.float32(c.logprobs))
+        np.testing.assert_array_equal(router[:, row, start - 1 : end - 1], np.stack(c.experts, 1))
+    assert (np.asarray(batch.policy_versions_BT)[mask] == engine.version).all()
+    kinds = np.asarray(batch.kinds_BT)
+    in_seq = np.asarray(batch.segment_ids_BT) > 0
+    assert (kinds[in_seq & ~mask] != SegmentKind.THINKING).all()
+    assert np.isin(
+        kinds[mask], [SegmentKind.THINKING, SegmentKind.TOOL_CALL, SegmentKind.FINAL_MESSAGE]
+    ).all()
+    assert batch.router_indices_LBTK.shape[0] == cfg.num_moe_layers
+
+    objective = RLObjectiveConfig(max_generation_len=2 * MAX_NEW)
+    reference = reference_logprobs(model, batch)  # the policy itself here: KL starts at 0
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(p):
+        return rl_loss(nnx.merge(graphdef, p, rest), batch, objective, reference)
+
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    assert np.isfinite(float(loss))
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+
+
+def test_group_samples_differ_and_free_the_engine(model):
+    engine = InferenceEngine(model, num_slots=2, max_len=768, prefill_buckets=(64, 512))
+    task = builtin_tasks(1, "train", seed=1)[0]
+    sampling = SamplingParams(max_new_tokens=16, seed=0)
+    sequences, stats = collect_group(engine, task, 2, sampling, 1, ByteTokenizer())
+    assert [s.sample_index for s in sequences] == [0, 1]
+    first, second = (s.tokens[s.policy_mask] for s in sequences)
+    assert not np.array_equal(first, second)
+    assert not engine.has_work and all(s is None for s in engine._slots)
+    for s in sequences:
+        assert s.router_indices.shape == (model.cfg.num_moe_layers, len(s), 2)
+
+
+def test_episode_without_room_for_a_turn_is_truncated(model):
+    engine = InferenceEngine(model, num_slots=2, max_len=400, prefill_buckets=(64, 512))
+    task = builtin_tasks(1, "train", seed=0)[0]
+    sampling = SamplingParams(max_new_tokens=MAX_NEW, seed=0)
+    sequences, stats = collect_group(engine, task, 2, sampling, 4, ByteTokenizer())
+    assert stats["truncated"].all() and (stats["reward"] == 0).all()
+    assert all(len(s) < engine.max_len for s in sequences)
+    assert all(s is None for s in engine._slots)

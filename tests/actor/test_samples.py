@@ -1,0 +1,88 @@
+"""Ledger round trip of finished groups and the packed, rank-balanced training batch."""
+
+import numpy as np
+
+from composer_jax.actor.ledger import GroupLedger
+from composer_jax.actor.samples import SampleResult, group_sequences, groups_to_batch, make_group
+from composer_jax.parallel.packing import row_attention_lengths
+from composer_jax.rl.batch import SegmentKind, Sequence
+
+
+def _sequence(rng, index, length, teacher=False):
+    policy = rng.random(length) < 0.6
+    policy[:3] = False
+    tokens = rng.integers(3, 259, length).astype(np.int32)
+    seq = Sequence(
+        sample_index=index,
+        tokens=tokens,
+        kinds=np.where(policy, SegmentKind.THINKING, SegmentKind.PROMPT).astype(np.int32),
+        policy_mask=policy,
+        sampler_logprobs=np.where(policy, -rng.random(length), 0).astype(np.float32),
+        policy_versions=np.where(policy, rng.integers(0, 4, length), 0).astype(np.int32),
+        router_indices=rng.integers(0, 8, (1, length, 2)).astype(np.int32),
+    )
+    if teacher:
+        hint = rng.integers(3, 259, 7).astype(np.int32)
+        seq.teacher_tokens = np.concatenate([tokens[:5], hint, tokens[5:]])
+        seq.teacher_target_index = np.where(np.arange(length) >= 5, np.arange(length) + 7, -1)
+        seq.teacher_target_index = seq.teacher_target_index.astype(np.int32)
+    return seq
+
+
+def _group(rng, gid, lengths):
+    samples = []
+    for i, chain in enumerate(lengths):
+        sequences = [_sequence(rng, i, n, teacher=(i == 0 and j == 0)) for j, n in enumerate(chain)]
+        samples.append(
+            SampleResult(sequences, reward=float(rng.random()), summaries=len(chain) - 1)
+        )
+    return make_group(gid, f"task-{gid}", samples), samples
+
+
+def test_groups_survive_the_ledger_and_pack_balanced(tmp_path):
+    rng = np.random.default_rng(0)
+    ledger = GroupLedger(tmp_path)
+    made = {}
+    for g in range(4):
+        lengths = [list(rng.integers(20, 200, rng.integers(1, 3))) for _ in range(4)]
+        group, samples = _group(rng, f"g{g}", lengths)
+        ledger.add(group)
+        made[f"g{g}"] = samples
+    loaded = [GroupLedger(tmp_path).load(f"g{g}") for g in range(4)]
+    for group in loaded:
+        expected = [s for sample in made[group.group_id] for s in sample.sequences]
+        for got, want in zip(group_sequences(group), expected, strict=True):
+            for field in ("tokens", "kinds", "policy_mask", "sampler_logprobs", "policy_versions"):
+                np.testing.assert_array_equal(getattr(got, field), getattr(want, field))
+            np.testing.assert_array_equal(got.router_indices, want.router_indices)
+            assert got.sample_index == want.sample_index
+            if want.teacher_tokens is None:
+                assert got.teacher_tokens is None
+            else:
+                np.testing.assert_array_equal(got.teacher_tokens, want.teacher_tokens)
+
+    batch = groups_to_batch(loaded, seq_len=256, row_multiple=4, min_rows=16)
+    rows = batch.tokens_BT.shape[0]
+    assert rows % 4 == 0 and rows >= 16
+    # Every sample's policy tokens arrive under its index, its whole chain included.
+    per_sample = np.zeros(batch.num_samples)
+    np.add.at(per_sample, np.asarray(batch.sample_index_BT)[batch.policy_mask_BT], 1)
+    expected = [
+        sum(int(s.policy_mask.sum()) for s in sample.sequences)
+        for g in range(4)
+        for sample in made[f"g{g}"]
+    ]
+    np.testing.assert_array_equal(per_sample, expected)
+    # Hinted tokens still point at the same token after the row reordering.
+    index = np.asarray(batch.teacher_index_BT)
+    flat_teacher = np.asarray(batch.teacher_tokens_BT).reshape(-1)
+    hinted = index >= 0
+    assert hinted.any()
+    np.testing.assert_array_equal(flat_teacher[index[hinted]], np.asarray(batch.tokens_BT)[hinted])
+    # Rank blocks carry (nearly) equal attention work; first-fit order alone does not.
+    work = row_attention_lengths(np.asarray(batch.segment_ids_BT)) ** 2
+    per_rank = work.reshape(4, -1).sum(axis=1)
+    unbalanced = groups_to_batch(loaded, seq_len=256, row_multiple=1, min_rows=rows)
+    plain = (row_attention_lengths(np.asarray(unbalanced.segment_ids_BT)) ** 2).reshape(4, -1)
+    assert per_rank.max() / per_rank.mean() <= plain.sum(axis=1).max() / plain.sum(axis=1).mean()
+    assert per_rank.max() / per_rank.mean() < 1.1

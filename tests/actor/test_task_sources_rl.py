@@ -1,0 +1,80 @@
+"""`launch.rl` takes its prompts from any task source chosen by flag: here one run on a weighted
+mixture of a JSONL file, simplejson feature deletion and a source defined in a test module,
+loaded by import path (the package is not touched). Every prompt of the epoch is trained once,
+and they are exactly the ones the source yields for the run's seed.
+
+The feature-deletion tasks are synthesised here first, into a cache of the test's own, so the run
+reads the very tasks the expectation was built from (synthesis under a time budget may find fewer
+on a loaded machine)."""
+
+import json
+import os
+import subprocess
+import sys
+
+from composer_jax import envs
+from composer_jax.actor.ledger import GroupLedger
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STEPS, GROUPS = 3, 2
+
+
+def _jsonl(path):
+    records = [
+        {
+            "id": f"scale-{k}",
+            "prompt": f"Write f(x) in solution.py returning x * {k}.",
+            "files": {"solution.py": "def f(x):\n    raise NotImplementedError\n"},
+            "grader": {
+                "kind": "cases",
+                "module": "solution",
+                "function": "f",
+                "cases": [{"args": [v], "expected": v * k} for v in range(3)],
+            },
+            "oracle_files": {"solution.py": f"def f(x):\n    return x * {k}\n"},
+        }
+        for k in range(2, 6)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_rl_trains_on_a_mixture_of_jsonl_feature_deletion_and_a_plugin(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    spec = (
+        f"jsonl:{_jsonl(tmp_path / 'tasks.jsonl')}:1,"
+        "feature_deletion:simplejson:count=2:1,"
+        "tests.envs.task_plugin:make_source:count=4:1"
+    )
+    want = envs.load_task_source(spec).take(STEPS * GROUPS, "train", seed=1)  # cfg.seed + 1
+    workdir = tmp_path / "run"
+    args = [
+        sys.executable,
+        "-m",
+        "launch.rl",
+        f"--config.workdir={workdir}",
+        f"--config.rl.tasks={spec}",
+        "--config.rl.heldout_tasks=builtin:max_ops=1",
+        "--config.rl.heldout_num_tasks=2",
+        "--config.rl.heldout_samples=1",
+        "--config.rl.warm_start_steps=2",
+        f"--config.steps={STEPS}",
+        f"--config.rl.groups_per_step={GROUPS}",
+        "--config.rl.group_size=2",
+        "--config.rl.num_slots=4",
+        "--config.rl.context_len=512",
+        "--config.rl.max_new_tokens=16",
+        "--config.rl.max_turns=1",
+        "--config.rl.max_staleness=8",
+        "--config.rl.skip_uniform_groups=False",
+        "--config.rl.env_workers=thread",
+        "--progress=false",
+    ]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ledger = GroupLedger(str(workdir / "ledger"))
+    trained = sorted(ledger.load(g).prompt_id for g in ledger if ledger.trained_step(g))
+    assert trained == sorted(t.task_id for t in want)
+    prefixes = {t.task_id.split("-")[0] for t in want}
+    assert prefixes == {"scale", "simplejson", "plugin"}  # the seed draws from all three parts

@@ -1,0 +1,170 @@
+"""The trainer role: one RL step on a real rollout publishes a delta that rebuilds bitwise, and a
+checkpoint resumes the same policy version."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from composer_jax import config
+from composer_jax.actor.rollout import collect_batch
+from composer_jax.actor.trainer import NonFiniteRLLossError, RLTrainer
+from composer_jax.data import ByteTokenizer
+from composer_jax.envs import builtin_tasks
+from composer_jax.infer import InferenceEngine, SamplingParams
+from composer_jax.model import init_model
+from composer_jax.train.step import split_model
+from composer_jax.weight_sync import LocalDirStore, WeightSubscriber
+
+SEQ_LEN = 384  # a tiny task's prompt (<= ~310 bytes) plus one short turn
+
+
+def _host(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def _bf16_words(tree):
+    return [np.asarray(x.astype(jnp.bfloat16)).view(np.uint16) for x in jax.tree.leaves(tree)]
+
+
+def test_step_publishes_an_exact_delta_and_resumes(tmp_path):
+    cfg = dataclasses.replace(config.rl_tiny(), workdir=str(tmp_path / "run"))
+    model = init_model(cfg.model, 0)
+    _, params, buffers = split_model(model)
+    store = str(tmp_path / "weights")
+    trainer = RLTrainer(cfg, params, buffers, store)
+    assert trainer.restored_step is None and trainer.version == 0
+    assert trainer.publish().result().kind == "snapshot"
+
+    engine = InferenceEngine(model, num_slots=4, max_len=SEQ_LEN, prefill_buckets=(SEQ_LEN,))
+    tasks = builtin_tasks(2, "train", seed=0, max_ops=1)
+    sampling = SamplingParams(max_new_tokens=16, seed=1)
+    batch, _ = collect_batch(
+        engine, tasks, 2, sampling, 1, ByteTokenizer(), seq_len=SEQ_LEN, num_rows=8
+    )
+    # The untrained policy scores 0 everywhere and fills every turn (no advantage, no gradient):
+    # one sample per group is rewarded instead.
+    batch = dataclasses.replace(batch, rewards_N={"task": np.array([1, 0, 0, 1], np.float32)})
+    before = _host(trainer.state.params)
+
+    metrics = trainer.step(batch)
+    info = trainer.last_publish.result()
+    assert trainer.version == 1
+    assert (info.version, info.kind, info.parent) == (1, "delta", 0)
+    assert metrics["grad_norm"] > 0
+    after = _host(trainer.state.params)
+    assert any(not np.array_equal(a, b) for a, b in zip(after, before))
+
+    subscriber = WeightSubscriber(LocalDirStore(store))
+    assert subscriber.update() == 1
+    rebuilt = subscriber.tree_like(trainer.state.params)
+    for got, want in zip(_bf16_words(rebuilt), _bf16_words(trainer.state.params)):
+        np.testing.assert_array_equal(got, want)
+
+    trainer.save({"step": trainer.version})
+    trainer.close()
+    resumed = RLTrainer(cfg, params, buffers, str(tmp_path / "weights-2"))
+    assert resumed.restored_step == 1 and resumed.version == 1
+    for got, want in zip(_host(resumed.state.params), after):
+        np.testing.assert_array_equal(got, want)
+
+    # A non-finite step raises and leaves the policy as it was (its buffers were donated).
+    poisoned = dataclasses.replace(
+        batch, rewards_N={"task": np.array([np.nan, 0, 0, 1], np.float32)}
+    )
+    with pytest.raises(NonFiniteRLLossError):
+        resumed.step(poisoned)
+    assert resumed.version == 1
+    for got, want in zip(_host(resumed.state.params), after):
+        np.testing.assert_array_equal(got, want)
+    resumed.close()
+
+
+def test_step_on_eight_devices_equals_one_device(tmp_path):
+    """The RL step sharded over the simulated 8-device mesh (FSDP + expert parallel) matches
+    the same step on one device. Computed in float32: the claim is equality, so only the
+    summation order may differ between layouts."""
+    from composer_jax.parallel import make_layout
+    from composer_jax.rl.batch import SegmentKind, Sequence, pack_trajectories
+
+    cfg = config.rl_tiny()
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="float32"))
+    model = init_model(cfg.model, 3)
+    _, params, buffers = split_model(model)
+    rng = np.random.default_rng(7)
+    sequences = []
+    for i in range(8):
+        n = int(rng.integers(40, 120))
+        policy = np.arange(n) >= 10
+        sequences.append(
+            Sequence(
+                sample_index=i,
+                tokens=rng.integers(3, 259, n).astype(np.int32),
+                kinds=np.where(policy, SegmentKind.THINKING, SegmentKind.PROMPT).astype(np.int32),
+                policy_mask=policy,
+                sampler_logprobs=np.where(policy, -rng.random(n) * 3, 0).astype(np.float32),
+                policy_versions=np.zeros(n, np.int32),
+                router_indices=np.stack(
+                    [rng.permutation(cfg.model.num_experts)[:2] for _ in range(n)]
+                )[None].astype(np.int32),
+            )
+        )
+    batch = pack_trajectories(
+        sequences,
+        group_id=np.repeat(np.arange(2), 4).astype(np.int32),
+        rewards={"task": rng.random(8).astype(np.float32)},
+        seq_len=256,
+        num_rows=8,
+    )
+    results = []
+    for name, devices in (("one", jax.devices()[:1]), ("eight", jax.devices())):
+        run = dataclasses.replace(cfg, workdir=str(tmp_path / name))
+        layout = make_layout(cfg.mesh, devices)
+        trainer = RLTrainer(run, params, buffers, str(tmp_path / f"w-{name}"), layout=layout)
+        metrics = trainer.step(batch)
+        results.append((metrics, _host(trainer.state.params)))
+        trainer.close()
+    (m1, p1), (m8, p8) = results
+    assert m1["grad_norm"] > 0 and not all(np.array_equal(a, b) for a, b in zip(p1, _host(params)))
+    for key in ("loss", "pg_loss", "grad_norm"):
+        np.testing.assert_allclose(m8[key], m1[key], rtol=1e-4, err_msg=key)
+    # k1 is a mean of differences of log-probs of size up to log(vocab) ~ 5.6: its float32
+    # rounding is absolute, about 1e-6 of the log-probs, whatever the KL's own size.
+    np.testing.assert_allclose(m8["kl_k1"], m1["kl_k1"], rtol=0, atol=1e-5 * np.log(259))
+    lr = cfg.optim.learning_rate
+    moved = 0
+    for a, b in zip(p8, p1):
+        diff = np.abs(a - b)
+        assert diff.max() <= 2.5 * lr  # at most a first Adam step of opposite sign
+        moved += int((diff > lr / 2).sum())
+    assert moved <= 0.01 * sum(a.size for a in p1)  # only near-zero gradients flip
+
+
+def test_the_loss_normaliser_is_the_runs_not_the_batchs():
+    """The epoch's last step may carry fewer groups; its tokens weigh the same as every
+    other step's: the normaliser is groups_per_step * group_size * max_generation_len."""
+    from composer_jax.actor.trainer import rl_objective
+    from composer_jax.rl import policy_objective
+    from tests.rl.toy import one_step_batch
+
+    rl = dataclasses.replace(config.rl_tiny().rl, kl_coef=0.0, length_penalty_coef=0.0)
+    objective = rl_objective(rl)
+    assert objective.loss_normalizer == rl.groups_per_step * rl.group_size * rl.max_generation_len
+    assert rl_objective(dataclasses.replace(rl, loss_normalizer=7.0)).loss_normalizer == 7.0
+    rng = np.random.default_rng()
+    choices, reward_v = rng.integers(0, 4, 8), rng.random(4)  # reward of each token value
+    logits = rng.normal(size=(8, 2, 4)).astype(np.float32)
+    full = one_step_batch(choices, np.log(np.full(4, 0.25)), reward_v, group_size=4)
+    half = one_step_batch(choices[:4], np.log(np.full(4, 0.25)), reward_v, group_size=4)
+    _, both = policy_objective(logits, full, objective)
+    _, first = policy_objective(logits[:4], half, objective)
+    _, second = policy_objective(
+        logits[4:],
+        one_step_batch(choices[4:], np.log(np.full(4, 0.25)), reward_v, group_size=4),
+        objective,
+    )
+    np.testing.assert_allclose(
+        float(first["pg_loss"]) + float(second["pg_loss"]), float(both["pg_loss"]), rtol=1e-5
+    )
