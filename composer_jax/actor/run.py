@@ -51,7 +51,13 @@ from composer_jax.train.loop import StopRequest
 from composer_jax.train.metrics import MetricsWriter
 from composer_jax.train.runs import resolve_tokenizer, save_run_tokenizer
 from composer_jax.train.step import split_model
-from composer_jax.train.workdir import check_run_folder, prepare_workdir, write_config
+from composer_jax.train.workdir import (
+    check_resume,
+    check_run_folder,
+    prepare_workdir,
+    record_launch,
+    write_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +85,7 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
     rl = cfg.rl
     if rl.warm_start:  # before the workdir exists: a typo must not leave an empty run behind
         check_run_folder(rl.warm_start, "rl.warm_start")
+    check_resume(os.path.abspath(cfg.workdir), cfg)  # before the folder is made
     prepare_workdir(cfg.workdir)
     tokenizer = resolve_tokenizer(cfg)  # the warm start's unless data.tokenizer names one
     save_run_tokenizer(tokenizer, cfg.workdir)
@@ -99,6 +106,7 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
     store = store_dir(cfg)
     trainer = RLTrainer(cfg, warm_params, warm_buffers, store)
     write_config(cfg.workdir, cfg)  # only now: a refused resume leaves the old config as it was
+    record_launch(cfg.workdir, cfg, trainer.restored_step, "rl")
     num_prompts = rl.num_prompts or cfg.steps * rl.groups_per_step
     source = rl_task_source(cfg)
     tasks = source.take(num_prompts, "train", seed=cfg.seed + 1)

@@ -22,6 +22,7 @@ def warm_start_config(cfg: config_lib.ExperimentConfig) -> config_lib.Experiment
         cfg,
         steps=rl.warm_start_steps,
         workdir=os.path.join(cfg.workdir, "warm_start"),
+        resume="auto",  # the RL run's own policy was applied to its workdir already
         optim=dataclasses.replace(
             cfg.optim, learning_rate=rl.warm_start_lr, warmup_steps=20, min_lr_ratio=0.1
         ),

@@ -10,7 +10,12 @@ whole and its checks), `base` (errors and conversion). Presets live in `composer
 """
 
 from composer_jax.config.base import ConfigError, from_dict, to_dict
-from composer_jax.config.experiment import ExperimentConfig, phase_steps, validate
+from composer_jax.config.experiment import (
+    RESUME_POLICIES,
+    ExperimentConfig,
+    phase_steps,
+    validate,
+)
 from composer_jax.config.model import (
     EXPERT_BACKENDS,
     EXPERT_GEMM_IMPLS,
@@ -45,6 +50,7 @@ __all__ = [
     "IMPORTANCE_WEIGHTINGS",
     "KL_ESTIMATORS",
     "KL_PLACEMENTS",
+    "RESUME_POLICIES",
     "RL_BACKENDS",
     "STALE_POLICIES",
     "ConfigError",

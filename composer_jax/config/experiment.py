@@ -11,6 +11,8 @@ from composer_jax.config.model import MeshConfig, ModelConfig, mesh_shape, valid
 from composer_jax.config.rl import RLConfig, validate_rl
 from composer_jax.config.training import DataConfig, OptimizerConfig, TrainConfig
 
+RESUME_POLICIES = ("auto", "never", "must")
+
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
@@ -27,6 +29,10 @@ class ExperimentConfig:
     # pretraining); its architecture must match `model`. Ignored when the workdir has a checkpoint.
     init_from: str = ""
     print_sharding: bool = False  # print every parameter's resolved sharding at start-up
+    # On a workdir that already holds a run: "auto" resumes it when its stored config equals this
+    # one (else stops, listing the differing fields), "never" refuses to start there, "must"
+    # refuses to start fresh and also lets `steps` grow (an explicit extension).
+    resume: str = "auto"
 
 
 def validate(cfg: ExperimentConfig, num_devices: int | None = None) -> None:
@@ -34,6 +40,11 @@ def validate(cfg: ExperimentConfig, num_devices: int | None = None) -> None:
     validate_model(cfg.model)
     validate_rl(cfg.rl)
     _check(cfg.steps > 0, "steps", f"must be positive, got {cfg.steps}")
+    _check(
+        cfg.resume in RESUME_POLICIES,
+        "resume",
+        f"must be one of {', '.join(RESUME_POLICIES)}, got {cfg.resume!r}",
+    )
     o = cfg.optim
     _check(o.name in ("adamw", "muon"), "optim.name", f"unknown optimizer {o.name!r}")
     _check(

@@ -36,7 +36,13 @@ from composer_jax.train.checkpoint import Checkpointer, CheckpointError
 from composer_jax.train.metrics import MetricsWriter
 from composer_jax.train.runs import resolve_tokenizer, save_run_tokenizer
 from composer_jax.train.step import TrainState, eval_step, init_train_state, split_model, train_step
-from composer_jax.train.workdir import prepare_workdir, read_run_config, write_config
+from composer_jax.train.workdir import (
+    check_resume,
+    prepare_workdir,
+    read_run_config,
+    record_launch,
+    write_config,
+)
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -284,6 +290,7 @@ def run_pretraining(
     if cfg.init_from and not os.path.isdir(cfg.init_from):
         raise config_lib.ConfigError(f"init_from: {cfg.init_from!r} is not a folder")
     tokenizer = resolve_tokenizer(cfg)
+    check_resume(os.path.abspath(cfg.workdir), cfg)  # before the folder is made
     workdir = prepare_workdir(cfg.workdir)
     setup = make_train_setup(cfg)
     layout, bounds = setup.layout, setup.bounds
@@ -308,6 +315,7 @@ def run_pretraining(
         print(f"Resumed from {ckpt.directory}/{resume_step}", flush=True)
     if is_main:  # only now: a refused resume must leave the old run's files as they were
         write_config(workdir, cfg)
+        record_launch(workdir, cfg, resume_step, "pretrain")
         save_run_tokenizer(tokenizer, workdir)
 
     step_fn = setup.jit_train_step()

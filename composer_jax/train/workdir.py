@@ -1,10 +1,37 @@
 """A run's folder: checked before anything is written, the config written only once the run is
-known to start (so a refused resume leaves the old run's files as they were)."""
+known to start (so a refused resume leaves the old run's files as they were).
 
+Runs cannot be mixed up: starting on a workdir that holds a run resumes it only when the stored
+config equals the new one (`check_resume`; `resume` chooses auto / never / must), and every start
+appends what made it to `launches.jsonl` (command line, git commit and dirtiness, package
+versions, devices, the full config; `record_launch`)."""
+
+import datetime
+import importlib.metadata
 import json
 import os
+import platform
+import subprocess
+import sys
 
 from composer_jax import config as config_lib
+
+LAUNCHES = "launches.jsonl"
+# Fields that say where and how verbosely a run goes, not what it computes: free to differ.
+_FREE_ON_RESUME = ("resume", "workdir", "print_sharding")
+_RECORDED_PACKAGES = (
+    "composer-jax",
+    "jax",
+    "jaxlib",
+    "flax",
+    "optax",
+    "orbax-checkpoint",
+    "numpy",
+    "ml-collections",
+    "tokenizers",
+    "tiktoken",
+    "ray",
+)
 
 
 def prepare_workdir(path: str) -> str:
@@ -38,6 +65,143 @@ def write_config(workdir: str, cfg: config_lib.ExperimentConfig) -> None:
     with open(tmp, "w") as f:
         json.dump(config_lib.to_dict(cfg), f, indent=2)
     os.replace(tmp, path)
+
+
+def holds_run(workdir: str) -> bool:
+    """Whether a run was started in `workdir` (its config or a checkpoint is there)."""
+    checkpoints = os.path.join(workdir, "checkpoints")
+    return os.path.isfile(os.path.join(workdir, "config.json")) or (
+        os.path.isdir(checkpoints) and bool(os.listdir(checkpoints))
+    )
+
+
+def _flatten(tree, prefix: str = "") -> dict:
+    if isinstance(tree, dict):
+        out = {}
+        for key, value in tree.items():
+            out.update(_flatten(value, f"{prefix}.{key}" if prefix else key))
+        return out
+    if isinstance(tree, list) and any(isinstance(v, dict) for v in tree):
+        out = {f"{prefix}.length": len(tree)}
+        for i, value in enumerate(tree):
+            out.update(_flatten(value, f"{prefix}[{i}]"))
+        return out
+    return {prefix: tree}
+
+
+def config_diff(
+    stored: config_lib.ExperimentConfig, new: config_lib.ExperimentConfig
+) -> list[tuple[str, object, object]]:
+    """(field, stored value, new value) of every field that differs, by command-line path."""
+    a = _flatten(json.loads(json.dumps(config_lib.to_dict(stored))))
+    b = _flatten(json.loads(json.dumps(config_lib.to_dict(new))))
+    return [
+        (key, a.get(key), b.get(key))
+        for key in sorted(set(a) | set(b))
+        if a.get(key) != b.get(key) and key not in _FREE_ON_RESUME
+    ]
+
+
+def check_resume(workdir: str, cfg: config_lib.ExperimentConfig) -> bool:
+    """Whether this start resumes the run in `workdir`; a ConfigError when `cfg.resume` forbids
+    it or the stored config differs (the message lists the fields). With `resume="must"` a larger
+    `steps` is allowed: extending a run is then said on the command line, never implied."""
+    if not holds_run(workdir):
+        if cfg.resume == "must":
+            raise config_lib.ConfigError(f"resume: 'must', but {workdir} holds no run to resume")
+        return False
+    if cfg.resume == "never":
+        raise config_lib.ConfigError(
+            f"resume: 'never', but {workdir} already holds a run; choose another --config.workdir"
+        )
+    if not os.path.isfile(os.path.join(workdir, "config.json")):
+        raise config_lib.ConfigError(
+            f"workdir: {workdir} has checkpoints but no config.json, so resuming it cannot be "
+            "checked; move the checkpoints away or choose another --config.workdir"
+        )
+    try:
+        stored = read_run_config(workdir)
+    except (ValueError, config_lib.ConfigError) as error:  # JSONDecodeError is a ValueError
+        raise config_lib.ConfigError(
+            f"workdir: the stored config of {workdir} cannot be read ({error}); "
+            "choose another --config.workdir"
+        ) from None
+    diff = config_diff(stored, cfg)
+    if cfg.resume == "must":
+        diff = [d for d in diff if not (d[0] == "steps" and d[2] >= d[1])]
+    if diff:
+        lines = "\n".join(f"  {key}: {old!r} (stored) -> {now!r} (now)" for key, old, now in diff)
+        extend = (
+            " To extend the run to more steps, pass --config.resume=must."
+            if [d[0] for d in diff] == ["steps"]
+            else ""
+        )
+        raise config_lib.ConfigError(
+            f"workdir: {workdir} holds a run with another config; resuming it would mix two "
+            f"experiments. Differing fields:\n{lines}\nChoose another --config.workdir, or "
+            f"restore the stored values.{extend}"
+        )
+    return True
+
+
+def _git_state() -> dict:
+    """The commit of the checkout this package runs from, and whether its tracked files differ
+    from it; empty outside a git checkout (an installed wheel)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", "-C", root, *args], capture_output=True, text=True, timeout=20
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if commit is None:
+        return {}
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "dirty": bool(status) if status is not None else None}
+
+
+def _packages() -> dict[str, str]:
+    found = {}
+    for name in _RECORDED_PACKAGES:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def record_launch(
+    workdir: str, cfg: config_lib.ExperimentConfig, resumed_step: int | None, kind: str
+) -> None:
+    """Appends this start of the run to `launches.jsonl`: what ran it, on what, from where."""
+    import jax
+
+    devices = jax.devices()
+    record = {
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "kind": kind,
+        "resumed_step": resumed_step,
+        "command": [sys.executable, *sys.argv],
+        "cwd": os.getcwd(),
+        "host": platform.node(),
+        "git": _git_state(),
+        "python": platform.python_version(),
+        "packages": _packages(),
+        "devices": {
+            "platform": devices[0].platform,
+            "kind": devices[0].device_kind,
+            "count": len(devices),
+            "processes": jax.process_count(),
+        },
+        "config": config_lib.to_dict(cfg),
+    }
+    with open(os.path.join(workdir, LAUNCHES), "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def read_run_config(workdir: str) -> config_lib.ExperimentConfig:

@@ -3,6 +3,7 @@ flight resume from their saved state); Ray backend."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -93,6 +94,11 @@ def test_kill_9_mid_run_resumes_without_losing_or_repeating_groups(tmp_path):
     assert restart.returncode == 0, restart.stdout[-3000:] + restart.stderr[-3000:]
     assert "Resumed RL at step" in restart.stdout
     _check_finished_run(workdir)
+    with open(os.path.join(workdir, "launches.jsonl")) as f:
+        launches = [json.loads(line) for line in f]
+    assert [r["kind"] for r in launches] == ["rl", "rl"]
+    resumed_at = int(re.search(r"Resumed RL at step (\d+)", restart.stdout).group(1))
+    assert [r["resumed_step"] for r in launches] == [None, resumed_at or None]
 
 
 def test_ray_backend_runs_the_same_smoke_test_on_a_local_cluster(tmp_path):

@@ -23,6 +23,7 @@ from composer_jax.train import (
     read_metrics,
     run_pretraining,
 )
+from composer_jax.train.workdir import write_config
 from tests.train.helpers import make_corpus, tiny_experiment
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -142,9 +143,12 @@ def test_init_from_pretrained_checkpoint(tmp_path, corpus):
 
 
 def test_mismatched_checkpoint_is_reported(tmp_path, corpus):
+    """A checkpoint that does not fit the config is named even when the stored config was edited
+    to match the new one by hand (the config diff cannot see it)."""
     cfg = tiny_experiment(str(tmp_path / "run"), corpus, steps=3)
     run_pretraining(cfg, progress=False)
-    wider = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, kv_lora_rank=8), steps=6)
+    wider = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, kv_lora_rank=8))
+    write_config(cfg.workdir, wider)
     with pytest.raises(CheckpointError, match="kv_a"):
         run_pretraining(wider, progress=False)
 
@@ -156,6 +160,6 @@ def test_muon_run_trains_and_resumes(tmp_path, corpus):
     cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, name="muon"))
     first = run_pretraining(cfg, progress=False)
     assert first.final_step == 3 and first.eval_nll_end < first.eval_nll_start
-    resumed = run_pretraining(dataclasses.replace(cfg, steps=4), progress=False)
+    resumed = run_pretraining(dataclasses.replace(cfg, steps=4, resume="must"), progress=False)
     assert resumed.final_step == 4
     assert sorted(_losses(tmp_path / "muon")) == [1, 2, 3, 4]
