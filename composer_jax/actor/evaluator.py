@@ -20,7 +20,17 @@ from composer_jax.envs import EnvConfig, Task
 from composer_jax.infer import InferenceEngine, SamplingParams
 from composer_jax.model.transformer import Transformer
 
-Z_95 = 1.959964
+
+def t_half_width(values: np.ndarray, confidence: float = 0.95) -> float:
+    """Half-width of the two-sided interval of the mean by Student's t (tasks are few; the normal
+    quantile would understate it); NaN for fewer than two values."""
+    n = len(values)
+    if n < 2:
+        return float("nan")
+    from scipy import stats
+
+    quantile = float(stats.t.ppf(0.5 + confidence / 2, n - 1))
+    return quantile * float(np.std(values, ddof=1)) / math.sqrt(n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,19 +44,16 @@ class HeldoutResult:
 
     @property
     def half_width(self) -> float:
-        """95% normal-approximation half-width over tasks."""
-        n = len(self.per_task)
-        return Z_95 * float(self.per_task.std(ddof=1)) / math.sqrt(n) if n > 1 else float("nan")
+        """95% Student-t half-width over tasks."""
+        return t_half_width(self.per_task)
 
     def __str__(self) -> str:
         return f"{self.mean:.3f} +- {self.half_width:.3f} (95% CI, pass rate {self.pass_rate:.2f})"
 
     def improvement_over(self, before: "HeldoutResult") -> tuple[float, float]:
-        """Mean paired difference (self - before) over tasks and its 95% half-width."""
+        """Mean paired difference (self - before) over tasks and its 95% Student-t half-width."""
         diff = self.per_task - before.per_task
-        n = len(diff)
-        half = Z_95 * float(diff.std(ddof=1)) / math.sqrt(n) if n > 1 else float("nan")
-        return float(diff.mean()), half
+        return float(diff.mean()), t_half_width(diff)
 
 
 class Evaluator:

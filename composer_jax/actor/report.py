@@ -38,6 +38,50 @@ def heldout_once(cfg, evaluator, model, path, key, progress) -> HeldoutResult:
     return result
 
 
+def closing_summary(cfg, before: HeldoutResult, after: HeldoutResult, steps: int) -> str:
+    """What the run changed, said plainly: the warm start's own numbers (and why its corpus NLL
+    may rise), then the held-out reward before and after RL with the paired interval and
+    whether it excludes zero."""
+    lines = [f"Summary of {cfg.workdir}:"]
+    warm = _warm_start_line(cfg)
+    if warm:
+        lines.append(warm)
+    diff, half = after.improvement_over(before)
+    low, high = diff - half, diff + half
+    if low > 0:
+        verdict = "RL raised it"
+    elif high < 0:
+        verdict = "RL lowered it"
+    else:
+        verdict = "no change that the 95% interval can tell from noise"
+    lines.append(
+        f"  RL, {steps} steps: held-out reward {before.mean:.3f} -> {after.mean:.3f}, "
+        f"{diff:+.3f} (95% CI {low:+.3f} to {high:+.3f}, paired over {len(after.per_task)} "
+        f"tasks): {verdict}. Pass rate {before.pass_rate:.2f} -> {after.pass_rate:.2f}."
+    )
+    return "\n".join(lines)
+
+
+def _warm_start_line(cfg) -> str:
+    if cfg.rl.warm_start:
+        return f"  warm start: the run in {cfg.rl.warm_start}"
+    records = read_metrics(os.path.join(cfg.workdir, "warm_start", "metrics.jsonl"))
+    losses = [r["loss"] for r in records if "loss" in r]
+    nlls = [r["eval_nll"] for r in records if "eval_nll" in r]
+    if not losses or len(nlls) < 2:
+        return ""
+    sft_only = all(p.data == "tasks" for p in cfg.train.phases)
+    line = (
+        f"  warm start: {cfg.rl.warm_start_steps} steps of "
+        f"{'SFT on task solutions' if sft_only else 'training'}, training loss "
+        f"{losses[0]:.3f} -> {losses[-1]:.3f}; held-out code-corpus NLL {nlls[0]:.2f} -> "
+        f"{nlls[-1]:.2f} nats/token"
+    )
+    if sft_only and nlls[-1] > nlls[0]:
+        line += " (it rises: SFT fits task solutions, not the corpus it is measured on)"
+    return line
+
+
 def group_metrics(groups, version: int, cfg) -> dict[str, float]:
     rewards = np.concatenate([g.rewards for g in groups])
     lags = [version - g.min_version for g in groups]

@@ -33,7 +33,7 @@ from composer_jax.actor.env_workers import make_environment_pool
 from composer_jax.actor.evaluator import Evaluator, HeldoutResult
 from composer_jax.actor.inflight import InFlightError, InFlightStore
 from composer_jax.actor.ledger import GroupLedger
-from composer_jax.actor.report import group_metrics, heldout_once, plot_curves
+from composer_jax.actor.report import closing_summary, group_metrics, heldout_once, plot_curves
 from composer_jax.actor.sampler import LocalSampler
 from composer_jax.actor.samples import groups_to_batch
 from composer_jax.actor.scheduler import next_groups
@@ -278,15 +278,12 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
         writer.write(
             trainer.version, {"heldout_reward": after.mean, "heldout_pass_rate": after.pass_rate}
         )
-        diff, half = after.improvement_over(before)
-        log.info(
-            f"Held-out reward: before {before}\n                 after  {after}\n"
-            f"                 paired difference {diff:+.3f} +- {half:.3f} (95% CI)"
-        )
     writer.close()
     trainer.close()
     plot_curves(writer.path, os.path.join(cfg.workdir, "rl_curves.png"))
     log.info("Staleness of trained groups (versions: groups): %s", dict(sorted(histogram.items())))
+    if after is not None:
+        log.info(closing_summary(cfg, before, after, trainer.version))
     return RLResult(
         trainer.version, before, after, cfg.workdir, dict(histogram), interrupted=interrupted
     )

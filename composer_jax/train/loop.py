@@ -388,8 +388,20 @@ def run_pretraining(
     if interrupted:
         print(f"Stopped by {interrupted}; step {step} is saved in {ckpt.directory}", flush=True)
     elif eval_start is not None and eval_end is not None:
-        print(f"eval NLL: start {eval_start:.4f} -> end {eval_end:.4f} nats/token", flush=True)
+        print(nll_summary(cfg, eval_start, eval_end), flush=True)
     return PretrainResult(step, eval_start, eval_end, workdir, interrupted)
+
+
+def nll_summary(cfg: config_lib.ExperimentConfig, start: float, end: float) -> str:
+    """The closing line: what the eval NLL measures, and why it rose when the run never trained
+    on that data (SFT on task solutions only)."""
+    line = f"eval NLL (held-out code corpus): start {start:.4f} -> end {end:.4f} nats/token"
+    if end > start and all(p.data == "tasks" for p in cfg.train.phases):
+        line += (
+            "; it rises because this run trains only on task solutions (SFT), never on the "
+            "corpus it is measured on"
+        )
+    return line
 
 
 def _check_finite(metrics: dict, step: int, ckpt: Checkpointer, last_saved: int | None) -> None:

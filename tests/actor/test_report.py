@@ -1,0 +1,64 @@
+"""The main job's closing lines: the held-out change with a Student-t interval paired by task and
+a plain verdict, and the warm start's numbers with why its corpus NLL rises."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from composer_jax import config as config_lib
+from composer_jax.actor.evaluator import HeldoutResult, t_half_width
+from composer_jax.actor.report import closing_summary
+from composer_jax.train.loop import nll_summary
+
+# Two-sided 97.5% quantiles of Student's t (tables), n - 1 = 3 and 31 degrees of freedom.
+T_975 = {3: 3.182446, 31: 2.039513}
+
+
+def test_half_width_is_student_t():
+    rng = np.random.default_rng(0)
+    for n in (4, 32):
+        values = rng.normal(size=n)
+        want = T_975[n - 1] * values.std(ddof=1) / np.sqrt(n)
+        assert t_half_width(values) == pytest.approx(want, rel=1e-5)
+    assert np.isnan(t_half_width(np.array([1.0])))
+
+
+def _run(tmp_path, losses, nlls):
+    cfg = dataclasses.replace(config_lib.rl_tiny(), workdir=str(tmp_path))
+    (tmp_path / "warm_start").mkdir()
+    records = [{"step": i + 1, "loss": v} for i, v in enumerate(losses)]
+    records += [{"step": 0, "eval_nll": nlls[0]}, {"step": len(losses), "eval_nll": nlls[1]}]
+    (tmp_path / "warm_start" / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in records)
+    )
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "shift, verdict", [(0.3, "RL raised it"), (-0.3, "RL lowered it"), (0.0, "noise")]
+)
+def test_closing_summary_says_what_changed(tmp_path, shift, verdict):
+    cfg = _run(tmp_path, [0.9, 0.5, 0.04], [6.03, 7.98])
+    rng = np.random.default_rng(1)
+    before = rng.uniform(0, 0.5, size=32)
+    after = before + shift + (rng.normal(scale=0.05, size=32) if shift else 0.0)
+    text = closing_summary(cfg, HeldoutResult(before, 0.1), HeldoutResult(after, 0.2), 24)
+    diff = after - before
+    half = T_975[31] * diff.std(ddof=1) / np.sqrt(32) if shift else 0.0
+    assert f"{diff.mean():+.3f} (95% CI {diff.mean() - half:+.3f} to {diff.mean() + half:+.3f}" in (
+        text
+    )
+    assert verdict in text and "paired over 32 tasks" in text and "24 steps" in text
+    assert "training loss 0.900 -> 0.040" in text
+    assert "code-corpus NLL 6.03 -> 7.98" in text and "it rises: SFT fits task solutions" in text
+
+
+def test_nll_line_explains_a_rise_only_when_the_corpus_was_not_trained():
+    sft = config_lib.rl_tiny()
+    assert "it rises because" in nll_summary(sft, 6.0, 8.0)
+    assert "it rises" not in nll_summary(sft, 8.0, 6.0)
+    pretrain = config_lib.tiny()  # has corpus phases
+    assert any(p.data == "corpus" for p in pretrain.train.phases)
+    assert "it rises" not in nll_summary(pretrain, 6.0, 8.0)
