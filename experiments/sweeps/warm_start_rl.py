@@ -5,8 +5,8 @@ groups of 8, every group trained (no dynamic sampling, so a warm start that solv
 takes its steps), 8 RL steps, 24 held-out tasks x 2 samples.
 
   python -m launch.sweep --sweep=experiments/sweeps/warm_start_rl.py --root=runs/claims/warm_start_rl \
-      --parallel=2 --compare
-  (experiments/claim_warm_start_rl.py runs this and adds the scatter of RL reward against loss)
+      --parallel=2 --compare --compare_out=experiments/figures/warm_start_rl
+  (the comparison includes the scatter of held-out reward after RL against the warm start's loss)
 """
 
 
