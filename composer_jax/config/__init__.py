@@ -9,7 +9,7 @@ whole and its checks), `base` (errors and conversion). Presets live in `composer
 `config.tiny()` and `config.PRESETS` reach them lazily (no import cycle).
 """
 
-from composer_jax.config.base import ConfigError, from_dict, to_dict
+from composer_jax.config.base import ConfigError, field_paths, from_dict, to_dict
 from composer_jax.config.experiment import (
     RESUME_POLICIES,
     ExperimentConfig,
@@ -68,6 +68,7 @@ __all__ = [
     "mesh_shape",
     "phase_steps",
     "to_dict",
+    "field_paths",
     "validate",
     "validate_model",
     "validate_rl",

@@ -27,6 +27,22 @@ def to_dict(cfg: Any) -> Any:
     return cfg
 
 
+def field_paths(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A config as plain dicts (`to_dict`, or read from JSON) -> {path: leaf} with paths as the
+    command line writes them ("train.phases[0].seq_len"); lists of scalars are tuple leaves."""
+    if isinstance(tree, dict):
+        out = {}
+        for key, value in tree.items():
+            out.update(field_paths(value, f"{prefix}.{key}" if prefix else key))
+        return out
+    if isinstance(tree, (list, tuple)) and any(isinstance(v, (dict, list, tuple)) for v in tree):
+        out = {}
+        for i, value in enumerate(tree):
+            out.update(field_paths(value, f"{prefix}[{i}]"))
+        return out
+    return {prefix: tuple(tree) if isinstance(tree, (list, tuple)) else tree}
+
+
 def _convert(value: Any, annotation: Any, where: str) -> Any:
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):

@@ -22,6 +22,7 @@ import re
 
 import numpy as np
 
+from composer_jax.config import field_paths
 from composer_jax.eval.passk import mean_interval
 
 IGNORED_FIELDS = ("seed", "workdir")
@@ -129,27 +130,12 @@ def load_run(workdir: str) -> RunRecord:
     return RunRecord(workdir, config, read_records(os.path.join(workdir, "metrics.jsonl")), heldout)
 
 
-def flatten(tree, prefix: str = "") -> dict:
-    """{"train.phases[0].seq_len": 128, ...}: config paths as the command line writes them."""
-    if isinstance(tree, dict):
-        out = {}
-        for key, value in tree.items():
-            out.update(flatten(value, f"{prefix}.{key}" if prefix else key))
-        return out
-    if isinstance(tree, list) and any(isinstance(v, (dict, list)) for v in tree):
-        out = {}
-        for i, value in enumerate(tree):
-            out.update(flatten(value, f"{prefix}[{i}]"))
-        return out
-    return {prefix: tuple(tree) if isinstance(tree, list) else tree}
-
-
 def group_runs(runs: list[RunRecord]) -> list[Group]:
     """Runs equal but for seed and workdir share a group, labelled by the fields that differ
     between groups (in the order the runs came)."""
     keys, members = [], {}
     for run in runs:
-        flat = {k: v for k, v in flatten(run.config).items() if k not in IGNORED_FIELDS}
+        flat = {k: v for k, v in field_paths(run.config).items() if k not in IGNORED_FIELDS}
         key = tuple(sorted(flat.items(), key=lambda kv: kv[0]))
         if key not in members:
             keys.append(key)
@@ -249,7 +235,7 @@ HELDOUT_FIELDS = re.compile(r"^(seed|data\.tasks|rl\.tasks|rl\.heldout_\w+)$")
 
 
 def _heldout_setting(run: RunRecord) -> dict:
-    return {k: v for k, v in flatten(run.config).items() if HELDOUT_FIELDS.match(k)}
+    return {k: v for k, v in field_paths(run.config).items() if HELDOUT_FIELDS.match(k)}
 
 
 def paired_difference(baseline: Group, other: Group, which: str = "after") -> dict | None:

@@ -75,26 +75,12 @@ def holds_run(workdir: str) -> bool:
     )
 
 
-def _flatten(tree, prefix: str = "") -> dict:
-    if isinstance(tree, dict):
-        out = {}
-        for key, value in tree.items():
-            out.update(_flatten(value, f"{prefix}.{key}" if prefix else key))
-        return out
-    if isinstance(tree, list) and any(isinstance(v, dict) for v in tree):
-        out = {f"{prefix}.length": len(tree)}
-        for i, value in enumerate(tree):
-            out.update(_flatten(value, f"{prefix}[{i}]"))
-        return out
-    return {prefix: tree}
-
-
 def config_diff(
     stored: config_lib.ExperimentConfig, new: config_lib.ExperimentConfig
 ) -> list[tuple[str, object, object]]:
     """(field, stored value, new value) of every field that differs, by command-line path."""
-    a = _flatten(json.loads(json.dumps(config_lib.to_dict(stored))))
-    b = _flatten(json.loads(json.dumps(config_lib.to_dict(new))))
+    a = config_lib.field_paths(config_lib.to_dict(stored))
+    b = config_lib.field_paths(config_lib.to_dict(new))
     return [
         (key, a.get(key), b.get(key))
         for key in sorted(set(a) | set(b))
