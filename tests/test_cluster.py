@@ -21,7 +21,8 @@ from launch.cluster import presets, templates
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRETRAIN = ("launch.pretrain", "--config=tiny", "--config.workdir=/runs/tiny_2x8")
-PROBE = ("tests.cluster_probe", "--config=tiny")  # reports what jax.distributed made of the job
+# Stands in for launch.pretrain: reports what jax.distributed made of the job.
+PROBE = ("tests.cluster_probe", *PRETRAIN[1:])
 
 
 def job(command=PRETRAIN, **kw):
@@ -168,7 +169,7 @@ def test_jobset_manifest_is_a_headless_service_and_an_indexed_job_of_two_pods():
 
 
 def test_jobset_environment_forms_a_two_process_job_through_launch_runtime():
-    (text,) = templates.jobset(job(PROBE + ("--config.workdir=gs://b/r",)), image="x").values()
+    (text,) = templates.jobset(job(PROBE), image="x", pvc="c").values()
     container = load_jobset(text)[3]
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     env["COORDINATOR_ADDRESS"] = f"localhost:{free_port(20000)}"  # pod 0, here
@@ -189,11 +190,13 @@ def test_jobset_environment_forms_a_two_process_job_through_launch_runtime():
         assert report["process_index"] == i and report["process_count"] == 2, out
 
 
-def test_jobset_refuses_a_workdir_on_the_pods_own_disk():
-    with pytest.raises(ValueError, match="is on each pod's own disk: use a path under /runs"):
+def test_jobset_on_several_pods_needs_the_workdir_on_a_shared_claim():
+    with pytest.raises(ValueError, match="2 pods need a shared workdir: give --pvc"):
+        templates.jobset(job(), "img")
+    with pytest.raises(ValueError, match="workdir=runs/x is not on the shared claim: use a path"):
         templates.jobset(job(("launch.pretrain", "--config.workdir=runs/x")), "img", pvc="c")
-    with pytest.raises(ValueError, match="name the run's workdir"):
-        templates.jobset(job(("launch.pretrain",)), "img")
+    with pytest.raises(ValueError, match="the config's workdir is not on the shared claim"):
+        templates.jobset(job(("launch.pretrain",)), "img", pvc="c")
     templates.jobset(job(("launch.pretrain",), nodes=1), "img")  # one pod: its disk is enough
 
 

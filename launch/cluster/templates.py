@@ -155,12 +155,12 @@ def jobset(
     mount: str = "/runs",
     max_restarts: int = 3,
 ) -> dict[str, str]:
-    """A headless Service and a JobSet; `pvc` mounts a ReadWriteMany claim at `mount` (workdirs
-    must be shared by every pod, or be gs:// / s3:// paths)."""
+    """A headless Service and a JobSet; `pvc` mounts a ReadWriteMany claim at `mount`, where the
+    workdir of a run on several pods must be."""
     if not 0 < port < 65536:
         raise ValueError(f"port must be in 1..65535, got {port}")
     if job.nodes > 1:
-        _check_shared_workdir(job, mount if pvc else "")
+        _check_shared_workdir(job, pvc, mount)
     worker = "workers"
     coordinator = f"{job.name}-{worker}-0-0.{job.name}:{port}"  # JobSet's pod host names
     selector = {"jobset.sigs.k8s.io/jobset-name": job.name}
@@ -231,17 +231,18 @@ def jobset(
     return {f"{job.name}.jobset.yaml": "\n".join(header) + "\n" + body}
 
 
-def _check_shared_workdir(job: Job, mount: str) -> None:
-    """Every process writes its shards of each checkpoint into the workdir, so on several pods it
-    must be one folder for all: on the mounted claim or in a bucket, never the pod's own disk."""
+def _check_shared_workdir(job: Job, pvc: str, mount: str) -> None:
+    """Every process reads the workdir's config and writes its shards of each checkpoint there,
+    so on several pods it must be one folder for all: on the mounted claim, never a pod's own
+    disk (workdirs are file-system paths; buckets are not supported)."""
+    if not pvc:
+        raise ValueError(
+            f"{job.nodes} pods need a shared workdir: give --pvc (a ReadWriteMany claim)"
+        )
     workdirs = [a.split("=", 1)[1] for a in job.command if a.startswith("--config.workdir=")]
-    where = f"a path under {mount}" if mount else "a gs:// or s3:// path (or give --pvc)"
-    if not workdirs:
-        raise ValueError(f"name the run's workdir with --config.workdir=..., {where}")
-    workdir = workdirs[-1]
-    shared = "://" in workdir or (mount and workdir.startswith(mount.rstrip("/") + "/"))
-    if not shared:
-        raise ValueError(f"--config.workdir={workdir} is on each pod's own disk: use {where}")
+    if not workdirs or not workdirs[-1].startswith(mount.rstrip("/") + "/"):
+        given = f"--config.workdir={workdirs[-1]}" if workdirs else "the config's workdir"
+        raise ValueError(f"{given} is not on the shared claim: use a path under {mount}")
 
 
 # ----------------------------------------------------------------------------- Docker
