@@ -6,6 +6,7 @@ through launch/runtime.py, the Dockerfile installs the `cuda12` extra, and bad i
 renderer with one line."""
 
 import configparser
+import importlib.util
 import json
 import os
 import re
@@ -112,7 +113,7 @@ def test_sbatch_script_is_valid_bash_asking_one_task_per_host_with_all_its_gpus(
     (srun,) = [line for line in text.splitlines() if line.startswith("srun ")]
     argv = shlex.split(srun)
     module = argv[argv.index("-m") + 1]
-    assert module == "launch.pretrain" and templates._module_exists(module)
+    assert module == "launch.pretrain" and importlib.util.find_spec(module)
     assert argv[argv.index("-m") + 2 :] == list(PRETRAIN[1:])
 
 
@@ -156,7 +157,7 @@ def test_jobset_manifest_is_a_headless_service_and_an_indexed_job_of_two_pods():
     assert spec["parallelism"] == spec["completions"] == 2 and spec["completionMode"] == "Indexed"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
     assert container["command"] == ["python", "-m", *PRETRAIN]
-    assert templates._module_exists(container["command"][2])
+    assert importlib.util.find_spec(container["command"][2])
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
     assert env["XLA_FLAGS"] == presets.xla_flags("h200") and env["NUM_PROCESSES"] == "2"
     # Pod 0's host name as JobSet makes it: <jobset>-<replicated job>-<job index>-<pod index>.
@@ -209,7 +210,7 @@ def test_dockerfile_installs_the_cuda12_extra_on_a_cuda12_base_and_runs_a_real_m
     assert 'RUN pip install ".[cuda12]"' in text
     assert f"XLA_FLAGS={json.dumps(presets.xla_flags('b200'))}" in text
     (cmd,) = [json.loads(line[4:]) for line in text.splitlines() if line.startswith("CMD ")]
-    assert cmd == ["python", "-m", *PRETRAIN] and templates._module_exists(cmd[2])
+    assert cmd == ["python", "-m", *PRETRAIN] and importlib.util.find_spec(cmd[2])
     setup = configparser.ConfigParser()
     setup.read(os.path.join(REPO, "setup.cfg"))
     assert "jax[cuda12]>=0.11.2" in setup["options.extras_require"]["cuda12"].split()
