@@ -5,7 +5,6 @@ import os
 
 from absl import flags, logging
 
-
 # The explicit way to join a job where JAX detects no cluster (what `launch.multiprocess` sets):
 # JAX itself reads JAX_COORDINATOR_ADDRESS; the count and the index have no JAX variable.
 EXPLICIT_VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
