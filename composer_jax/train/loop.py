@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
@@ -292,6 +293,8 @@ def run_pretraining(
         raise config_lib.ConfigError(f"init_from: {cfg.init_from!r} is not a folder")
     tokenizer = resolve_tokenizer(cfg)
     check_resume(os.path.abspath(cfg.workdir), cfg)  # before the folder is made
+    if jax.process_count() > 1:  # every process has judged the folder before process 0 writes
+        multihost_utils.sync_global_devices("checked the workdir")
     workdir = prepare_workdir(cfg.workdir)
     setup = make_train_setup(cfg)
     layout, bounds = setup.layout, setup.bounds
