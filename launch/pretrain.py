@@ -22,13 +22,16 @@ def main(argv):
     from launch import runtime
 
     runtime.initialize()
+    import jax
+
     from composer_jax import config as config_lib
     from composer_jax import interop
     from composer_jax.train import CheckpointError, NonFiniteLossError, run_pretraining
 
     metrics = [("pretrain", os.path.join(cfg.workdir, "metrics.jsonl"), cfg.steps)]
+    no_plain_lines = _PROGRESS.value or jax.process_index() > 0  # process 0 reports for all
     try:
-        with plain_log.progress_context(metrics, _PROGRESS.value, _LOG_EVERY_S.value):
+        with plain_log.progress_context(metrics, no_plain_lines, _LOG_EVERY_S.value):
             result = run_pretraining(
                 cfg, progress=_PROGRESS.value, pretrained=lambda: interop.load_pretrained(cfg)
             )

@@ -1,35 +1,78 @@
 """Process start-up shared by every entry point: log level and multi-host initialisation."""
 
+import logging as std_logging
 import os
 
 from absl import flags, logging
 
+# The explicit way to join a job where JAX detects no cluster (what `launch.multiprocess` sets):
+# JAX itself reads JAX_COORDINATOR_ADDRESS; the count and the index have no JAX variable.
+EXPLICIT_VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
 
 def initialize() -> None:
-    """Quiets library INFO logs (unless --verbosity is given) and joins a multi-host job.
-
-    `jax.distributed.initialize()` auto-detects SLURM and Open MPI; for other clusters set
-    COORDINATOR_ADDRESS, NUM_PROCESSES and PROCESS_ID.
-    """
+    """Quiets library INFO logs (unless --verbosity is given), joins a multi-process job when the
+    environment describes one, and logs this process's place in it."""
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
     _show_project_logs()
     import jax
 
-    if os.environ.get("COORDINATOR_ADDRESS"):
-        jax.distributed.initialize(
-            os.environ["COORDINATOR_ADDRESS"],
-            int(os.environ["NUM_PROCESSES"]),
-            int(os.environ["PROCESS_ID"]),
-        )
-    elif os.environ.get("SLURM_NTASKS", "1") != "1" or os.environ.get("OMPI_COMM_WORLD_SIZE"):
-        jax.distributed.initialize()
+    arguments = distributed_arguments()
+    if arguments is not None and not jax.distributed.is_initialized():
+        # Cross-process collectives on CPU (tests, laptops); GPUs and TPUs use their own.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(**arguments)
+    local = jax.local_devices()
+    std_logging.getLogger("composer_jax.runtime").info(
+        "process %d of %d, %d local device(s) of %d: %s",
+        jax.process_index(),
+        jax.process_count(),
+        len(local),
+        jax.device_count(),
+        ", ".join(f"{d.platform}:{d.id}" for d in local),
+    )
+
+
+def distributed_arguments() -> dict | None:
+    """Arguments for `jax.distributed.initialize`, or None outside a multi-process job.
+
+    The explicit variables (all three) win; otherwise JAX's own cluster detection decides (its
+    `ClusterEnv`s: SLURM, Open MPI, Kubernetes, Cloud TPU, ...; opt-in ones such as mpi4py only
+    when asked), and `initialize()` then fills in everything itself.
+    """
+    given = {name: os.environ.get(name) for name in EXPLICIT_VARIABLES}
+    if any(given.values()):
+        missing = [name for name, value in given.items() if not value]
+        if missing:
+            raise SystemExit(
+                f"error: {', '.join(n for n, v in given.items() if v)} set but not "
+                f"{', '.join(missing)}: a multi-process start needs all of {EXPLICIT_VARIABLES}"
+            )
+        try:
+            return {
+                "coordinator_address": given["JAX_COORDINATOR_ADDRESS"],
+                "num_processes": int(given["JAX_NUM_PROCESSES"]),
+                "process_id": int(given["JAX_PROCESS_ID"]),
+            }
+        except ValueError:
+            raise SystemExit(
+                f"error: JAX_NUM_PROCESSES={given['JAX_NUM_PROCESSES']!r} and "
+                f"JAX_PROCESS_ID={given['JAX_PROCESS_ID']!r} must be integers"
+            ) from None
+    from jax._src import clusters
+
+    detected = [
+        env
+        for env in clusters.ClusterEnv._cluster_types
+        if not env.opt_in_only_method and env.is_env_present()
+    ]
+    return {} if detected else None
 
 
 def _show_project_logs() -> None:
     """The project's own INFO lines (warm start, held-out rewards, resumes) on stdout as plain
     text, whatever the libraries' verbosity."""
-    import logging as std_logging
     import sys
 
     project = std_logging.getLogger("composer_jax")

@@ -159,13 +159,13 @@ def test_jobset_manifest_is_a_headless_service_and_an_indexed_job_of_two_pods():
     assert container["command"] == ["python", "-m", *PRETRAIN]
     assert importlib.util.find_spec(container["command"][2])
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
-    assert env["XLA_FLAGS"] == presets.xla_flags("h200") and env["NUM_PROCESSES"] == "2"
+    assert env["XLA_FLAGS"] == presets.xla_flags("h200") and env["JAX_NUM_PROCESSES"] == "2"
     # Pod 0's host name as JobSet makes it: <jobset>-<replicated job>-<job index>-<pod index>.
     host = f"{jobset['metadata']['name']}-{replicated['name']}-0-0.{service['metadata']['name']}"
-    assert env["COORDINATOR_ADDRESS"] == f"{host}:8476"
-    assert "job-completion-index" in env["PROCESS_ID"]["fieldRef"]["fieldPath"]
+    assert env["JAX_COORDINATOR_ADDRESS"] == f"{host}:8476"
+    assert "job-completion-index" in env["JAX_PROCESS_ID"]["fieldRef"]["fieldPath"]
     runtime = open(os.path.join(REPO, "launch", "runtime.py")).read()
-    for name in ("COORDINATOR_ADDRESS", "NUM_PROCESSES", "PROCESS_ID"):
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         assert f'"{name}"' in runtime  # the names launch/runtime.py reads
 
 
@@ -173,11 +173,11 @@ def test_jobset_environment_forms_a_two_process_job_through_launch_runtime():
     (text,) = templates.jobset(job(PROBE), image="x", pvc="c").values()
     container = load_jobset(text)[3]
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
-    env["COORDINATOR_ADDRESS"] = f"localhost:{free_port(20000)}"  # pod 0, here
+    env["JAX_COORDINATOR_ADDRESS"] = f"localhost:{free_port(20000)}"  # pod 0, here
     procs = [
         subprocess.Popen(
             container["command"],
-            env=cpu_env(**env, PROCESS_ID=str(i)),
+            env=cpu_env(**env, JAX_PROCESS_ID=str(i)),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -66,11 +66,31 @@ def test_mesh_and_batch_must_fit_devices():
     }
     with pytest.raises(C.ConfigError, match="mesh.fsdp"):
         C.mesh_shape(C.MeshConfig(replica=3, fsdp=-1), 8)
-    cfg = dataclasses.replace(C.tiny(), mesh=C.MeshConfig(fsdp=-1))
+    cfg = dataclasses.replace(C.tiny(), mesh=C.MeshConfig(fsdp=8))
     phases = (C.PhaseConfig("main", 1.0, seq_len=64, batch_size=12),)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, phases=phases))
     with pytest.raises(C.ConfigError, match=r"train\.phases\[0\]\.batch_size"):
         C.validate(cfg, num_devices=8)
+    # A free fsdp axis yields to cp instead, unless no sequence splits into 2*cp chunks.
+    cfg = dataclasses.replace(cfg, mesh=C.MeshConfig())
+    assert (C.fitted_mesh(cfg, 8).fsdp, C.fitted_mesh(cfg, 8).cp) == (4, 2)
+    C.validate(cfg, num_devices=8)
+    phases = (C.PhaseConfig("main", 1.0, seq_len=66, batch_size=12),)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, phases=phases))
+    assert (C.fitted_mesh(cfg, 8).fsdp, C.fitted_mesh(cfg, 8).cp) == (8, 1)
+    with pytest.raises(C.ConfigError, match=r"train\.phases\[0\]\.batch_size"):
+        C.validate(cfg, num_devices=8)
+
+
+@pytest.mark.parametrize("preset", sorted(set(C.PRESETS) - {"kimi_k2"}))  # kimi_k2: 128+ devices
+@pytest.mark.parametrize("devices", [1, 2, 4, 8])
+def test_presets_fit_1_2_4_8_devices(preset, devices):
+    """The presets' batches fit the device count as they are (tiny's batch of 4 on 8 devices:
+    fsdp=4 x cp=2)."""
+    cfg = C.PRESETS[preset]()
+    C.validate(cfg, num_devices=devices)
+    mesh = C.fitted_mesh(cfg, devices)
+    assert mesh.replica * mesh.fsdp * mesh.cp == devices
 
 
 def test_phase_fractions_must_sum_to_one():

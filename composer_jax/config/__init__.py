@@ -13,6 +13,7 @@ from composer_jax.config.base import ConfigError, field_paths, from_dict, to_dic
 from composer_jax.config.experiment import (
     RESUME_POLICIES,
     ExperimentConfig,
+    fitted_mesh,
     phase_steps,
     validate,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "RLObjectiveConfig",
     "TrainConfig",
     "YarnConfig",
+    "fitted_mesh",
     "from_dict",
     "mesh_shape",
     "phase_steps",

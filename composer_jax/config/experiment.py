@@ -96,7 +96,7 @@ def validate(cfg: ExperimentConfig, num_devices: int | None = None) -> None:
         f"MXFP8 dispatch needs model.hidden_size divisible by 32, got {cfg.model.hidden_size}",
     )
     if num_devices is not None:
-        shape = mesh_shape(cfg.mesh, num_devices)
+        shape = mesh_shape(fitted_mesh(cfg, num_devices), num_devices)
         ep_size = 1
         for axis in cfg.mesh.ep:
             ep_size *= shape[axis]
@@ -118,6 +118,33 @@ def validate(cfg: ExperimentConfig, num_devices: int | None = None) -> None:
                 f"train.phases[{i}].seq_len",
                 f"{p.seq_len} must be divisible by 2*cp={2 * shape['cp']} for load-balanced CP",
             )
+
+
+def fitted_mesh(cfg: ExperimentConfig, num_devices: int) -> MeshConfig:
+    """`cfg.mesh` with every axis resolved for `num_devices`, the free axis fitted to the batches.
+
+    The batch shards over replica x fsdp, so a phase whose batch does not divide by them cannot
+    run (tiny's long-context batch of 4 on 8 devices). When fsdp is the free axis and cp is 1,
+    fsdp takes the largest share of its devices that divides every phase's batch and context
+    parallelism the rest (when every phase's sequence splits into 2*cp chunks). Batches stay
+    as configured, so the optimisation (and every loss) is the same on any device count; parameter
+    and expert sharding cover the same devices either way (dense and expert state shard over
+    (fsdp, cp) together); only the activations' split changes, and CP is what long phases want.
+    Any other mesh is only resolved; `validate` then names what does not fit.
+    """
+    shape = mesh_shape(cfg.mesh, num_devices)
+    if cfg.mesh.fsdp == -1 and cfg.mesh.cp == 1:
+        phases = cfg.train.phases
+        for fsdp in range(shape["fsdp"], 0, -1):
+            cp = shape["fsdp"] // fsdp
+            if (
+                shape["fsdp"] % fsdp == 0
+                and all(p.batch_size % (shape["replica"] * fsdp) == 0 for p in phases)
+                and all(p.seq_len % (2 * cp) == 0 or cp == 1 for p in phases)
+            ):
+                shape = dict(shape, fsdp=fsdp, cp=cp)
+                break
+    return dataclasses.replace(cfg.mesh, **shape)
 
 
 def _check_tokenizer_spec(spec: str) -> None:

@@ -1,7 +1,7 @@
 """Grain pipeline for causal-LM pretraining on a document source (a code folder, JSONL, Parquet or
 ArrayRecord files: `composer_jax.data.sources`).
 
-documents -> shard by process -> shuffle (reseeded every epoch) -> repeat -> tokenize lazily
+documents -> (optionally one shard of them) -> shuffle (reseeded every epoch) -> repeat -> tokenize lazily
 [bos] + tokens + [eos] (the run's tokenizer) -> cut into chunks of at most seq_len -> first-fit pack into rows of seq_len
 -> batch. Rows carry `segment_ids` / `positions` so attention and next-token targets stay inside
 one document piece; a chunk of a long document is its own segment with positions from 0.

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 log = logging.getLogger(__name__)
 
@@ -135,10 +136,13 @@ class Checkpointer:
             except CheckpointDamaged as error:
                 failures.append(str(error))
                 if set_aside:
-                    aside, n = os.path.join(self.directory, f"{step}.damaged"), 1
-                    while os.path.exists(aside):
-                        aside, n = os.path.join(self.directory, f"{step}.damaged-{n}"), n + 1
-                    os.replace(os.path.join(self.directory, str(step)), aside)
+                    if jax.process_index() == 0:  # one rename; the others wait for it
+                        aside, n = os.path.join(self.directory, f"{step}.damaged"), 1
+                        while os.path.exists(aside):
+                            aside, n = os.path.join(self.directory, f"{step}.damaged-{n}"), n + 1
+                        os.replace(os.path.join(self.directory, str(step)), aside)
+                    if jax.process_count() > 1:
+                        multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
                     self._manager.reload()
                 log.warning("%s; trying the previous checkpoint", error)
                 continue

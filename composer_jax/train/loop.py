@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
@@ -204,7 +205,8 @@ def make_setup(
 ) -> TrainSetup:
     """Shardings, optimizer and schedule of a train state of cfg.model under cfg.optim, the
     schedule running over phases of the given lengths and learning-rate scales."""
-    layout = make_layout(cfg.mesh) if layout is None else layout
+    if layout is None:
+        layout = make_layout(config_lib.fitted_mesh(cfg, jax.device_count()))
     starts = np.cumsum([0] + phase_lengths[:-1])
     bounds = [(int(s), int(s + n)) for s, n in zip(starts, phase_lengths)]
     schedule = optim.learning_rate_schedule(cfg.optim, cfg.steps, phase_lengths, lr_scales)
@@ -291,6 +293,8 @@ def run_pretraining(
         raise config_lib.ConfigError(f"init_from: {cfg.init_from!r} is not a folder")
     tokenizer = resolve_tokenizer(cfg)
     check_resume(os.path.abspath(cfg.workdir), cfg)  # before the folder is made
+    if jax.process_count() > 1:  # every process has judged the folder before process 0 writes
+        multihost_utils.sync_global_devices("checked the workdir")
     workdir = prepare_workdir(cfg.workdir)
     setup = make_train_setup(cfg)
     layout, bounds = setup.layout, setup.bounds
@@ -425,13 +429,10 @@ def _save(
 
 
 def _make_iterator(cfg, corpora: _Corpora, phase_index: int):
+    """The phase's global batches; every process reads the same ones (see `_global_batch`)."""
     phase = cfg.train.phases[phase_index]
     kwargs = dict(
-        seq_len=phase.seq_len,
-        batch_size=phase.batch_size // jax.process_count(),
-        seed=cfg.seed * 1000 + phase_index,
-        shard_index=jax.process_index(),
-        shard_count=jax.process_count(),
+        seq_len=phase.seq_len, batch_size=phase.batch_size, seed=cfg.seed * 1000 + phase_index
     )
     if phase.data == "tasks":
         return make_sft_iterator(corpora.sft_examples, corpora.tokenizer, **kwargs)
@@ -445,30 +446,34 @@ def _eval_batches(cfg, corpora: _Corpora, layout: Layout) -> list[dict]:
         corpora.eval,
         corpora.tokenizer,
         seq_len=phase.seq_len,
-        batch_size=phase.batch_size // jax.process_count(),
+        batch_size=phase.batch_size,
         seed=12345,
-        shard_index=jax.process_index(),
-        shard_count=jax.process_count(),
     )
     return [_global_batch(next(it), layout) for _ in range(cfg.train.eval_batches)]
 
 
-def _global_batch(local: dict, layout: Layout) -> dict:
-    """Assembles each process's rows into one global array sharded over (replica, fsdp) x cp.
+def _global_batch(batch: dict, layout: Layout) -> dict:
+    """The global batch as arrays sharded over (replica, fsdp) x cp; each process places only the
+    rows (and sequence slices) of its own devices, so the processes' rows are disjoint and
+    together the whole batch.
 
-    Rows are first reordered so that this process's data-parallel ranks get equal attention work
-    (packed rows hold equal tokens but documents of different lengths).
+    Every process reads the same global batch (same pipeline and seed) rather than a share of
+    the documents: a run's data, and so its losses, do not depend on how many processes share
+    it, and any process count resumes any checkpoint's data position (one iterator state). The
+    price is that every host tokenizes and packs the whole batch, cheap next to a training step
+    at the batch sizes this code base runs. Rows are first ordered so that every data-parallel
+    rank gets equal attention work (packed rows hold equal tokens, not equal attention).
     """
     sharding = layout.batch_sharding()
     data_parallel = layout.mesh.shape["replica"] * layout.mesh.shape["fsdp"]
-    local_ranks = max(data_parallel // jax.process_count(), 1)
-    rows = np.asarray(local["segment_ids"]).shape[0]
-    order = np.arange(rows)
-    if local_ranks > 1 and rows % local_ranks == 0:
-        order = balanced_row_order(np.asarray(local["segment_ids"]), local_ranks)
-    if "loss_mask" not in local:  # Pretraining rows: every target counts.
-        local = dict(local, loss_mask=np.ones_like(np.asarray(local["tokens"])))
-    return {
-        k: jax.make_array_from_process_local_data(sharding, np.asarray(local[k], np.int32)[order])
-        for k in ("tokens", "segment_ids", "positions", "loss_mask")
-    }
+    segment_ids = np.asarray(batch["segment_ids"])
+    order = np.arange(segment_ids.shape[0])
+    if data_parallel > 1 and segment_ids.shape[0] % data_parallel == 0:
+        order = balanced_row_order(segment_ids, data_parallel)
+    if "loss_mask" not in batch:  # Pretraining rows: every target counts.
+        batch = dict(batch, loss_mask=np.ones_like(segment_ids))
+    arrays = {}
+    for key in ("tokens", "segment_ids", "positions", "loss_mask"):
+        rows = np.asarray(batch[key], np.int32)[order]
+        arrays[key] = jax.make_array_from_callback(rows.shape, sharding, rows.__getitem__)
+    return arrays

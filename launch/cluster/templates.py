@@ -5,8 +5,8 @@ by `jax.distributed` (launch/runtime.py calls `initialize()`).
           JAX_LOCAL_DEVICE_IDS makes each task take all its GPUs (JAX's SLURM detection would
           otherwise give task `i` of a node only GPU `i`, assuming one task per GPU)
   jobset  a Kubernetes JobSet (one indexed Job, a pod per node) and the headless Service its
-          pods resolve each other by; the coordinator is pod 0, named by COORDINATOR_ADDRESS,
-          NUM_PROCESSES and PROCESS_ID (the job-completion index)
+          pods resolve each other by; the coordinator is pod 0, named by JAX_COORDINATOR_ADDRESS,
+          JAX_NUM_PROCESSES and JAX_PROCESS_ID (the job-completion index)
   docker  a Dockerfile: CUDA 12 base, `pip install .[cuda12]`, the GPU kind's settings baked in
 """
 
@@ -174,10 +174,10 @@ def jobset(
     }
     env = [{"name": k, "value": v} for k, v in job.environment().items()]
     env += [
-        {"name": "COORDINATOR_ADDRESS", "value": coordinator},
-        {"name": "NUM_PROCESSES", "value": str(job.nodes)},
+        {"name": "JAX_COORDINATOR_ADDRESS", "value": coordinator},
+        {"name": "JAX_NUM_PROCESSES", "value": str(job.nodes)},
         {
-            "name": "PROCESS_ID",
+            "name": "JAX_PROCESS_ID",
             "valueFrom": {
                 "fieldRef": {
                     "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"

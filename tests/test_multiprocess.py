@@ -1,0 +1,252 @@
+"""Multi-process runs on CPU: `launch.multiprocess`, `runtime.initialize`'s job detection, and
+pretraining on 2 processes x 4 devices against 1 process x 8 devices (this test process)."""
+
+import dataclasses
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from composer_jax import config as config_lib
+from composer_jax.train import loop, read_metrics, run_pretraining
+from composer_jax.train.runs import resolve_tokenizer
+from launch import runtime
+from tests.train.helpers import make_corpus, tiny_experiment
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _launch(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=REPO)
+    cmd = [sys.executable, "-m", "launch.multiprocess", *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _experiment(workdir, corpus, steps: int, full: bool = False) -> config_lib.ExperimentConfig:
+    """Tiny float32 pretraining whose batch of 4 puts 8 devices at fsdp=4 x cp=2, so data,
+    context and expert parallelism all cross the two processes. Fast: one phase, one MoE layer,
+    no MTP (one quick compilation). `full`: the test model (dense + MoE layers, MTP) over two
+    phases (batches 8 then 4)."""
+    phases = (config_lib.PhaseConfig(seq_len=32, batch_size=4),)
+    if full:
+        phases = (
+            config_lib.PhaseConfig("main", 0.5, seq_len=32, batch_size=8),
+            config_lib.PhaseConfig("long", 0.5, seq_len=64, batch_size=4, lr_scale=0.5),
+        )
+    cfg = tiny_experiment(str(workdir), corpus, steps, phases=phases)
+    model = dataclasses.replace(cfg.model, dtype="float32")
+    if not full:
+        model = dataclasses.replace(model, num_layers=1, first_k_dense=0, num_mtp_layers=0)
+    return dataclasses.replace(cfg, model=model)
+
+
+def _config_file(path, workdir, corpus, steps: int, full: bool = False) -> str:
+    """A config file for `--config=` (get_config) and for the probe (get_experiment)."""
+    path.write_text(
+        textwrap.dedent(f"""
+        import ml_collections
+        from composer_jax import config
+        from tests.test_multiprocess import _experiment
+
+        def get_experiment():
+            return _experiment({str(workdir)!r}, {corpus!r}, {steps}, {full})
+
+        def get_config():
+            return ml_collections.ConfigDict(config.to_dict(get_experiment()))
+    """)
+    )
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return make_corpus(str(tmp_path_factory.mktemp("corpus")))
+
+
+def _losses(workdir) -> dict[int, float]:
+    records = read_metrics(os.path.join(workdir, "metrics.jsonl"))
+    return {m["step"]: m["loss"] for m in records if "loss" in m}
+
+
+# ----------------------------------------------------------------------------- the launcher
+
+
+def test_launcher_prefixes_output_and_stops_the_others_when_one_fails():
+    start = time.monotonic()
+    done = _launch(
+        ["--num_processes=2", "--devices_per_process=3", "--grace_s=5", "--"]
+        + ["tests.multiprocess_probe", "exit", "7"]
+    )
+    assert done.returncode == 7, done.stdout + done.stderr
+    assert time.monotonic() - start < 60  # process 0 would sleep 120 s
+    assert "[1] failing" in done.stderr
+    assert "process 1 failed (status 7)" in done.stderr
+    addresses = {line.split()[-1] for line in done.stdout.splitlines() if "coordinator" in line}
+    assert len(addresses) == 1 and addresses.pop().startswith("127.0.0.1:")
+    for index in range(2):
+        assert f"[{index}] xla_flags --xla_force_host_platform_device_count=3" in done.stdout
+
+
+def test_launcher_rejects_a_missing_module():
+    done = _launch(["--num_processes=2"])
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1].startswith("error: name the module")
+
+
+# ----------------------------------------------------------------------------- job detection
+
+
+def test_distributed_arguments(monkeypatch):
+    for name in (*runtime.EXPLICIT_VARIABLES, "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert runtime.distributed_arguments() is None
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1234")
+    with pytest.raises(SystemExit, match="JAX_NUM_PROCESSES, JAX_PROCESS_ID"):
+        runtime.distributed_arguments()
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JAX_PROCESS_ID", "1")
+    assert runtime.distributed_arguments() == {
+        "coordinator_address": "127.0.0.1:1234",
+        "num_processes": 2,
+        "process_id": 1,
+    }
+    for name in runtime.EXPLICIT_VARIABLES:
+        monkeypatch.delenv(name)
+    # JAX's own detection: a SLURM step (JAX then reads the coordinates itself).
+    slurm = {
+        "SLURM_JOB_ID": "17",
+        "SLURM_STEP_NODELIST": "node1",
+        "SLURM_NTASKS": "2",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+    }
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    assert runtime.distributed_arguments() == {}
+
+
+# ----------------------------------------------------------------------------- data sharding
+
+
+def test_processes_hold_disjoint_rows_that_make_the_single_process_batch(tmp_path, corpus):
+    config_py = _config_file(tmp_path / "cfg.py", tmp_path / "unused", corpus, steps=2)
+    done = _launch(
+        ["--num_processes=2", "--devices_per_process=4", "--"]
+        + ["tests.multiprocess_probe", "batch", config_py, str(tmp_path)]
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    cfg = _experiment(tmp_path / "unused", corpus, 2)
+    layout = loop.make_train_setup(cfg).layout
+    assert dict(layout.mesh.shape) == {"replica": 1, "fsdp": 4, "cp": 2}
+    corpora = loop._Corpora(cfg, resolve_tokenizer(cfg))
+    want = loop._global_batch(next(loop._make_iterator(cfg, corpora, 0)), layout)
+    for key, array in want.items():
+        full = np.asarray(array)
+        covered = np.zeros(full.shape, int)
+        devices = set()
+        for index in range(2):
+            with np.load(tmp_path / f"{index}.npz") as shards:
+                for name in shards.files:
+                    if name.startswith(f"{key}/") and not name.endswith("/index"):
+                        devices.add(name)
+                        rows, cols = shards[f"{name}/index"]
+                        piece = shards[name]
+                        region = (
+                            slice(rows, rows + piece.shape[0]),
+                            slice(cols, cols + piece.shape[1]),
+                        )
+                        np.testing.assert_array_equal(piece, full[region])
+                        covered[region] += 1
+        assert len(devices) == 8
+        assert (covered == 1).all()  # disjoint, and together the whole batch
+
+
+# ----------------------------------------------------------------------------- pretraining
+
+
+@pytest.fixture(scope="module")
+def reference_runs(tmp_path_factory, corpus):
+    """1 process x 8 devices (this process), 3 steps; made on first use per variant."""
+    runs = {}
+
+    def get(full: bool):
+        if full not in runs:
+            workdir = tmp_path_factory.mktemp("one_process") / "run"
+            run_pretraining(_experiment(workdir, corpus, 3, full), progress=False)
+            runs[full] = workdir
+        return runs[full]
+
+    return get
+
+
+def _final_params(workdir) -> dict:
+    model, _ = loop.load_trained_model(str(workdir))
+    from flax import nnx
+
+    return {
+        jax.tree_util.keystr(path): np.asarray(leaf)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(model)))
+    }
+
+
+@pytest.mark.parametrize("full", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_two_processes_train_like_one(tmp_path, corpus, reference_runs, full):
+    """Losses and final parameters of 2 x 4 devices equal 1 x 8; the 2-process checkpoint
+    restores here (1 process); only process 0 writes the run's records."""
+    reference_run = reference_runs(full)
+    workdir = tmp_path / "run"
+    config_py = _config_file(tmp_path / "cfg.py", workdir, corpus, 3, full)
+    done = _launch(
+        ["--num_processes=2", "--devices_per_process=4", "--"]
+        + ["launch.pretrain", "--noprogress", f"--config={config_py}"]
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "[1] process 1 of 2, 4 local device(s) of 8" in done.stdout
+
+    want, got = _losses(reference_run), _losses(workdir)
+    assert sorted(got) == [1, 2, 3]
+    for step in want:
+        assert abs(got[step] - want[step]) <= 1e-4 * abs(want[step]), (step, got, want)
+    want_params, got_params = _final_params(reference_run), _final_params(workdir)
+    assert want_params.keys() == got_params.keys()
+    for name in want_params:
+        np.testing.assert_allclose(got_params[name], want_params[name], rtol=1e-4, atol=1e-6)
+
+    # One writer: one line per step and per launch, the launch records both processes.
+    steps = [m["step"] for m in read_metrics(os.path.join(workdir, "metrics.jsonl"))]
+    assert steps.count(1) == 1
+    launches = (workdir / "launches.jsonl").read_text().splitlines()
+    assert len(launches) == 1 and json.loads(launches[0])["devices"]["processes"] == 2
+    assert (workdir / "config.json").exists()
+
+
+@pytest.mark.slow
+def test_one_process_checkpoint_resumes_on_two(tmp_path, corpus, reference_runs):
+    """The 1-process run continued on 2 processes matches it continued on 1."""
+    reference_run = reference_runs(False)
+    on_one, on_two = tmp_path / "one", tmp_path / "two"
+    shutil.copytree(reference_run, on_one)
+    shutil.copytree(reference_run, on_two)
+    longer = dataclasses.replace(_experiment(on_one, corpus, 5), resume="must")
+    run_pretraining(longer, progress=False)
+    config_py = _config_file(tmp_path / "cfg.py", on_two, corpus, steps=5)
+    done = _launch(
+        ["--num_processes=2", "--devices_per_process=4", "--"]
+        + ["launch.pretrain", "--noprogress", f"--config={config_py}", "--config.resume=must"]
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Resumed from" in done.stdout
+    want, got = _losses(on_one), _losses(on_two)
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    for step in (4, 5):
+        assert abs(got[step] - want[step]) <= 1e-4 * abs(want[step]), (step, got, want)
+    assert glob.glob(str(on_two / "checkpoints" / "5"))
