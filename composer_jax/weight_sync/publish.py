@@ -4,8 +4,9 @@ The trainer's publisher casts each step's parameters to bf16 (the served precisi
 addressable shard, the difference of its 16-bit words to the last *published* version: XOR
 (default) or the words' difference modulo 2**16, zigzag-coded ("add": exact, and +-1 ulp steps
 become 2 and 1); delta words are grouped by the exponent of their base word and coded as changed
-positions plus 2-bit values (`codec.pack_delta`), snapshots as two byte planes, then zstd. Every `snapshot_every` publications a full snapshot is written instead, bounding the
-chain. The subscriber rebuilds the bf16 weights bitwise from the newest snapshot plus the chain,
+positions plus 2-bit values (`codec.pack_delta`), snapshots as two byte planes, then zstd. Every
+`snapshot_every` publications a full snapshot is written instead, bounding the chain. The
+subscriber rebuilds the bf16 weights bitwise from the newest snapshot plus the chain,
 and checks a CRC of every blob and of every rebuilt shard.
 
 Store layout (keys, any store):
