@@ -165,10 +165,9 @@ def unpack_delta(data: bytes, base: np.ndarray) -> np.ndarray:
     moved = np.concatenate([dense, split + _gap_positions(gaps)])
     if moved.size and moved[-1] >= size:
         raise ValueError(f"delta gap codes run past the tensor's {size} words")
-    ordered = np.zeros(size, np.uint16)
-    ordered[moved] = _unpack_values(view[start + nbits + ngaps :], moved.size) + np.uint16(1)
-    stored = np.empty_like(ordered)
-    stored[_order(_exponents(base))] = ordered
+    values = _unpack_values(view[start + nbits + ngaps :], moved.size) + np.uint16(1)
+    stored = np.zeros(size, np.uint16)
+    stored[_order(_exponents(base))[moved]] = values
     return stored
 
 
