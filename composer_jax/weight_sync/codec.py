@@ -61,7 +61,7 @@ def from_planes(data: bytes, size: int) -> np.ndarray:
 # groups) or gaps (sparse ones), changed values as 2-bit codes. Format 1 (4-bit codes in tensor
 # order) is refused by readers of format 2.
 FORMAT = 2
-_DENSE = 0.15  # exponent groups where more words than this change are coded as a bitmap
+_DENSE = 0.15  # the bitmap covers the groups up to the last one with more changes than this
 _ESCAPE = 3
 _SKIP = 255
 _HEADER = np.dtype("<u8")
@@ -131,9 +131,9 @@ def pack_delta(stored: np.ndarray, base: np.ndarray) -> bytes:
     """Delta words (0 = unchanged) against `base` as one payload, in exponent order.
 
     Layout: two little-endian uint64 (`split`, number of gap codes); a bitmap of which of the
-    first `split` words changed (the dense exponent groups: small exponents, several changes per
-    byte); gap codes for the rest (one byte per change beats a mostly-zero bitmap); the changed
-    words minus one as `_pack_values`.
+    first `split` words changed (the exponent groups up to the last dense one: small exponents
+    move most); gap codes for the rest (one byte per change beats a mostly-zero bitmap); the
+    changed words minus one as `_pack_values`. Measured variants: experiments/RESULTS.md.
     """
     exps = _exponents(base)
     order = _order(exps)

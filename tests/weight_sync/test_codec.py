@@ -63,6 +63,12 @@ def test_delta_round_trips_bitwise(mode, kind, size):
         assert len(payload) == 16  # the header alone
 
 
+@pytest.mark.parametrize("size", SIZES)
+def test_snapshot_planes_round_trip_bitwise(size):
+    words = np.random.default_rng().integers(0, 2**16, size, dtype=np.uint16)
+    np.testing.assert_array_equal(codec.from_planes(codec.to_planes(words), size), words)
+
+
 def test_zigzag_makes_one_ulp_moves_small_and_inverts_exactly():
     words = np.arange(2**16, dtype=np.uint16)
     assert np.all(codec.encode_words(words + np.uint16(1), words, "add") == 2)
