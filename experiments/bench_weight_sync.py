@@ -212,7 +212,7 @@ def _codec_rows(before, after):
 
     from composer_jax.weight_sync import codec
 
-    compressor = zstandard.ZstdCompressor(level=_LEVEL.value)
+    compressor = zstandard.ZstdCompressor(level=_LEVEL.value, write_checksum=True)  # as published
     decompressor = zstandard.ZstdDecompressor()
     codecs = {"format 1": (_format1_pack, _format1_unpack), "current": (None, None)}
     raw = 2 * sum(b.size for b in before)
