@@ -16,8 +16,8 @@ delta (the preset's mode, and the other one through a second publisher) is print
 full bf16 weights; a `WeightSubscriber` rebuild must equal the trainer's bf16 params bitwise
 (exit 1 if not). A second table codes the same step's words with the format-1 codec (the
 baseline: 4-bit codes in tensor order) and the current one, each mode: size, ratio to the
-baseline, encode / decode MB/s of bf16 weights (thread CPU time, so other processes on a shared
-machine do not count), and a bitwise round trip.
+baseline, encode / decode MB/s of bf16 weights (thread CPU time: less disturbed than wall time
+by other processes on a shared machine, not immune to them), and a bitwise round trip.
 
   python experiments/bench_weight_sync.py [--presets=tiny,small] [--steps=5] [--level=3]
   python experiments/bench_weight_sync.py --rl_step [--rl_presets=rl_tiny,rl_small]
