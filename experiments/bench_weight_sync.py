@@ -6,14 +6,18 @@ deltas. Prints, for the first step (fresh moments: every weight moves by exactly
 case) and for the last one (moments warmed up), the share of bf16 words that changed and the
 compressed delta as a % of the full bf16 weights, the time `publish_async` takes to return (what
 the trainer waits), the background publish time, and incremental-update and from-scratch rebuild
-times. Every rebuild is checked bitwise against the trainer's bf16 cast.
+times, then the codec table below for those two steps. Every rebuild is checked bitwise against
+the trainer's bf16 cast.
 
 With --rl_step, the acceptance check after one *real* RL step instead: for each RL preset a fresh
 `RLTrainer` publishes version 0, the model itself plays a few built-in tasks (InferenceEngine +
 `collect_batch`, one turn each), one trainer step on that batch publishes version 1, and the
 delta (the preset's mode, and the other one through a second publisher) is printed as a % of the
 full bf16 weights; a `WeightSubscriber` rebuild must equal the trainer's bf16 params bitwise
-(exit 1 if not).
+(exit 1 if not). A second table codes the same step's words with the format-1 codec (the
+baseline: 4-bit codes in tensor order) and the current one, each mode: size, ratio to the
+baseline, encode / decode MB/s of bf16 weights (thread CPU time: less disturbed than wall time
+by other processes on a shared machine, not immune to them), and a bitwise round trip.
 
   python experiments/bench_weight_sync.py [--presets=tiny,small] [--steps=5] [--level=3]
   python experiments/bench_weight_sync.py --rl_step [--rl_presets=rl_tiny,rl_small]
@@ -63,14 +67,6 @@ def _bench_preset(name: str) -> None:
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    def words(tree):
-        return np.concatenate(
-            [
-                np.asarray(x.astype(jnp.bfloat16)).view(np.uint16).ravel()
-                for x in jax.tree.leaves(tree)
-            ]
-        )
-
     print(f"\n{name}: {n / 1e6:.1f}M parameters, full bf16 weights {2 * n / 2**20:.1f} MiB")
     print(
         f"{'step':>4} {'changed':>8} {'mode':>5} {'delta %':>8} {'enqueue ms':>10} "
@@ -88,10 +84,12 @@ def _bench_preset(name: str) -> None:
             sub.update()
             mode_state[mode] = (store, pub, sub)
         print(f"   0 snapshot: {100 * info.ratio:.1f}% of the bf16 weights after zstd")
-        current, before = params, words(params)
+        current, before_leaves = params, _bf16_leaves(params)
+        before, codec_rows = np.concatenate(before_leaves), []
         for s in range(1, _STEPS.value + 1):
             current, opt_state = step(current, opt_state, jax.random.key(s))
-            after = words(current)
+            after_leaves = _bf16_leaves(current)
+            after = np.concatenate(after_leaves)
             changed = np.mean(after != before)
             for mode, (store, pub, sub) in mode_state.items():
                 t = time.perf_counter()
@@ -101,13 +99,20 @@ def _bench_preset(name: str) -> None:
                 t = time.perf_counter()
                 sub.update()
                 update_s = time.perf_counter() - t
-                assert np.array_equal(words(sub.tree_like(current)), after), "rebuild not bitwise"
+                rebuilt = _bf16_words(sub.tree_like(current))
+                assert np.array_equal(rebuilt, after), "rebuild not bitwise"
                 if s in (1, _STEPS.value):
                     print(
                         f"{s:>4} {100 * changed:>7.1f}% {mode:>5} {100 * info.ratio:>7.2f}% "
                         f"{enqueue_ms:>10.1f} {info.seconds:>9.2f} {update_s:>8.2f}"
                     )
-            before = after
+            if s in (1, _STEPS.value):
+                rows, exact = _codec_rows(before_leaves, after_leaves)
+                assert exact, "a codec round trip is not bitwise"
+                codec_rows += [f"{s:>4} {row}" for row in rows]
+            before, before_leaves = after, after_leaves
+        print(f"{'step':>4} {_CODEC_HEADER}")
+        print("\n".join(codec_rows))
         for mode, (store, pub, _) in mode_state.items():
             pub.close()
             t = time.perf_counter()
@@ -116,7 +121,7 @@ def _bench_preset(name: str) -> None:
             print(
                 f"{mode}: rebuild from scratch (snapshot + {_STEPS.value} deltas) "
                 f"{time.perf_counter() - t:.2f}s, bitwise equal: "
-                f"{np.array_equal(words(fresh.tree_like(current)), before)}"
+                f"{np.array_equal(_bf16_words(fresh.tree_like(current)), before)}"
             )
 
 
@@ -154,14 +159,89 @@ def _with_signal(batch):
     return dataclasses.replace(batch, rewards_N=rewards), "tied in every group: + printable share"
 
 
-def _bf16_words(tree):
+def _bf16_leaves(tree):
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    return np.concatenate(
-        [np.asarray(x.astype(jnp.bfloat16)).view(np.uint16).ravel() for x in jax.tree.leaves(tree)]
-    )
+    return [
+        np.asarray(x.astype(jnp.bfloat16)).view(np.uint16).ravel() for x in jax.tree.leaves(tree)
+    ]
+
+
+def _bf16_words(tree):
+    import numpy as np
+
+    return np.concatenate(_bf16_leaves(tree))
+
+
+def _format1_pack(stored):
+    """The format-1 delta payload (the baseline): 4-bit codes in tensor order, 15 = escape."""
+    import numpy as np
+
+    from composer_jax.weight_sync import codec
+
+    codes = np.minimum(stored, 15).astype(np.uint8)
+    codes = np.append(codes, np.zeros(codes.size % 2, np.uint8))
+    return (codes[0::2] | (codes[1::2] << 4)).tobytes() + codec.to_planes(stored[stored >= 15])
+
+
+def _format1_unpack(data, base):
+    import numpy as np
+
+    from composer_jax.weight_sync import codec
+
+    nbytes = (base.size + 1) // 2
+    packed = np.frombuffer(data, np.uint8, count=nbytes)
+    codes = np.stack([packed & 15, packed >> 4], 1).ravel()[: base.size].astype(np.uint16)
+    escaped = codes == 15
+    codes[escaped] = codec.from_planes(data[nbytes:], int(escaped.sum()))
+    return codes
+
+
+_CODEC_HEADER = (
+    f"{'mode':>4} {'codec':>9} {'delta %':>8} {'vs fmt 1':>8} {'enc MB/s':>9} {'dec MB/s':>9} "
+    f"{'bitwise':>7}"
+)
+
+
+def _codec_rows(before, after):
+    """Format 1 vs the current codec on the same (base, new) leaves per mode: (rows, all exact)."""
+    import numpy as np
+    import zstandard
+
+    from composer_jax.weight_sync import codec
+
+    compressor = zstandard.ZstdCompressor(level=_LEVEL.value, write_checksum=True)  # as published
+    decompressor = zstandard.ZstdDecompressor()
+    codecs = {"format 1": (_format1_pack, _format1_unpack), "current": (None, None)}
+    raw = 2 * sum(b.size for b in before)
+    rows, all_exact = [], True
+    for mode in ("add", "xor"):
+        baseline = None
+        for name, (pack, unpack) in codecs.items():
+            size, encode_s, decode_s, exact = 0, 0.0, 0.0, True
+            for base, new in zip(before, after):
+                t = time.thread_time()
+                stored = codec.encode_words(new, base, mode)
+                payload = pack(stored) if pack else codec.pack_delta(stored, base)
+                blob = compressor.compress(payload)
+                encode_s += time.thread_time() - t
+                t = time.thread_time()
+                data = decompressor.decompress(blob)
+                stored = unpack(data, base) if unpack else codec.unpack_delta(data, base)
+                rebuilt = codec.decode_words(stored, base, mode)
+                decode_s += time.thread_time() - t
+                size += len(blob)
+                exact &= np.array_equal(rebuilt, new)
+            baseline = baseline or size
+            all_exact &= exact
+            rows.append(
+                f"{mode:>4} {name:>9} {100 * size / raw:>7.2f}% {size / baseline:>8.3f} "
+                f"{raw / 2**20 / max(encode_s, 1e-9):>9.0f} {raw / 2**20 / max(decode_s, 1e-9):>9.0f}"
+                f" {'ok' if exact else 'FAIL':>7}"
+            )
+    return rows, all_exact
 
 
 def _rl_step_preset(name: str) -> bool:
@@ -188,7 +268,7 @@ def _rl_step_preset(name: str) -> bool:
         other = WeightPublisher(open_store(f"{tmp}/{modes[1]}"), delta=modes[1], level=_LEVEL.value)
         trainer.publish().result()
         other.publish(trainer.state.params, trainer.version)
-        before = _bf16_words(trainer.state.params)
+        before = _bf16_leaves(trainer.state.params)
         setup_s = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -219,7 +299,9 @@ def _rl_step_preset(name: str) -> bool:
         infos = [trainer.last_publish.result()]
         step_s = time.perf_counter() - t
         infos.append(other.publish(trainer.state.params, trainer.version))
-        after = _bf16_words(trainer.state.params)
+        after_leaves = _bf16_leaves(trainer.state.params)
+        after = np.concatenate(after_leaves)
+        changed = np.mean(after != np.concatenate(before))
         print(
             f"\n{name}: lr {metrics['lr']:.0e}, {after.size / 1e6:.1f}M params, full bf16 weights "
             f"{2 * after.size / 2**20:.1f} MiB; reward: {reward} (task reward mean "
@@ -241,10 +323,14 @@ def _rl_step_preset(name: str) -> bool:
             equal = version == trainer.version == 1 and np.array_equal(rebuilt, after)
             ok &= equal and info.kind == "delta"
             print(
-                f"{mode:>4} {version:>3} {info.kind:>5} {100 * np.mean(after != before):>7.2f}% "
+                f"{mode:>4} {version:>3} {info.kind:>5} {100 * changed:>7.2f}% "
                 f"{info.compressed_bytes / 2**10:>9.1f} {100 * info.ratio:>7.2f}% "
                 f"{info.seconds:>9.2f} {rebuild_s:>9.2f} {'ok' if equal else 'FAIL':>7}"
             )
+        print(_CODEC_HEADER)
+        rows, exact = _codec_rows(before, after_leaves)
+        print("\n".join(rows))
+        ok &= exact
         other.close()
         trainer.close()
     return ok

@@ -3,9 +3,10 @@
 The trainer's publisher casts each step's parameters to bf16 (the served precision) and writes, per
 addressable shard, the difference of its 16-bit words to the last *published* version: XOR
 (default) or the words' difference modulo 2**16, zigzag-coded ("add": exact, and +-1 ulp steps
-become 2 and 1); delta words are packed as 4-bit codes with escapes, snapshots as two byte planes,
-then zstd. Every `snapshot_every` publications a full snapshot is written instead, bounding the
-chain. The subscriber rebuilds the bf16 weights bitwise from the newest snapshot plus the chain,
+become 2 and 1); delta words are grouped by the exponent of their base word and coded as changed
+positions plus 2-bit values (`codec.pack_delta`), snapshots as two byte planes, then zstd. Every
+`snapshot_every` publications a full snapshot is written instead, bounding the chain. The
+subscriber rebuilds the bf16 weights bitwise from the newest snapshot plus the chain,
 and checks a CRC of every blob and of every rebuilt shard.
 
 Store layout (keys, any store):
@@ -13,7 +14,8 @@ Store layout (keys, any store):
   manifests/<version>/<process>-of-<count>.json   written last: a version is complete once every
                                                   process's manifest exists
 Each manifest names its parent (the version its deltas are against) so that coalesced
-(skipped) versions never break a chain.
+(skipped) versions never break a chain, and its `format` (`codec.FORMAT`): a reader refuses any
+other one by name rather than misreading it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import numpy as np
 import zstandard
 
 from composer_jax.weight_sync.codec import (
+    FORMAT,
     blob_key,
     cast_bf16,
     check_float,
@@ -210,9 +213,10 @@ class WeightPublisher:
         parent = None if snapshot else self._last_version
         entries, raw, compressed = {}, 0, 0
         for ordinal, (key, name, index, shape, _) in enumerate(shards):
-            stored = encode_words(words[key], None if snapshot else self._last[key], self.delta)
-            pack = to_planes if snapshot else pack_delta
-            blob = self._compressor.compress(pack(stored))
+            base = None if snapshot else self._last[key]
+            stored = encode_words(words[key], base, self.delta)
+            payload = to_planes(stored) if snapshot else pack_delta(stored, base)
+            blob = self._compressor.compress(payload)
             blob_name = blob_key(version, self.process_index, ordinal)
             self.store.write(blob_name, blob)
             entries[key] = {
@@ -227,6 +231,7 @@ class WeightPublisher:
             raw += 2 * words[key].size
             compressed += len(blob)
         manifest = {
+            "format": FORMAT,
             "version": version,
             "parent": parent,
             "kind": "snapshot" if snapshot else "delta",
@@ -305,13 +310,20 @@ class WeightSubscriber:
     def _manifest(self, version: int, process: int) -> dict:
         key = manifest_key(version, process, self.process_count)
         try:
-            return json.loads(self.store.read(key))
+            manifest = json.loads(self.store.read(key))
         except KeyError:
             raise MissingVersionError(
                 f"version {version} of process {process} is not in the store ({key} missing)"
             ) from None
         except json.JSONDecodeError as e:
             raise CorruptShardError(f"manifest {key} is not valid JSON: {e}") from None
+        written = manifest.get("format", 1)  # format 1 manifests carried no field
+        if written != FORMAT:
+            raise WeightSyncError(
+                f"manifest {key} is in weight-sync format {written}; this reader decodes format "
+                f"{FORMAT} only: publish to a fresh store with the reader's version"
+            )
+        return manifest
 
     def _chain(self, version: int, process: int, held: int | None) -> list[dict]:
         """Manifests from `version` back to a snapshot or to a delta whose parent is `held`."""
@@ -333,14 +345,20 @@ class WeightSubscriber:
                 raise CorruptShardError(
                     f"version {manifest['version']}: blob {entry['blob']} of shard {key} is corrupt"
                 )
-            data = self._decompressor.decompress(blob)
-            if manifest["kind"] == "snapshot":
-                out[key] = from_planes(data, entry["size"])
-            elif key not in base:
+            snapshot = manifest["kind"] == "snapshot"
+            if not snapshot and key not in base:
                 raise MissingVersionError(f"version {manifest['version']}: no base for {key}")
-            else:
-                stored = unpack_delta(data, entry["size"])
-                out[key] = decode_words(stored, base[key], manifest["mode"])
+            try:
+                data = self._decompressor.decompress(blob)
+                if snapshot:
+                    out[key] = from_planes(data, entry["size"])
+                else:
+                    stored = unpack_delta(data, base[key])
+                    out[key] = decode_words(stored, base[key], manifest["mode"])
+            except (ValueError, zstandard.ZstdError) as e:
+                raise CorruptShardError(
+                    f"version {manifest['version']}: blob {entry['blob']} of shard {key}: {e}"
+                ) from None
         return out
 
     def arrays(self) -> dict[str, np.ndarray]:
