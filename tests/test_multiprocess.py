@@ -6,6 +6,7 @@ import glob
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -250,3 +251,45 @@ def test_one_process_checkpoint_resumes_on_two(tmp_path, corpus, reference_runs)
     for step in (4, 5):
         assert abs(got[step] - want[step]) <= 1e-4 * abs(want[step]), (step, got, want)
     assert glob.glob(str(on_two / "checkpoints" / "5"))
+
+
+def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path, corpus):
+    """A scheduler's SIGTERM reaches hosts at different steps: the processes agree on the stop
+    (without that, the signalled one waits in the checkpoint's collectives and the other in the
+    next step's, forever), both save that step and exit with the signal's status."""
+    import psutil
+
+    workdir = tmp_path / "run"
+    config = _config_file(tmp_path / "config.py", workdir, corpus, steps=500)
+    args = ["--num_processes=2", "--devices_per_process=4", "--", "launch.pretrain"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "launch.multiprocess", *args, f"--config={config}", "--noprogress"],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=REPO),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        metrics = workdir / "metrics.jsonl"
+        while not metrics.exists() or max(_losses(workdir), default=0) < 2:
+            assert process.poll() is None, process.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "the job never reached step 2"
+            time.sleep(0.2)
+        (second,) = [
+            child
+            for child in psutil.Process(process.pid).children()
+            if child.environ().get("JAX_PROCESS_ID") == "1"
+        ]
+        second.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=180)
+    finally:
+        if process.poll() is None:
+            for child in psutil.Process(process.pid).children(recursive=True):
+                child.kill()
+            process.kill()
+    assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
+    stopped = max(_losses(workdir))
+    assert stopped < 500 and f"[1] Stopped by SIGTERM; step {stopped} is saved" in output
+    assert str(stopped) in os.listdir(workdir / "checkpoints")

@@ -99,6 +99,19 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
+    def agreed(self) -> str | None:
+        """The stop as every process of the job sees it. Processes get a signal at different
+        steps (a scheduler's SIGTERM reaches each host on its own), and one that stopped to save
+        alone would wait in the checkpoint's collectives while the others wait in the next
+        step's: so at every step boundary they share their signals and all stop if any has one."""
+        if jax.process_count() == 1:
+            return self.signal
+        mine = signal.Signals[self.signal].value if self.signal else 0
+        seen = int(np.max(multihost_utils.process_allgather(np.int32(mine))))
+        if seen and self.signal is None:
+            self.signal = signal.Signals(seen).name
+        return self.signal
+
 
 # Distinct tasks behind an SFT phase (taken once per run; the built-in ones in under a second).
 SFT_EXAMPLES = 2000
@@ -353,7 +366,8 @@ def run_pretraining(
     interrupted = None
     try:
         with StopRequest() as stop:
-            while step < cfg.steps and stop.signal is None:
+            stopping = stop.agreed()  # only the agreed value steers the loop (see `agreed`)
+            while step < cfg.steps and stopping is None:
                 phase_index = _phase_of(step, bounds)
                 phase = cfg.train.phases[phase_index]
                 iterator = _make_iterator(cfg, corpora, phase_index)
@@ -363,10 +377,11 @@ def run_pretraining(
                 bar.set_description(f"pretrain[{phase.name}]")
                 phase_end = bounds[phase_index][1]
                 t0, logged_at = time.perf_counter(), step
-                while step < phase_end and stop.signal is None:
+                while step < phase_end and stopping is None:
                     state, metrics = step_fn(state, _global_batch(next(iterator), layout))
                     step += 1
                     _check_finite(metrics, step, ckpt, last_saved)
+                    stopping = stop.agreed()
                     bar.update(1)
                     if step % cfg.train.log_every == 0 or step == phase_end:
                         seconds = (time.perf_counter() - t0) / (step - logged_at)
@@ -380,11 +395,11 @@ def run_pretraining(
                     if (
                         step % cfg.train.checkpoint_every == 0
                         or step == phase_end
-                        or (stop.signal is not None and last_saved != step)
+                        or (stopping is not None and last_saved != step)
                     ):
                         _save(ckpt, step, state, phase_index, iterator, step == phase_end)
                         last_saved = step
-            interrupted = stop.signal
+            interrupted = stopping
     finally:
         bar.close()
         ckpt.close()
