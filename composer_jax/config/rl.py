@@ -146,6 +146,9 @@ class RLConfig(RLObjectiveConfig):
     heldout_num_tasks: int = 32
     heldout_samples: int = 2
     heldout_temperature: float = 1.0
+    # A timeline of the actor loop ("": off): a Chrome / Perfetto trace (JSON trace events) at
+    # this .json path, one track per role, and a summary table at <path minus .json>.summary.txt.
+    trace: str = ""
 
 
 def validate_rl_objective(cfg: RLObjectiveConfig, where: str = "rl") -> None:
@@ -221,6 +224,17 @@ def validate_rl(cfg: RLConfig, where: str = "rl") -> None:
     _check(cfg.temperature > 0, f"{where}.temperature", "RL samples: must be > 0")
     _check(0 < cfg.top_p <= 1, f"{where}.top_p", "must lie in (0, 1]")
     _check(cfg.heldout_temperature >= 0, f"{where}.heldout_temperature", "must be >= 0")
+    if cfg.trace:
+        _check(
+            cfg.trace.endswith(".json") and "://" not in cfg.trace,
+            f"{where}.trace",
+            f"{cfg.trace!r}: name a local .json file (the summary is written next to it)",
+        )
+        _check(
+            cfg.backend == "threads",
+            f"{where}.trace",
+            "traces the threads backend (with ray the sampler and environments run elsewhere)",
+        )
     _check(
         cfg.group_size <= cfg.num_slots,
         f"{where}.group_size",
