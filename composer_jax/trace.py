@@ -197,7 +197,8 @@ def _overlaps(start: float, end: float, intervals: list[tuple[float, float]]) ->
 def summarize(events: list[dict], wall_s: float) -> dict:
     """Busy fraction of the sampler and trainer tracks over the wall time (union of their busy
     categories' events), then per (track, category): count and seconds; decode steps' mean
-    running rows and duration alone vs during a train step."""
+    running rows and duration alone vs during a train step; the sampler's host work (emit and
+    rollout_host) per decoded token."""
     names = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
     spans = [e for e in events if e["ph"] == "X"]
     seconds = lambda e: e["dur"] / 1e6  # noqa: E731
@@ -216,6 +217,7 @@ def summarize(events: list[dict], wall_s: float) -> dict:
     during = [seconds(e) for e in decodes if _overlaps(*interval(e), training)]
     alone = [seconds(e) for e in decodes if not _overlaps(*interval(e), training)]
     tokens = sum(e["args"].get("running", 0) for e in decodes)
+    host = sum(seconds(e) for e in spans if e["cat"] in ("emit", "rollout_host"))
     return {
         "wall_s": wall_s,
         "busy": busy,
@@ -223,6 +225,7 @@ def summarize(events: list[dict], wall_s: float) -> dict:
         "decode_steps": len(decodes),
         "decoded_tokens": tokens,
         "decode_rows_mean": tokens / max(len(decodes), 1),
+        "host_ms_per_token": 1e3 * host / max(tokens, 1),  # the sampler's emit + rollout_host
         "decode_ms_alone": 1e3 * sum(alone) / max(len(alone), 1),
         "decode_ms_during_train": 1e3 * sum(during) / max(len(during), 1),
         "decode_steps_during_train": len(during),
@@ -251,7 +254,8 @@ def format_summary(summary: dict) -> str:
         f"{summary['decode_rows_mean']:.1f} running rows per step; "
         f"{summary['decode_ms_alone']:.1f} ms per step alone, "
         f"{summary['decode_ms_during_train']:.1f} ms during a train step "
-        f"({summary['decode_steps_during_train']} steps)",
+        f"({summary['decode_steps_during_train']} steps); sampler host work "
+        f"{summary['host_ms_per_token']:.2f} ms per decoded token",
     ]
     return "\n".join(lines)
 

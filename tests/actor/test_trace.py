@@ -73,7 +73,9 @@ def test_a_traced_rollout_and_step_give_role_tracks_and_a_consistent_summary(tmp
     tracer.name_thread(trace.TRAINER)
     trainer = RLTrainer(cfg, params, buffers, store, tracer=tracer)
     trainer.publish().result()
-    sampler = LocalSampler(model, store, num_slots=2, max_len=CONTEXT, tracer=tracer)
+    sampler = LocalSampler(
+        model, store, num_slots=2, max_len=CONTEXT, prefill_buckets=(CONTEXT,), tracer=tracer
+    )
     ledger = GroupLedger(tmp_path / "ledger")
     with ThreadEnvironmentPool(2, timeout_s=60) as pool:
         pool.tracer = tracer
@@ -122,6 +124,12 @@ def test_a_traced_rollout_and_step_give_role_tracks_and_a_consistent_summary(tmp
     assert summary["decode_steps"] == len(decodes) > 0
     assert summary["decoded_tokens"] == sum(e["args"]["running"] for e in decodes)
     assert summary["categories"]["trainer/train_step"]["count"] == 1
+    host = [
+        e for e in spans if tracks[e["tid"]] == "sampler" and e["cat"] in ("emit", "rollout_host")
+    ]
+    assert summary["host_ms_per_token"] == pytest.approx(
+        sum(e["dur"] for e in host) / 1e3 / summary["decoded_tokens"]
+    )
     with open(trace.summary_path(path)) as f:
         assert f.read().strip() == trace.format_summary(summary)
 
