@@ -141,7 +141,12 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
 
         pool = make_environment_pool("ray", rl.num_env_workers, env_timeout_s)
         sampler = RaySampler(
-            cfg.model, store, rl.num_slots, rl.context_len, rl.recompute_cache_on_update
+            cfg.model,
+            store,
+            rl.num_slots,
+            rl.context_len,
+            rl.recompute_cache_on_update,
+            prefill_buckets=rl.prefill_buckets,
         )
     else:
         pool = make_environment_pool(rl.env_workers, rl.num_env_workers, env_timeout_s)
@@ -151,6 +156,7 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
             store,
             num_slots=rl.num_slots,
             max_len=rl.context_len,
+            prefill_buckets=rl.prefill_buckets,
             recompute_cache=rl.recompute_cache_on_update,
             tracer=tracer,
         )
