@@ -160,6 +160,7 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
             recompute_cache=rl.recompute_cache_on_update,
             tracer=tracer,
         )
+    tracer.start()  # the timeline: from the first publication to the rollout thread's end
     trainer.publish().result()
     sampler.sync_weights(wait_for=trainer.version)
     inflight_store = InFlightStore(os.path.join(cfg.workdir, "inflight"))
@@ -199,7 +200,6 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
     )
     last_time, last_tokens, last_finished, last_reward_sum = time.perf_counter(), 0, 0, 0.0
     try:
-        tracer.start()
         with StopRequest() as stop:
             coordinator.start()
             while trainer.version < cfg.steps:

@@ -72,6 +72,7 @@ def test_a_traced_rollout_and_step_give_role_tracks_and_a_consistent_summary(tmp
     tracer = trace.make_tracer(path)
     tracer.name_thread(trace.TRAINER)
     trainer = RLTrainer(cfg, params, buffers, store, tracer=tracer)
+    tracer.start()
     trainer.publish().result()
     sampler = LocalSampler(
         model, store, num_slots=2, max_len=CONTEXT, prefill_buckets=(CONTEXT,), tracer=tracer
@@ -79,7 +80,6 @@ def test_a_traced_rollout_and_step_give_role_tracks_and_a_consistent_summary(tmp
     ledger = GroupLedger(tmp_path / "ledger")
     with ThreadEnvironmentPool(2, timeout_s=60) as pool:
         pool.tracer = tracer
-        tracer.start()
         _rollout(rl, sampler, pool, ledger, tracer)
         batch = groups_to_batch([ledger.load("p0")], CONTEXT, row_multiple=trainer.data_parallel)
         with tracer.span("pack"):  # what run_rl records around groups_to_batch
