@@ -170,6 +170,8 @@ def rl_tiny() -> ExperimentConfig:
             num_slots=32,
             context_len=768,
             max_new_tokens=192,
+            # Its prompts are 248-306 bytes: one chunk per group (was 256 + 768, padded).
+            prefill_buckets=(64, 128, 384),
             max_turns=1,
             distill_coef=0.0,
             weight_delta="add",

@@ -34,6 +34,7 @@ from composer_jax.config import RLConfig
 from composer_jax.data.chat import chat_format_for
 from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.envs import EnvConfig, Task
+from composer_jax.trace import NULL_TRACER, SAMPLER
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,9 @@ class Coordinator:
         resume: list[inflight.GroupState] = (),
         inflight_store: inflight.InFlightStore | None = None,
         variant: Variant | None = None,
+        tracer=NULL_TRACER,
     ):
+        self.tracer = tracer  # the rollout thread's track is the sampler's
         self.cfg, self.sampler, self.env_pool, self.ledger = cfg, sampler, env_pool, ledger
         self.tokenizer = tokenizer
         self.state = RolloutState()
@@ -189,30 +192,48 @@ class Coordinator:
     # ----------------------------------------------------------------- rollout thread
 
     def _run(self) -> None:
+        tracer = self.tracer
+        tracer.name_thread(SAMPLER)
+        idle_since = None  # tracing: start of the iterations that found nothing to do
         try:
             self._resume_groups()
             while not self._stop.is_set():
+                start = time.perf_counter() if tracer.enabled else 0.0
                 try:
                     self.saver.serve(list(self.state.groups.values()))
                     self._sync_weights()
                     self._schedule()
                     self.driver.feed_sampler()
                     progressed = self.driver.advance_env()
-                    finished = self.sampler.poll() if self.state.by_request else []
-                    for completion in finished:
-                        if self.first_token_time is None:
-                            self.first_token_time = time.monotonic()
-                        self.driver.on_completion(completion)
+                    polled = bool(self.state.by_request)
+                    if tracer.enabled and progressed:
+                        tracer.complete("rollout_host", "env results", start, time.perf_counter())
+                    finished = self.sampler.poll() if polled else []
+                    if finished:
+                        with tracer.span("rollout_host", "turns", turns=len(finished)):
+                            for completion in finished:
+                                if self.first_token_time is None:
+                                    self.first_token_time = time.monotonic()
+                                self.driver.on_completion(completion)
                 except SamplerLostError as e:
                     log.warning("%s; re-queuing %d samples", e, len(self.state.active))
                     with self.state.lock:
                         self.state.counters.sampler_failures += 1
                     self.driver.restart_all()
                     continue
+                if tracer.enabled:  # one idle event per run of empty iterations
+                    if polled or progressed:
+                        if idle_since is not None:
+                            tracer.complete("idle", "nothing to decode", idle_since, start)
+                        idle_since = None
+                    elif idle_since is None:
+                        idle_since = start
                 if not finished and not progressed:
                     with self.state.lock:
                         idle = not self.state.groups and not self.scheduler.queued
                     time.sleep(0.05 if idle else 0.002)
+            if idle_since is not None:
+                tracer.complete("idle", "nothing to decode", idle_since, time.perf_counter())
         except BaseException as e:  # noqa: BLE001 -- surfaced to the trainer loop
             log.exception("the rollout thread failed")
             with self.state.lock:

@@ -19,6 +19,7 @@ from composer_jax.actor.worker_process import WorkerCrash, WorkerProcess, Worker
 from composer_jax.envs import worker as env_worker
 from composer_jax.envs.environment import EnvConfig
 from composer_jax.envs.task import Task
+from composer_jax.trace import NULL_TRACER
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,9 @@ def fail_all(calls: list[Call], message: str) -> None:
 
 class EnvironmentPool:
     """What the actor loop drives. Futures are completed outside the pool's lock, so their
-    callbacks may call the pool."""
+    callbacks may call the pool. Assign `tracer` to record each call on its worker's track."""
+
+    tracer = NULL_TRACER
 
     def __init__(self, timeout_s: float):
         if timeout_s <= 0:
@@ -280,7 +283,8 @@ class WorkerPool(EnvironmentPool):
                 self._lose_worker(slot, call, False, f"could not be started ({slot.launch_error})")
                 continue
             try:
-                ok, value = slot.worker.call((call.method, call.args), self.timeout_s)
+                with self.tracer.span("env", call.method, f"env worker {slot.index}"):
+                    ok, value = slot.worker.call((call.method, call.args), self.timeout_s)
             except WorkerTimeout:
                 self._lose_worker(slot, call, True, f"timed out after {self.timeout_s} s")
                 continue

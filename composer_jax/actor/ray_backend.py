@@ -23,12 +23,19 @@ class SamplerLostError(RuntimeError):
 class _SamplerActor:
     """Runs inside the Ray actor: a LocalSampler on a model whose weights come from the store."""
 
-    def __init__(self, model_cfg: ModelConfig, weight_store: str, num_slots, max_len, recompute):
+    def __init__(
+        self, model_cfg: ModelConfig, weight_store: str, num_slots, max_len, recompute, buckets
+    ):
         from composer_jax.model import init_model
 
         model = init_model(model_cfg)  # placeholder values, replaced by the store's weights
         self.sampler = LocalSampler(
-            model, weight_store, num_slots=num_slots, max_len=max_len, recompute_cache=recompute
+            model,
+            weight_store,
+            num_slots=num_slots,
+            max_len=max_len,
+            prefill_buckets=buckets,
+            recompute_cache=recompute,
         )
 
     def call(self, method: str, *args):
@@ -57,9 +64,10 @@ class RaySampler(Sampler):
         max_len: int,
         recompute_cache: bool = False,
         actor_options: dict | None = None,
+        prefill_buckets: tuple[int, ...] = (64, 256),
     ):
         self._ray = _require_ray()
-        self._args = (model_cfg, weight_store, num_slots, max_len, recompute_cache)
+        self._args = (model_cfg, weight_store, num_slots, max_len, recompute_cache, prefill_buckets)
         self._options = actor_options or {}
         self.num_slots, self.max_len = num_slots, max_len
         self._version: int | None = None

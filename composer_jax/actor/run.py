@@ -47,6 +47,7 @@ from composer_jax.actor.setup import (
 )
 from composer_jax.actor.trainer import RLTrainer
 from composer_jax.rl.rewards import reward_weights
+from composer_jax.trace import TRAINER, format_summary, make_tracer, summary_path
 from composer_jax.train.loop import StopRequest
 from composer_jax.train.metrics import MetricsWriter
 from composer_jax.train.runs import resolve_tokenizer, save_run_tokenizer
@@ -104,7 +105,9 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
 
     ledger = GroupLedger(os.path.join(cfg.workdir, "ledger"))
     store = store_dir(cfg)
-    trainer = RLTrainer(cfg, warm_params, warm_buffers, store)
+    tracer = make_tracer(rl.trace)  # no-op unless rl.trace names a file
+    tracer.name_thread(TRAINER)
+    trainer = RLTrainer(cfg, warm_params, warm_buffers, store, tracer=tracer)
     write_config(cfg.workdir, cfg)  # only now: a refused resume leaves the old config as it was
     record_launch(cfg.workdir, cfg, trainer.restored_step, "rl")
     num_prompts = rl.num_prompts or cfg.steps * rl.groups_per_step
@@ -138,17 +141,26 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
 
         pool = make_environment_pool("ray", rl.num_env_workers, env_timeout_s)
         sampler = RaySampler(
-            cfg.model, store, rl.num_slots, rl.context_len, rl.recompute_cache_on_update
+            cfg.model,
+            store,
+            rl.num_slots,
+            rl.context_len,
+            rl.recompute_cache_on_update,
+            prefill_buckets=rl.prefill_buckets,
         )
     else:
         pool = make_environment_pool(rl.env_workers, rl.num_env_workers, env_timeout_s)
+        pool.tracer = tracer
         sampler = LocalSampler(
             model,
             store,
             num_slots=rl.num_slots,
             max_len=rl.context_len,
+            prefill_buckets=rl.prefill_buckets,
             recompute_cache=rl.recompute_cache_on_update,
+            tracer=tracer,
         )
+    tracer.start()  # the timeline: from the first publication to the rollout thread's end
     trainer.publish().result()
     sampler.sync_weights(wait_for=trainer.version)
     inflight_store = InFlightStore(os.path.join(cfg.workdir, "inflight"))
@@ -178,6 +190,7 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
         resume=resume,
         inflight_store=inflight_store,
         variant=source.variant,
+        tracer=tracer,
     )
     coordinator.trainer_version = trainer.version
     histogram: collections.Counter = collections.Counter()
@@ -195,13 +208,14 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
                     break
                 version = trainer.version
                 waited = time.perf_counter()
-                groups, weights, dropped = next_groups(
-                    coordinator,
-                    ledger,
-                    rl,
-                    version,
-                    interrupted=lambda: _interrupted(stop, trainer),
-                )
+                with tracer.span("wait", "for groups"):
+                    groups, weights, dropped = next_groups(
+                        coordinator,
+                        ledger,
+                        rl,
+                        version,
+                        interrupted=lambda: _interrupted(stop, trainer),
+                    )
                 waited = time.perf_counter() - waited
                 if groups is None:
                     interrupted = stop.signal
@@ -211,14 +225,15 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
                     break
                 ids = [g.group_id for g in groups]
                 histogram.update(version - g.min_version for g in groups)
-                batch = groups_to_batch(
-                    groups,
-                    rl.context_len,
-                    row_multiple=trainer.data_parallel,
-                    weights=weights,
-                    min_rows=rl.groups_per_step * rl.group_size,  # one shape for most steps
-                    reward_weights=reward_weights(rl),
-                )
+                with tracer.span("pack", groups=len(groups)):
+                    batch = groups_to_batch(
+                        groups,
+                        rl.context_len,
+                        row_multiple=trainer.data_parallel,
+                        weights=weights,
+                        min_rows=rl.groups_per_step * rl.group_size,  # one shape for most steps
+                        reward_weights=reward_weights(rl),
+                    )
                 trained = time.perf_counter()
                 metrics = trainer.step(batch)
                 trained = time.perf_counter() - trained
@@ -263,13 +278,26 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
                     len_pen=f"{record.get('length_penalty', 0.0):.4f}",
                 )
                 if trainer.version % cfg.train.checkpoint_every == 0:
-                    _checkpoint(trainer, coordinator)
+                    with tracer.span("checkpoint"):
+                        _checkpoint(trainer, coordinator)
             if trainer.checkpointer.latest_step() != trainer.version and trainer.version > 0:
-                _checkpoint(trainer, coordinator)
+                with tracer.span("checkpoint"):
+                    _checkpoint(trainer, coordinator)
     finally:
         bar.close()
-        coordinator.stop()
-        pool.shutdown()
+        try:
+            coordinator.stop()
+        finally:
+            tracer.close()  # the loop's timeline ends with the rollout thread
+            pool.shutdown()
+            if rl.trace:
+                summary = tracer.write(rl.trace)
+                log.info(
+                    "Actor loop trace: %s (summary: %s)\n%s",
+                    rl.trace,
+                    summary_path(rl.trace),
+                    format_summary(summary),
+                )
     after = None
     if interrupted is None:
         after = heldout_once(

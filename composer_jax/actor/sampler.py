@@ -19,6 +19,7 @@ from flax import nnx
 
 from composer_jax.infer import Completion, InferenceEngine, SamplingParams
 from composer_jax.model.transformer import Transformer
+from composer_jax.trace import NULL_TRACER
 from composer_jax.weight_sync import WeightSubscriber, open_store
 
 
@@ -59,7 +60,8 @@ class Sampler:
 
 
 class LocalSampler(Sampler):
-    """An InferenceEngine on a model whose weights come from the store at `weight_store`."""
+    """An InferenceEngine on a model whose weights come from the store at `weight_store`;
+    `tracer` records its engine steps and each new version's reload."""
 
     def __init__(
         self,
@@ -69,12 +71,19 @@ class LocalSampler(Sampler):
         max_len: int,
         prefill_buckets: tuple[int, ...] = (64, 256),
         recompute_cache: bool = False,
+        tracer=NULL_TRACER,
     ):
+        self.tracer = tracer
         self.graphdef, self._params, self._rest = nnx.split(model, nnx.Param, ...)
         self._dtypes = jax.tree.map(lambda x: x.dtype, self._params)
         buckets = tuple(sorted({*(b for b in prefill_buckets if b < max_len), max_len}))
         self.engine = InferenceEngine(
-            model, num_slots=num_slots, max_len=max_len, prefill_buckets=buckets, version=-1
+            model,
+            num_slots=num_slots,
+            max_len=max_len,
+            prefill_buckets=buckets,
+            version=-1,
+            tracer=tracer,
         )
         self.num_slots, self.max_len = num_slots, max_len
         self.recompute_cache = recompute_cache
@@ -115,9 +124,11 @@ class LocalSampler(Sampler):
         deadline = time.monotonic() + timeout_s
         while True:
             before = self.subscriber.version
+            start = time.perf_counter()
             held = self.subscriber.update()
             if held is not None and held != before:
                 self._load(held)
+                self.tracer.complete("weight_reload", f"v{held}", start, time.perf_counter())
             if wait_for is None or (held is not None and held >= wait_for):
                 return held
             if time.monotonic() > deadline:

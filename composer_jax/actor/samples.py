@@ -236,9 +236,11 @@ def groups_to_batch(
 def total_rewards(group: Group, cfg: RLObjectiveConfig) -> np.ndarray:
     """Each sample's total reward before the KL term (task reward, weighted behaviour rewards,
     minus the length penalty), exactly as the trainer computes it (`rl.sample_rewards` on the
-    group packed alone)."""
+    group packed alone). Rows are padded to a power of two (padding adds nothing), so the eager
+    ops compile for a few lengths instead of every group's longest sequence."""
     longest = int(np.max(group.arrays["sequence_lengths"]))
-    batch = groups_to_batch([group], seq_len=longest, reward_weights=reward_weights(cfg))
+    seq_len = 1 << (longest - 1).bit_length()
+    batch = groups_to_batch([group], seq_len=seq_len, reward_weights=reward_weights(cfg))
     totals, _ = sample_rewards(batch, cfg)
     return np.asarray(totals)[: len(group.rewards)]
 

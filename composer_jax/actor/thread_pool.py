@@ -110,7 +110,8 @@ class ThreadEnvironmentPool(EnvironmentPool):
 
     def _add_thread(self) -> None:
         """Starts one more runner (the lock is held)."""
-        thread = threading.Thread(target=self._serve, name="env-thread", daemon=True)
+        name = f"env thread {self._counters['workers_started']}"  # its own trace track
+        thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._threads.add(thread)
         self._counters["workers_started"] += 1
         thread.start()
@@ -128,7 +129,8 @@ class ThreadEnvironmentPool(EnvironmentPool):
                     call.future.set_exception(lost_error(call.episode_id))
                 continue
             try:
-                value, error = getattr(self._host, call.method)(*call.args), None
+                with self.tracer.span("env", call.method):
+                    value, error = getattr(self._host, call.method)(*call.args), None
             except Exception as failure:
                 value, error = None, failure
             with self._lock:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,7 @@ from composer_jax.parallel import Layout, make_layout
 from composer_jax.parallel.mesh import BATCH_AXES, use_layout
 from composer_jax.rl.batch import TrajectoryBatch
 from composer_jax.rl.policy import reference_logprobs, rl_loss
+from composer_jax.trace import NULL_TRACER
 from composer_jax.train.checkpoint import Checkpointer
 from composer_jax.train.loop import TrainSetup, make_setup
 from composer_jax.train.step import TrainState, apply_gradients
@@ -93,6 +95,7 @@ class RLTrainer:
 
     `warm_params` / `warm_buffers`: the warm-start policy, which is also the KL reference; the
     train state starts from it (fresh optimizer) unless `<workdir>/checkpoints` has a checkpoint.
+    `tracer` records the reference pass, the step and each publication (`composer_jax.trace`).
     """
 
     def __init__(
@@ -102,8 +105,9 @@ class RLTrainer:
         warm_buffers: nnx.State,
         weight_store: str,
         layout: Layout | None = None,
+        tracer=NULL_TRACER,
     ):
-        self.cfg = cfg
+        self.cfg, self.tracer = cfg, tracer
         self.setup = setup = rl_setup(cfg, layout or make_layout(cfg.mesh))
         self.layout = setup.layout
         mesh = self.layout.mesh
@@ -156,7 +160,17 @@ class RLTrainer:
     def publish(self):
         """Queues the current weights as `version` (compress and write in the background)."""
         self.last_publish = self.publisher.publish_async(self.state.params, self.version)
+        if self.tracer.enabled:
+            self.last_publish.add_done_callback(self._trace_publish)
         return self.last_publish
+
+    def _trace_publish(self, future) -> None:
+        """The publication's write, on the publisher's thread (its end is now)."""
+        if future.exception() is None and not future.result().skipped:
+            info, end = future.result(), time.perf_counter()
+            self.tracer.complete(
+                "publish", f"v{info.version} {info.kind}", end - info.seconds, end, "weight publish"
+            )
 
     def place_batch(self, batch: TrajectoryBatch) -> TrajectoryBatch:
         """Rows over (replica, fsdp) x cp; per-sample arrays and hinted rows replicated."""
@@ -184,16 +198,24 @@ class RLTrainer:
     def step(self, batch: TrajectoryBatch) -> dict[str, float]:
         """One update on a packed batch; raises NonFiniteRLLossError on NaN (state unchanged,
         nothing published)."""
+        tracer = self.tracer
         batch = self.place_batch(batch)
-        ref = self._ref_fn(*self.reference, batch) if self.cfg.rl.kl_coef > 0 else None
-        self.state, metrics = self._step_fn(self.state, batch, ref)
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        ref = None
+        if self.cfg.rl.kl_coef > 0:
+            with tracer.span("reference", rows=batch.tokens_BT.shape[0]):
+                ref = self._ref_fn(*self.reference, batch)
+                if tracer.enabled:  # its own time, not the step's (only when tracing)
+                    ref = jax.block_until_ready(ref)
+        with tracer.span("train_step", rows=batch.tokens_BT.shape[0]):
+            self.state, metrics = self._step_fn(self.state, batch, ref)
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         if not (np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])):
             raise NonFiniteRLLossError(
                 f"RL step {self.version + 1}: loss {metrics['loss']}, grad norm "
                 f"{metrics['grad_norm']}; the state is unchanged, the last checkpoint kept"
             )
-        self.publish()
+        with tracer.span("publish_dispatch"):
+            self.publish()
         return metrics
 
     def save(self, metadata: dict) -> None:

@@ -114,6 +114,9 @@ class RLConfig(RLObjectiveConfig):
     temperature: float = 1.0
     top_p: float = 1.0
     recompute_cache_on_update: bool = False
+    # Prefill chunk lengths below context_len (which is always the last): a group's prompts
+    # prefill as one chunk, and compile one shape, when one bucket holds them all.
+    prefill_buckets: tuple[int, ...] = (64, 256)
     # Self-summarisation: when a generation's context reaches summary_budget tokens (0: off), the
     # policy writes a summary and continues from system prompt + task + summary.
     summary_budget: int = 0
@@ -146,6 +149,9 @@ class RLConfig(RLObjectiveConfig):
     heldout_num_tasks: int = 32
     heldout_samples: int = 2
     heldout_temperature: float = 1.0
+    # A timeline of the actor loop ("": off): a Chrome / Perfetto trace (JSON trace events) at
+    # this .json path, one track per role, and a summary table at <path minus .json>.summary.txt.
+    trace: str = ""
 
 
 def validate_rl_objective(cfg: RLObjectiveConfig, where: str = "rl") -> None:
@@ -215,12 +221,29 @@ def validate_rl(cfg: RLConfig, where: str = "rl") -> None:
         _check(getattr(cfg, name) > 0, f"{where}.{name}", "must be positive")
     for name in ("num_prompts", "max_staleness", "summary_budget", "max_summaries"):
         _check(getattr(cfg, name) >= 0, f"{where}.{name}", "must be >= 0")
+    _check(
+        all(b > 0 for b in cfg.prefill_buckets)
+        and list(cfg.prefill_buckets) == sorted(set(cfg.prefill_buckets)),
+        f"{where}.prefill_buckets",
+        f"{cfg.prefill_buckets}: must be positive and increasing",
+    )
     _check(cfg.env_timeout_s >= 0, f"{where}.env_timeout_s", "must be >= 0 (0: derived)")
     _check(0 < cfg.stale_decay <= 1, f"{where}.stale_decay", "must lie in (0, 1]")
     _check(0 <= cfg.hard_prompt_fraction < 1, f"{where}.hard_prompt_fraction", "must lie in [0, 1)")
     _check(cfg.temperature > 0, f"{where}.temperature", "RL samples: must be > 0")
     _check(0 < cfg.top_p <= 1, f"{where}.top_p", "must lie in (0, 1]")
     _check(cfg.heldout_temperature >= 0, f"{where}.heldout_temperature", "must be >= 0")
+    if cfg.trace:
+        _check(
+            cfg.trace.endswith(".json") and "://" not in cfg.trace,
+            f"{where}.trace",
+            f"{cfg.trace!r}: name a local .json file (the summary is written next to it)",
+        )
+        _check(
+            cfg.backend == "threads",
+            f"{where}.trace",
+            "traces the threads backend (with ray the sampler and environments run elsewhere)",
+        )
     _check(
         cfg.group_size <= cfg.num_slots,
         f"{where}.group_size",

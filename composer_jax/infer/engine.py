@@ -32,6 +32,7 @@ from composer_jax.infer.cache import LatentCache, init_cache
 from composer_jax.infer.forward import forward_chunk
 from composer_jax.infer.sampling import Sampled, SamplingParams
 from composer_jax.model.transformer import Transformer
+from composer_jax.trace import NULL_TRACER
 
 
 @dataclasses.dataclass
@@ -130,6 +131,8 @@ class InferenceEngine:
     (default row counts: powers of two up to num_slots); each pair compiles once.
     `absorbed`: decode and prefill in latent space (`absorbed_attend`) instead of expanding K/V.
     `tokenizer`: decodes turns for `SamplingParams.stop_strings` (else the params name one).
+    `tracer`: records prefill chunks, decode steps and the per-token host work after them
+    (`composer_jax.trace`); the attribute may be replaced later.
     """
 
     def __init__(
@@ -145,9 +148,10 @@ class InferenceEngine:
         param_shardings=None,
         trace_context: Callable[[], ContextManager] | None = None,
         tokenizer: Tokenizer | None = None,
+        tracer=NULL_TRACER,
     ):
         self.cfg = model.cfg
-        self.tokenizer = tokenizer
+        self.tokenizer, self.tracer = tokenizer, tracer
         self.num_slots, self.max_len = num_slots, max_len
         self.buckets = tuple(sorted(b for b in prefill_buckets if b <= max_len)) or (max_len,)
         if prefill_batch_sizes is None:
@@ -377,19 +381,21 @@ class InferenceEngine:
             positions[row] = slot.length + np.arange(bucket)
             valid[row, : len(piece)] = True
             slot_ids[row], last[row] = index, len(piece) - 1
-        drawn, experts = self._run(tokens, positions, valid, slot_ids, last, row_slots)
-        for row, index in enumerate(group):
-            slot = self._slots[index]
-            n = int(valid[row].sum())
-            slot.length += n
-            slot.feed = slot.feed[n:]
-            skip = min(slot.unrecorded, n)
-            slot.unrecorded -= skip
-            completion = self.completions[slot.request_id]
-            completion.prompt_experts.extend(experts[:, row, skip:n].transpose(1, 0, 2))
-            if not slot.feed and slot.emit:
-                slot.emit = False
-                self._emit(index, drawn, row, experts[:, row, n - 1])
+        with self.tracer.span("prefill", f"prefill {B}x{bucket}", rows=len(group)):
+            drawn, experts = self._run(tokens, positions, valid, slot_ids, last, row_slots)
+        with self.tracer.span("emit", "after prefill"):
+            for row, index in enumerate(group):
+                slot = self._slots[index]
+                n = int(valid[row].sum())
+                slot.length += n
+                slot.feed = slot.feed[n:]
+                skip = min(slot.unrecorded, n)
+                slot.unrecorded -= skip
+                completion = self.completions[slot.request_id]
+                completion.prompt_experts.extend(experts[:, row, skip:n].transpose(1, 0, 2))
+                if not slot.feed and slot.emit:
+                    slot.emit = False
+                    self._emit(index, drawn, row, experts[:, row, n - 1])
 
     def _decode(self) -> None:
         N = self.num_slots
@@ -405,12 +411,19 @@ class InferenceEngine:
             positions[index, 0] = slot.length
             valid[index, 0] = True
         row_slots = [self._slots[i] if i in rows else None for i in range(N)]
-        drawn, experts = self._run(
-            tokens, positions, valid, np.arange(N, dtype=np.int32), np.zeros(N, np.int32), row_slots
-        )
-        for index in rows:
-            self._slots[index].length += 1
-            self._emit(index, drawn, index, experts[:, index, 0])
+        with self.tracer.span("decode", running=len(rows)):
+            drawn, experts = self._run(
+                tokens,
+                positions,
+                valid,
+                np.arange(N, dtype=np.int32),
+                np.zeros(N, np.int32),
+                row_slots,
+            )
+        with self.tracer.span("emit", "after decode"):
+            for index in rows:
+                self._slots[index].length += 1
+                self._emit(index, drawn, index, experts[:, index, 0])
 
     def _emit(self, index: int, drawn: Sampled, row: int, experts_LK: np.ndarray) -> None:
         """Appends a sampled token to its request; finishes (frees or parks) the slot if done."""

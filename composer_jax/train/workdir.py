@@ -18,7 +18,7 @@ from composer_jax import config as config_lib
 
 LAUNCHES = "launches.jsonl"
 # Fields that say where and how verbosely a run goes, not what it computes: free to differ.
-_FREE_ON_RESUME = ("resume", "workdir", "print_sharding")
+_FREE_ON_RESUME = ("resume", "workdir", "print_sharding", "rl.trace")
 _RECORDED_PACKAGES = (
     "composer-jax",
     "jax",

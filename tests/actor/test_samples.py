@@ -3,9 +3,18 @@
 import numpy as np
 
 from composer_jax.actor.ledger import GroupLedger
-from composer_jax.actor.samples import SampleResult, group_sequences, groups_to_batch, make_group
+from composer_jax.actor.samples import (
+    SampleResult,
+    group_sequences,
+    groups_to_batch,
+    make_group,
+    total_rewards,
+)
+from composer_jax.config import RLConfig
 from composer_jax.parallel.packing import row_attention_lengths
 from composer_jax.rl.batch import SegmentKind, Sequence
+from composer_jax.rl.length_penalty import sample_rewards
+from composer_jax.rl.rewards import reward_weights
 
 
 def _sequence(rng, index, length, teacher=False):
@@ -86,3 +95,16 @@ def test_groups_survive_the_ledger_and_pack_balanced(tmp_path):
     plain = (row_attention_lengths(np.asarray(unbalanced.segment_ids_BT)) ** 2).reshape(4, -1)
     assert per_rank.max() / per_rank.mean() <= plain.sum(axis=1).max() / plain.sum(axis=1).mean()
     assert per_rank.max() / per_rank.mean() < 1.1
+
+
+def test_total_rewards_do_not_depend_on_the_padding_it_picks():
+    """Dynamic sampling packs each group to a power of two: the totals are those of the group
+    packed to its longest sequence (what the trainer computes, padding aside)."""
+    rng = np.random.default_rng(1)
+    group, _ = _group(rng, "g", [[37], [90, 21], [61], [130]])
+    cfg = RLConfig(length_penalty_coef=0.05, length_penalty_k=0.01)
+    batch = groups_to_batch([group], seq_len=130, reward_weights=reward_weights(cfg))
+    expected, _ = sample_rewards(batch, cfg)
+    got = total_rewards(group, cfg)
+    np.testing.assert_allclose(got, np.asarray(expected)[:4], rtol=1e-6)
+    assert np.ptp(got) > 0
