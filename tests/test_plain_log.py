@@ -1,5 +1,6 @@
-"""`--noprogress` lines: the newest record of each followed metrics file, once per interval, and
-once more at the end; a rewritten (shorter) file is read again from its start."""
+"""`--noprogress` lines: the newest record of each followed metrics file, once per interval (or
+one per multiple of N steps passed), and once more at the end; a rewritten (shorter) file is read
+again from its start."""
 
 import io
 import json
@@ -42,3 +43,18 @@ def test_a_rewritten_file_is_read_from_its_start(tmp_path):
     follower.poll()
     assert follower.line().endswith("rl step 4: loss=2")
     assert follower.line() is None  # nothing new
+
+
+def test_step_mode_prints_one_line_per_multiple_passed(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    out = io.StringIO()
+    with plain_log.PlainProgress([("rl", str(path), 12)], every_s=30, out=out, every_steps=4):
+        # Records every 3 steps: 3, 6 (passes 4), 9 (passes 8), 12 (passes 12, the last).
+        for step in (3, 6, 9):
+            append(path, {"step": step, "loss": float(step)})
+        append(path, {"step": 9, "eval_nll": 1.5}, {"step": 12, "loss": 12.0})
+        time.sleep(1.5)  # step mode polls every second whatever --log_every_s says
+    lines = out.getvalue().splitlines()
+    steps = [line.split(" step ")[1].split("/")[0] for line in lines]
+    assert steps == ["6", "9", "12"], lines
+    assert "loss=9 eval_nll=1.5" in lines[1]  # complete: the later line of step 9 merged
