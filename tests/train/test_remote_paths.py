@@ -26,8 +26,10 @@ from orbax.checkpoint._src.path import gcs_utils
 from composer_jax import config
 from composer_jax.actor.run import run_rl
 from composer_jax.config import ConfigError
+from composer_jax.data.tokenizer import load_tokenizer
 from composer_jax.train import load_run, read_metrics, run_pretraining
 from composer_jax.train import workdir as workdir_lib
+from composer_jax.train.runs import run_tokenizer, save_run_tokenizer
 from composer_jax.train.workdir import check_run_folder, prepare_workdir
 from tests.train.helpers import make_corpus, tiny_experiment
 
@@ -98,6 +100,14 @@ def test_pretraining_resumes_in_a_bucket(bucket, tmp_path):
     loaded = load_run("gs://runs/tiny")  # also how an RL run loads a bucket rl.warm_start
     assert loaded.step == 6 and loaded.config == cfg and len(loaded.metrics) == len(first)
     assert check_run_folder("gs://runs/tiny", "rl.warm_start") == "gs://runs/tiny"
+
+
+def test_a_bucket_run_keeps_its_tokenizer(bucket):
+    tokenizer = load_tokenizer("code_bpe_2k")
+    save_run_tokenizer(tokenizer, "gs://runs/bpe")
+    assert (bucket / "runs" / "bpe" / "tokenizer" / "tokenizer.json").is_file()
+    assert run_tokenizer("gs://runs/bpe").fingerprint() == tokenizer.fingerprint()
+    save_run_tokenizer(tokenizer, "gs://runs/bpe")  # the same one again: left as it is
 
 
 def test_an_rl_run_in_a_bucket_is_refused_before_anything_is_written(bucket):
