@@ -12,11 +12,11 @@ once (`--env_workers`); the sampling settings default to the run's RL settings.
 """
 
 import dataclasses
-import os
 import re
 import sys
 
 from absl import flags
+from etils import epath
 
 from launch import cli
 
@@ -137,9 +137,9 @@ def main(argv):
     }
     out = _OUT.value
     if not out:
-        folder = os.path.join(_WORKDIR.value or ".", "eval")
-        os.makedirs(folder, exist_ok=True)
-        out = os.path.join(folder, re.sub(r"[^A-Za-z0-9_.=-]+", "_", source.name)[:80] + ".json")
+        folder = epath.Path(_WORKDIR.value or ".") / "eval"  # a bucket run's folder too
+        folder.mkdir(parents=True, exist_ok=True)
+        out = str(folder / (re.sub(r"[^A-Za-z0-9_.=-]+", "_", source.name)[:80] + ".json"))
     write_report(report, out)
     print(format_table(report))
     timing = report["timing"]

@@ -10,12 +10,12 @@ shown, as soon as it is written.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 import time
 
 from absl import flags
+from etils import epath
 
 # Shown first when present, in this order; other scalars follow up to `MAX_FIELDS`.
 PREFERRED = (
@@ -87,13 +87,14 @@ class _Follower:
         self.shown_block = 0  # the block of steps [0, N) passes no multiple
 
     def poll(self) -> None:
+        path = epath.Path(self.path)  # a bucket workdir's metrics too
         try:
-            size = os.path.getsize(self.path)
+            size = path.stat().length
         except OSError:
             return
         if size < self.offset:
             self.offset = 0
-        with open(self.path, "rb") as f:
+        with path.open("rb") as f:
             f.seek(self.offset)
             chunk = f.read()
         complete = chunk[: chunk.rfind(b"\n") + 1]

@@ -55,6 +55,7 @@ from composer_jax.train.step import split_model
 from composer_jax.train.workdir import (
     check_resume,
     check_run_folder,
+    is_remote,
     prepare_workdir,
     record_launch,
     write_config,
@@ -84,6 +85,11 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
     """Trains (or resumes) the asynchronous RL run described by `cfg` in `cfg.workdir`."""
     config_lib.validate(cfg, jax.device_count())
     rl = cfg.rl
+    if is_remote(cfg.workdir):  # the ledger, in-flight records and weight store are local files
+        raise config_lib.ConfigError(
+            f"workdir: {cfg.workdir} is a bucket; an RL run's workdir must be a local path "
+            "for now (its rl.warm_start may be a bucket run)"
+        )
     if rl.warm_start:  # before the workdir exists: a typo must not leave an empty run behind
         check_run_folder(rl.warm_start, "rl.warm_start")
     check_resume(os.path.abspath(cfg.workdir), cfg)  # before the folder is made

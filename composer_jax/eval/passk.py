@@ -11,6 +11,8 @@ import json
 import math
 from math import comb
 
+from etils import epath
+
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
     """Unbiased pass@k for one task."""
@@ -144,5 +146,5 @@ def format_table(report: dict) -> str:
 
 
 def write_report(report: dict, path: str) -> None:
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(report, handle, indent=2, sort_keys=True)
+    """Writes the report as JSON, locally or in a bucket (epath)."""
+    epath.Path(path).write_text(json.dumps(report, indent=2, sort_keys=True))

@@ -8,20 +8,17 @@ Saves are asynchronous: training continues while the previous step is written.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.experimental import multihost_utils
 
+from composer_jax.train.workdir import first_line, run_path
+
 log = logging.getLogger(__name__)
-
-
-def _first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:300] if text else type(error).__name__
 
 
 class CheckpointError(RuntimeError):
@@ -58,7 +55,7 @@ def _flatten(tree) -> tuple[dict[str, Any], Any]:
 
 class Checkpointer:
     def __init__(self, directory: str, max_to_keep: int, async_save: bool = True):
-        self.directory = os.path.abspath(directory)
+        self.directory = str(run_path(directory, "checkpoint directory"))
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save
         )
@@ -90,7 +87,7 @@ class Checkpointer:
             stored = self._manager.item_metadata(step)["state"]
         except Exception as e:  # Orbax raises several types for unreadable folders.
             raise CheckpointDamaged(
-                f"checkpoint {self.directory}/{step} is unreadable: {_first_line(e)}"
+                f"checkpoint {self.directory}/{step} is unreadable: {first_line(e)}"
             ) from e
         if stored is not None:
             missing = sorted(set(target) - set(stored))
@@ -117,7 +114,7 @@ class Checkpointer:
             )
         except Exception as e:
             raise CheckpointDamaged(
-                f"failed to restore {self.directory}/{step}: {_first_line(e)}"
+                f"failed to restore {self.directory}/{step}: {first_line(e)}"
             ) from e
         state = jax.tree_util.tree_unflatten(treedef, [restored["state"][k] for k in target])
         return state, dict(restored["metadata"])
@@ -137,10 +134,11 @@ class Checkpointer:
                 failures.append(str(error))
                 if set_aside:
                     if jax.process_index() == 0:  # one rename; the others wait for it
-                        aside, n = os.path.join(self.directory, f"{step}.damaged"), 1
-                        while os.path.exists(aside):
-                            aside, n = os.path.join(self.directory, f"{step}.damaged-{n}"), n + 1
-                        os.replace(os.path.join(self.directory, str(step)), aside)
+                        folder = epath.Path(self.directory)
+                        aside, n = folder / f"{step}.damaged", 1
+                        while aside.exists():
+                            aside, n = folder / f"{step}.damaged-{n}", n + 1
+                        (folder / str(step)).rename(aside)
                     if jax.process_count() > 1:
                         multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
                     self._manager.reload()

@@ -42,6 +42,7 @@ from composer_jax.train.workdir import (
     prepare_workdir,
     read_run_config,
     record_launch,
+    run_path,
     write_config,
 )
 
@@ -279,7 +280,7 @@ def load_trained_model(workdir: str, step: int | None = None) -> tuple[Transform
     setup = make_train_setup(
         cfg, make_layout(dataclasses.replace(cfg.mesh, replica=1, fsdp=-1, cp=1))
     )
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
+    ckpt = Checkpointer(f"{workdir}/checkpoints", cfg.train.keep_checkpoints)
     try:
         if step is None:
             restored = ckpt.restore_latest(setup.abstract_state, set_aside=False)
@@ -305,7 +306,7 @@ def run_pretraining(
     if cfg.init_from and not os.path.isdir(cfg.init_from):
         raise config_lib.ConfigError(f"init_from: {cfg.init_from!r} is not a folder")
     tokenizer = resolve_tokenizer(cfg)
-    check_resume(os.path.abspath(cfg.workdir), cfg)  # before the folder is made
+    check_resume(str(run_path(cfg.workdir, "workdir")), cfg)  # before the folder is made
     if jax.process_count() > 1:  # every process has judged the folder before process 0 writes
         multihost_utils.sync_global_devices("checked the workdir")
     workdir = prepare_workdir(cfg.workdir)
@@ -314,7 +315,7 @@ def run_pretraining(
     is_main = jax.process_index() == 0
     if cfg.print_sharding and is_main:
         print(sharding_table(setup.abstract_state.params), flush=True)
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
+    ckpt = Checkpointer(f"{workdir}/checkpoints", cfg.train.keep_checkpoints)
     restored = ckpt.restore_latest(setup.abstract_state)
     data_position: dict = {}
     if restored is None:

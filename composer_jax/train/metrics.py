@@ -1,16 +1,20 @@
-"""One metrics writer: JSONL (the record a resumed run keeps consistent) plus TensorBoard."""
+"""One metrics writer: JSONL (the record a resumed run keeps consistent) plus TensorBoard.
+
+Paths go through `etils.epath`, so a bucket workdir keeps its `metrics.jsonl` there too;
+TensorBoard is written for local workdirs only."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
-import os
-import shutil
 import time
 from typing import Mapping
 
 import numpy as np
+from etils import epath
+
+from composer_jax.train.workdir import append_line, is_remote
 
 log = logging.getLogger(__name__)
 
@@ -33,49 +37,52 @@ class MetricsWriter:
         tensorboard: bool = True,
         is_writer: bool = True,
     ):
-        self.path = os.path.join(workdir, "metrics.jsonl")
+        self._file = epath.Path(workdir) / "metrics.jsonl"
+        self.path = str(self._file)
         self.is_writer = is_writer
         self._tb = None
         if not is_writer:
             return
-        os.makedirs(workdir, exist_ok=True)
-        if resume_step is not None and os.path.exists(self.path):
-            records, damaged = _parse(self.path)
+        self._file.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and self._file.exists():
+            records, damaged = _parse(self._file)
             if damaged:
-                copy = f"{self.path}.damaged-{int(time.time())}"
-                shutil.copyfile(self.path, copy)
+                copy = self._file.parent / f"{self._file.name}.damaged-{int(time.time())}"
+                self._file.copy(copy)
                 log.warning(
                     "%s: line(s) %s are torn or garbled (a crash mid-write?); kept the good "
                     "records, the original is in %s",
-                    self.path,
+                    self._file,
                     damaged[:5],
                     copy,
                 )
             kept = [line for line in records if line["step"] <= resume_step]
-            tmp = f"{self.path}.tmp"
-            with open(tmp, "w") as f:
-                f.writelines(json.dumps(line) + "\n" for line in kept)
-            os.replace(tmp, self.path)
-        elif resume_step is None and os.path.exists(self.path):
-            os.remove(self.path)  # A fresh run in an old workdir starts a fresh record.
-        if tensorboard:
+            tmp = self._file.parent / f"{self._file.name}.tmp"
+            tmp.write_text("".join(json.dumps(line) + "\n" for line in kept))
+            tmp.replace(self._file)
+        elif resume_step is None and self._file.exists():
+            self._file.unlink()  # A fresh run in an old workdir starts a fresh record.
+        if tensorboard and is_remote(workdir):
+            log.warning(
+                "TensorBoard is written for local workdirs only; %s has every scalar", self._file
+            )
+        elif tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+            self._tb = SummaryWriter(str(epath.Path(workdir) / "tensorboard"))
 
     def write(self, step: int, scalars: Mapping[str, object]) -> dict[str, float]:
         record = {"step": int(step), **{k: _scalar(v) for k, v in scalars.items()}}
         if self.is_writer:
-            with open(self.path, "a") as f:
-                f.write(
-                    json.dumps(
-                        {
-                            k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))
-                            for k, v in record.items()
-                        }
-                    )
-                    + "\n"
-                )
+            append_line(
+                self._file,
+                json.dumps(
+                    {
+                        k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))
+                        for k, v in record.items()
+                    }
+                ),
+            )
             if self._tb is not None:
                 for k, v in record.items():
                     if k != "step":
@@ -99,7 +106,7 @@ def read_metrics(path: str) -> list[dict]:
 def _parse(path: str) -> tuple[list[dict], list[int]]:
     """(records, 1-based numbers of the lines that are not a JSON object with a step)."""
     records, damaged = [], []
-    with open(path, "rb") as f:
+    with epath.Path(path).open("rb") as f:
         for number, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue

@@ -5,6 +5,7 @@ tokenizer when that folder has one, else the RL warm start run's, else the byte 
 run keeps a copy of its files in `<workdir>/tokenizer/` (nothing for the byte tokenizer), so
 `load_run`, a warm start and `launch.export` find it even if the source folder moves. A tokenizer
 that differs from the one the checkpoint or warm start was trained with is refused.
+The copy in a bucket workdir is read through a local copy (the tokenizer libraries read files).
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
+
+from etils import epath
 
 from composer_jax import config as config_lib
 from composer_jax.data.tokenizer import (
@@ -22,7 +26,7 @@ from composer_jax.data.tokenizer import (
     check_vocab,
     load_tokenizer,
 )
-from composer_jax.train.workdir import read_run_config
+from composer_jax.train.workdir import is_remote, read_run_config
 
 TOKENIZER_DIR = "tokenizer"
 AUTO = "auto"
@@ -30,20 +34,30 @@ AUTO = "auto"
 
 def has_tokenizer_files(folder: str) -> bool:
     return any(
-        os.path.isfile(os.path.join(folder, name)) for name in ("tokenizer.json", "tiktoken.model")
+        (epath.Path(folder) / name).is_file() for name in ("tokenizer.json", "tiktoken.model")
     )
+
+
+def _load_saved(folder: epath.Path) -> Tokenizer:
+    """The tokenizer in a run's folder; a bucket's files are copied to a local folder first, kept
+    for the process's life (the tokenizer's `files()` point there)."""
+    if not is_remote(folder):
+        return load_tokenizer(str(folder))
+    local = tempfile.mkdtemp(prefix="run-tokenizer-")
+    for file in folder.iterdir():
+        file.copy(epath.Path(local) / file.name)
+    return load_tokenizer(local)
 
 
 def run_tokenizer(workdir: str) -> Tokenizer:
     """The tokenizer a run was trained with: its saved copy, else its config's (old runs)."""
-    saved = os.path.join(workdir, TOKENIZER_DIR)
+    saved = epath.Path(workdir) / TOKENIZER_DIR
     if has_tokenizer_files(saved):
-        return load_tokenizer(saved)
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
+        return _load_saved(saved)
+    path = epath.Path(workdir) / "config.json"
+    if not path.exists():
         raise TokenizerError(f"{workdir}: not a run folder (no config.json)")
-    with open(path) as f:
-        spec = json.load(f).get("data", {}).get("tokenizer", BYTE)
+    spec = json.loads(path.read_text()).get("data", {}).get("tokenizer", BYTE)
     return ByteTokenizer() if spec in (AUTO, BYTE, "") else load_tokenizer(spec)
 
 
@@ -81,13 +95,17 @@ def save_run_tokenizer(tokenizer: Tokenizer, workdir: str) -> None:
     """Keeps a copy of the tokenizer's files with the run (the byte tokenizer needs none)."""
     if isinstance(tokenizer, ByteTokenizer):
         return
-    folder = os.path.join(workdir, TOKENIZER_DIR)
-    if (
-        has_tokenizer_files(folder)
-        and load_tokenizer(folder).fingerprint() == tokenizer.fingerprint()
-    ):
+    folder = epath.Path(workdir) / TOKENIZER_DIR
+    if has_tokenizer_files(folder) and _load_saved(folder).fingerprint() == tokenizer.fingerprint():
         return
-    tokenizer.save(folder)
+    if not is_remote(workdir):
+        tokenizer.save(str(folder))
+        return
+    with tempfile.TemporaryDirectory() as local:  # the tokenizer writes local files
+        tokenizer.save(local)
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in os.listdir(local):
+            epath.Path(local, name).copy(folder / name, overwrite=True)
 
 
 @dataclasses.dataclass
@@ -108,6 +126,6 @@ def load_run(workdir: str, step: int | None = None) -> Run:
     model, step = load_trained_model(workdir, step)
     tokenizer = run_tokenizer(workdir)
     check_vocab(tokenizer, model.cfg.vocab_size)
-    metrics_path = os.path.join(workdir, "metrics.jsonl")
-    metrics = read_metrics(metrics_path) if os.path.exists(metrics_path) else []
+    metrics_path = epath.Path(workdir) / "metrics.jsonl"
+    metrics = read_metrics(metrics_path) if metrics_path.exists() else []
     return Run(model, tokenizer, cfg, metrics, step)

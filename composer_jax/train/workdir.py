@@ -4,9 +4,14 @@ known to start (so a refused resume leaves the old run's files as they were).
 Runs cannot be mixed up: starting on a workdir that holds a run resumes it only when the stored
 config equals the new one (`check_resume`; `resume` chooses auto / never / must), and every start
 appends what made it to `launches.jsonl` (command line, git commit and dirtiness, package
-versions, devices, the full config; `record_launch`)."""
+versions, devices, the full config; `record_launch`).
+
+Every path here goes through `etils.epath`, so a workdir may be local or a bucket (`gs://`,
+given gcsfs and google-cloud-storage); `run_path` keeps a URI a URI (`os.path.abspath("gs://b")`
+would make a local folder named `gs:`)."""
 
 import datetime
+import importlib
 import importlib.metadata
 import json
 import os
@@ -14,11 +19,17 @@ import platform
 import subprocess
 import sys
 
+from etils import epath
+
 from composer_jax import config as config_lib
 
 LAUNCHES = "launches.jsonl"
 # Fields that say where and how verbosely a run goes, not what it computes: free to differ.
 _FREE_ON_RESUME = ("resume", "workdir", "print_sharding", "rl.trace")
+# URI schemes a run folder may have, with the client orbax needs besides epath's fsspec one (it
+# asks google-cloud-storage for a bucket's layout). epath serves s3:// too, but orbax 0.12 writes
+# checkpoint tensors only to local paths and gs:// (tensorstore's gcs driver).
+_SCHEMES = {"gs": "google.cloud.storage"}
 _RECORDED_PACKAGES = (
     "composer-jax",
     "jax",
@@ -34,44 +45,79 @@ _RECORDED_PACKAGES = (
 )
 
 
-def prepare_workdir(path: str) -> str:
-    """The absolute workdir, created if needed; a ConfigError naming `workdir` when it is a file,
-    cannot be created, or is not writable."""
-    workdir = os.path.abspath(path)
-    if os.path.exists(workdir) and not os.path.isdir(workdir):
-        raise config_lib.ConfigError(f"workdir: {workdir} exists and is not a folder")
+def run_path(path: str, field: str) -> epath.Path:
+    """`path` as an epath: a local path made absolute, a URI kept as one; a ConfigError naming
+    `field` for a scheme epath does not know or whose client cannot be loaded."""
+    scheme, sep, _ = str(path).partition("://")
+    if not sep:
+        return epath.Path(os.path.abspath(path))
+    if scheme not in _SCHEMES:
+        raise config_lib.ConfigError(
+            f"{field}: {path!r} has the scheme {scheme}://; a run folder is a local path or "
+            f"{', '.join(s + '://' for s in _SCHEMES)} (where orbax can write checkpoints)"
+        )
+    remote = epath.Path(path)
     try:
-        os.makedirs(workdir, exist_ok=True)
+        remote.exists()  # loads the scheme's fsspec client and asks the store once
+        importlib.import_module(_SCHEMES[scheme])
+    except ImportError as error:
+        raise config_lib.ConfigError(
+            f"{field}: {path} needs the gcs extra (pip install -e .[gcs]): {first_line(error)}"
+        ) from None
+    except Exception as error:  # the client's own: credentials, a missing bucket, the network
+        raise config_lib.ConfigError(
+            f"{field}: cannot reach {path} ({type(error).__name__}: {first_line(error)})"
+        ) from None
+    return remote
+
+
+def is_remote(path) -> bool:
+    """Whether `path` is a URI (a bucket), not a local path."""
+    return bool(str(path).partition("://")[1])
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
+
+
+def prepare_workdir(path: str, field: str = "workdir") -> str:
+    """The absolute workdir (or its URI), created if needed; a ConfigError naming `field` when
+    it is a file, cannot be created, or is not writable."""
+    workdir = run_path(path, field)
+    if workdir.exists() and not workdir.is_dir():
+        raise config_lib.ConfigError(f"{field}: {workdir} exists and is not a folder")
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise config_lib.ConfigError(
-            f"workdir: cannot create {workdir} ({error.strerror})"
+            f"{field}: cannot create {workdir} ({error.strerror or first_line(error)})"
         ) from None
-    probe = os.path.join(workdir, f".write_probe_{os.getpid()}")
+    probe = workdir / f".write_probe_{os.getpid()}"
     try:
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
+        probe.write_text("")
+        probe.unlink()
     except OSError as error:
         raise config_lib.ConfigError(
-            f"workdir: {workdir} is not writable ({error.strerror})"
+            f"{field}: {workdir} is not writable ({error.strerror or first_line(error)})"
         ) from None
-    return workdir
+    return str(workdir)
 
 
 def write_config(workdir: str, cfg: config_lib.ExperimentConfig) -> None:
-    """`config.json`, replaced atomically (a crash never leaves half a config)."""
-    path = os.path.join(workdir, "config.json")
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(config_lib.to_dict(cfg), f, indent=2)
-    os.replace(tmp, path)
+    """`config.json`, replaced atomically (a crash never leaves half a config; on a bucket an
+    object is written whole anyway)."""
+    path = epath.Path(workdir) / "config.json"
+    tmp = path.parent / f"{path.name}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(config_lib.to_dict(cfg), indent=2))
+    tmp.replace(path)
 
 
 def holds_run(workdir: str) -> bool:
     """Whether a run was started in `workdir` (its config or a checkpoint is there)."""
-    checkpoints = os.path.join(workdir, "checkpoints")
-    return os.path.isfile(os.path.join(workdir, "config.json")) or (
-        os.path.isdir(checkpoints) and bool(os.listdir(checkpoints))
+    checkpoints = epath.Path(workdir) / "checkpoints"
+    return (epath.Path(workdir) / "config.json").is_file() or (
+        checkpoints.is_dir() and any(checkpoints.iterdir())
     )
 
 
@@ -100,7 +146,7 @@ def check_resume(workdir: str, cfg: config_lib.ExperimentConfig) -> bool:
         raise config_lib.ConfigError(
             f"resume: 'never', but {workdir} already holds a run; choose another --config.workdir"
         )
-    if not os.path.isfile(os.path.join(workdir, "config.json")):
+    if not (epath.Path(workdir) / "config.json").is_file():
         raise config_lib.ConfigError(
             f"workdir: {workdir} has checkpoints but no config.json, so resuming it cannot be "
             "checked; move the checkpoints away or choose another --config.workdir"
@@ -186,15 +232,13 @@ def record_launch(
         },
         "config": config_lib.to_dict(cfg),
     }
-    with open(os.path.join(workdir, LAUNCHES), "a") as f:
-        f.write(json.dumps(record) + "\n")
+    append_line(epath.Path(workdir) / LAUNCHES, json.dumps(record))
 
 
 def read_run_config(workdir: str) -> config_lib.ExperimentConfig:
     """A run's stored config, with the fields of older versions carried to their new names."""
     check_run_folder(workdir, "workdir")
-    with open(os.path.join(workdir, "config.json")) as f:
-        data = json.load(f)
+    data = json.loads((epath.Path(workdir) / "config.json").read_text())
     return config_lib.from_dict(config_lib.ExperimentConfig, upgrade_stored_config(data))
 
 
@@ -220,6 +264,16 @@ def upgrade_stored_config(data: dict) -> dict:
 
 def check_run_folder(path: str, what: str) -> str:
     """A finished run's folder (with its config.json), or a ConfigError naming the field `what`."""
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    if not (run_path(path, what) / "config.json").is_file():
         raise config_lib.ConfigError(f"{what}: {path!r} is not a run folder (no config.json there)")
     return path
+
+
+def append_line(path: epath.Path, line: str) -> None:
+    """Appends one line; object stores cannot append, so there the object is rewritten whole."""
+    if is_remote(path):
+        old = path.read_text() if path.exists() else ""
+        path.write_text(old + line + "\n")
+    else:
+        with open(path, "a") as f:
+            f.write(line + "\n")

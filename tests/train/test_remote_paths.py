@@ -1,0 +1,134 @@
+"""A run in a bucket: pretraining and its resume on a `gs://` workdir, offline; an RL run may
+warm-start from one (the same loaders) but its own workdir stays local for now.
+
+Why this scheme: `gs://` is the one bucket scheme both epath (metrics, config, launches, the
+checkpoint folders) and orbax (checkpoint tensors) serve, so it is the one whose real code paths a
+run crosses: URIs kept as URIs, epath's fsspec backend, orbax's gs:// handling (no atomic
+rename; `commit_success.txt` markers; deletions past `keep_checkpoints`). Only the storage under
+the three Google clients is swapped for a local folder: fsspec's `gs` protocol (gcsfs) becomes a
+DirFileSystem over the folder, tensorstore's `gcs` kvstore spec a `file` one over the same
+folder, and orbax's bucket-layout query (google-cloud-storage) answers "flat namespace".
+`memory://` is no alternative: epath does not route it to fsspec, and orbax would write its
+tensors under a local folder named `memory:`. A mock of epath would skip the code under test.
+"""
+
+import dataclasses
+import importlib
+import json
+import os
+
+import pytest
+from etils.epath import backend as epath_backend
+from fsspec.implementations.dirfs import DirFileSystem
+from fsspec.implementations.local import LocalFileSystem
+from orbax.checkpoint._src.path import gcs_utils
+
+from composer_jax import config
+from composer_jax.actor.run import run_rl
+from composer_jax.config import ConfigError
+from composer_jax.data.tokenizer import load_tokenizer
+from composer_jax.train import load_run, read_metrics, run_pretraining
+from composer_jax.train import workdir as workdir_lib
+from composer_jax.train.runs import run_tokenizer, save_run_tokenizer
+from composer_jax.train.workdir import check_run_folder, prepare_workdir
+from tests.train.helpers import make_corpus, tiny_experiment
+
+
+@pytest.fixture
+def bucket(tmp_path, monkeypatch):
+    """A local folder served as `gs://`; the test runs in an empty cwd to catch a `gs:` folder."""
+    root = tmp_path / "storage"
+    root.mkdir()
+
+    class LocalBucket(DirFileSystem):
+        protocol = ("gs", "gcs")
+
+        def __init__(self, finalize_on_close=False, **kwargs):
+            super().__init__(path=str(root), fs=LocalFileSystem(auto_mkdir=True), **kwargs)
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            return str(path).removeprefix("gs://").removeprefix("gcs://").rstrip("/")
+
+    registry = importlib.import_module("fsspec.registry")._registry  # undone after the test
+    for name in ("gs", "gcs"):
+        monkeypatch.setitem(registry, name, LocalBucket)
+    epath_backend.fsspec_backend._get_filesystem.cache_clear()
+    gcs_spec = gcs_utils.get_kvstore_for_gcs
+
+    def local_kvstore(path):
+        spec = gcs_spec(path)
+        return {"driver": "file", "path": str(root / spec["bucket"] / spec["path"])}
+
+    monkeypatch.setattr(gcs_utils, "get_kvstore_for_gcs", local_kvstore)
+    monkeypatch.setattr(gcs_utils, "is_hierarchical_namespace_enabled", lambda path: False)
+    # google-cloud-storage's one use (that layout query) is answered, so run_path needs it not.
+    monkeypatch.setitem(workdir_lib._SCHEMES, "gs", gcs_utils.__name__)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    yield root
+    epath_backend.fsspec_backend._get_filesystem.cache_clear()
+    assert os.listdir(cwd) == []  # nothing of gs:// became a local folder
+
+
+def _computed(path):
+    """The metrics without wall-clock times."""
+    return [{k: v for k, v in m.items() if "seconds" not in k} for m in read_metrics(path)]
+
+
+def test_pretraining_resumes_in_a_bucket(bucket, tmp_path):
+    """A 6-step run whose latest checkpoint is then damaged resumes from step 3 and redoes steps
+    4-6 bit for bit: restore, set-aside, metrics truncation and launches all on gs://."""
+    corpus = make_corpus(str(tmp_path / "corpus"))
+    cfg = tiny_experiment("gs://runs/tiny", corpus, steps=6)
+    assert run_pretraining(cfg, progress=False).final_step == 6
+    first = _computed("gs://runs/tiny/metrics.jsonl")
+    run = bucket / "runs" / "tiny"
+    assert {"3", "6"} <= set(os.listdir(run / "checkpoints"))
+    assert (run / "checkpoints" / "6" / "commit_success.txt").exists()  # orbax's gs:// commit
+    for path in (run / "checkpoints" / "6").rglob("*"):
+        if path.is_file():
+            path.write_bytes(b"\x00" * 7)
+
+    assert run_pretraining(cfg, progress=False).final_step == 6
+    assert (run / "checkpoints" / "6.damaged").is_dir()
+    launches = [json.loads(line) for line in (run / "launches.jsonl").read_text().splitlines()]
+    assert [launch["resumed_step"] for launch in launches] == [None, 3]
+    assert json.loads((run / "config.json").read_text())["workdir"] == "gs://runs/tiny"
+    assert _computed("gs://runs/tiny/metrics.jsonl") == first
+    loaded = load_run("gs://runs/tiny")  # also how an RL run loads a bucket rl.warm_start
+    assert loaded.step == 6 and loaded.config == cfg and len(loaded.metrics) == len(first)
+    assert check_run_folder("gs://runs/tiny", "rl.warm_start") == "gs://runs/tiny"
+
+
+def test_a_bucket_run_keeps_its_tokenizer(bucket):
+    tokenizer = load_tokenizer("code_bpe_2k")
+    save_run_tokenizer(tokenizer, "gs://runs/bpe")
+    assert (bucket / "runs" / "bpe" / "tokenizer" / "tokenizer.json").is_file()
+    assert run_tokenizer("gs://runs/bpe").fingerprint() == tokenizer.fingerprint()
+    save_run_tokenizer(tokenizer, "gs://runs/bpe")  # the same one again: left as it is
+
+
+def test_an_rl_run_in_a_bucket_is_refused_before_anything_is_written(bucket):
+    cfg = dataclasses.replace(config.PRESETS["rl_tiny"](), workdir="gs://runs/rl")
+    with pytest.raises(ConfigError, match=r"^workdir: gs://runs/rl is a bucket; an RL run"):
+        run_rl(cfg, progress=False)
+    assert os.listdir(bucket) == []
+
+
+def test_an_unserved_scheme_is_a_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"^workdir: 'memory://x' has the scheme memory://;"):
+        prepare_workdir("memory://x")
+    with pytest.raises(ConfigError, match=r"^workdir: .*s3://") as error:
+        prepare_workdir("s3://bucket/run")  # epath could, orbax cannot write s3:// checkpoints
+    assert "\n" not in str(error.value)
+    try:
+        import gcsfs  # noqa: F401
+        import google.cloud.storage  # noqa: F401
+    except ImportError:  # gs:// without its clients: named, and no local folder made
+        with pytest.raises(ConfigError, match=r"^workdir: gs://b/run needs the gcs extra") as error:
+            prepare_workdir("gs://b/run")
+        assert "\n" not in str(error.value)
+    assert os.listdir(tmp_path) == []
