@@ -263,7 +263,12 @@ def validate_rl(cfg: RLConfig, where: str = "rl") -> None:
         parse_resources(getattr(cfg, name), f"{where}.{name}")
     if cfg.backend != "ray":
         defaults = RLConfig()
-        for name in ("ray_sampler_gpus", "ray_sampler_resources", "ray_env_resources"):
+        for name in (
+            "ray_sampler_gpus",
+            "ray_sampler_resources",
+            "ray_env_resources",
+            "ray_placement_timeout_s",
+        ):
             _check(
                 getattr(cfg, name) == getattr(defaults, name),
                 f"{where}.{name}",

@@ -38,6 +38,7 @@ def test_ray_fields_are_validated_and_need_the_ray_backend():
         ({"backend": "ray", "ray_placement_timeout_s": 0}, "ray_placement_timeout_s"),
         ({"ray_sampler_gpus": 1}, "ray_sampler_gpus"),
         ({"ray_sampler_resources": "gpu_host=1"}, "ray_sampler_resources"),
+        ({"ray_placement_timeout_s": 10}, "ray_placement_timeout_s"),
     ):
         with pytest.raises(ConfigError, match=rf"^rl\.{field}: "):
             config.validate_rl(RLConfig(**overrides))
