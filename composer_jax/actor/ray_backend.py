@@ -4,7 +4,8 @@ The actor builds the model from its config and takes every weight from the store
 publishes compressed deltas there; use a shared directory or a tensorstore URL across hosts), so
 nothing but requests, finished turns and the store's location cross the network. Environment
 workers are Ray actors too (`RayEnvironmentPool`). A sampler actor that dies is
-replaced by a fresh one and the coordinator re-queues the samples it held.
+replaced by a fresh one and the coordinator re-queues the samples it held. Several samplers
+stand behind the coordinator as one `sampler_group.SamplerGroup`.
 
 Placement is Ray's own: the sampler reserves its node in a placement group (one CPU, its GPUs,
 custom resources such as a GPU host's `ray start --resources`), environment workers ask for

@@ -139,18 +139,23 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
 
     if rl.backend == "ray":
         from composer_jax.actor.ray_backend import RayEnvironmentPool, RaySampler
+        from composer_jax.actor.sampler_group import SamplerGroup
 
-        sampler = RaySampler(
-            cfg.model,
-            store,
-            rl.num_slots,
-            rl.context_len,
-            rl.recompute_cache_on_update,
-            prefill_buckets=rl.prefill_buckets,
-            num_gpus=rl.ray_sampler_gpus,
-            resources=parse_resources(rl.ray_sampler_resources, "rl.ray_sampler_resources"),
-            placement_timeout_s=rl.ray_placement_timeout_s,
-        )
+        samplers = [
+            RaySampler(
+                cfg.model,
+                store,
+                rl.num_slots,
+                rl.context_len,
+                rl.recompute_cache_on_update,
+                prefill_buckets=rl.prefill_buckets,
+                num_gpus=rl.ray_sampler_gpus,
+                resources=parse_resources(rl.ray_sampler_resources, "rl.ray_sampler_resources"),
+                placement_timeout_s=rl.ray_placement_timeout_s,
+            )
+            for _ in range(rl.num_samplers)
+        ]
+        sampler = samplers[0] if len(samplers) == 1 else SamplerGroup(samplers)
         pool = RayEnvironmentPool(
             rl.num_env_workers,
             env_timeout_s,

@@ -82,6 +82,9 @@ class RLConfig(RLObjectiveConfig):
     backend: str = "threads"
     env_workers: str = "process"  # threads backend: environment workers as processes or threads
     num_env_workers: int = 2
+    # Samplers (each num_slots slots, its own placement group) behind the coordinator, which
+    # sends each new request to the least loaded one; more than one needs the ray backend.
+    num_samplers: int = 1
     # Ray placement (backend "ray"): GPUs of the sampler's placement group (0: it decodes on CPU,
     # as a CPU-only cluster needs), custom resources ("name=amount,...", as given to `ray start
     # --resources`) that pin the sampler and the environment workers to the nodes having them, and
@@ -235,6 +238,7 @@ def validate_rl(cfg: RLConfig, where: str = "rl") -> None:
         _check(value in allowed, f"{where}.{name}", f"{value!r} is not one of {allowed}")
     for name in (
         "num_env_workers",
+        "num_samplers",
         "group_size",
         "groups_per_step",
         "num_slots",
@@ -264,6 +268,7 @@ def validate_rl(cfg: RLConfig, where: str = "rl") -> None:
     if cfg.backend != "ray":
         defaults = RLConfig()
         for name in (
+            "num_samplers",
             "ray_sampler_gpus",
             "ray_sampler_resources",
             "ray_env_resources",

@@ -39,6 +39,8 @@ def test_ray_fields_are_validated_and_need_the_ray_backend():
         ({"ray_sampler_gpus": 1}, "ray_sampler_gpus"),
         ({"ray_sampler_resources": "gpu_host=1"}, "ray_sampler_resources"),
         ({"ray_placement_timeout_s": 10}, "ray_placement_timeout_s"),
+        ({"num_samplers": 2}, "num_samplers"),
+        ({"backend": "ray", "num_samplers": 0}, "num_samplers"),
     ):
         with pytest.raises(ConfigError, match=rf"^rl\.{field}: "):
             config.validate_rl(RLConfig(**overrides))
