@@ -35,6 +35,7 @@ def main(argv):
 
     runtime.initialize()
     from composer_jax import config as config_lib
+    from composer_jax.actor.ray_backend import RayPlacementError
     from composer_jax.actor.run import exit_code, run_rl
     from composer_jax.actor.trainer import NonFiniteRLLossError
     from composer_jax.train import CheckpointError, NonFiniteLossError
@@ -49,6 +50,7 @@ def main(argv):
         NonFiniteLossError,
         NonFiniteRLLossError,
         CheckpointError,
+        RayPlacementError,
     ) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -92,9 +92,21 @@ def _show_project_logs() -> None:
     project.propagate = False
 
 
+# Left out of the project that Ray ships to its workers (gitignore patterns, from the root).
+RAY_EXCLUDES = (".git", "/.venv/", "/runs/", "/workdir/", "__pycache__/", "*.egg-info/", "build/")
+
+
+def ray_runtime_env() -> dict:
+    """Ships this checkout (minus runs and environments) as every Ray worker's working
+    directory, so the cluster's hosts need the dependencies only and run this very code."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return {"working_dir": root, "excludes": list(RAY_EXCLUDES)}
+
+
 def initialize_ray() -> None:
     """Joins the Ray cluster named by RAY_ADDRESS (e.g. `ray start --head` on the head host), or
-    starts a local one; rollout workers then spread over its hosts."""
+    starts a local one, with the project as the job's runtime_env; rollout workers then spread
+    over its hosts."""
     try:
         import ray
     except ImportError:
@@ -104,4 +116,5 @@ def initialize_ray() -> None:
             address=os.environ.get("RAY_ADDRESS") or None,
             include_dashboard=False,
             log_to_driver=True,
+            runtime_env=ray_runtime_env(),
         )

@@ -279,7 +279,7 @@ class Coordinator:
         with state.lock:
             while True:
                 in_flight = sum(len(g.samples) for g in state.groups.values())
-                if in_flight + cfg.group_size > cfg.num_slots:
+                if in_flight + cfg.group_size > cfg.num_slots * cfg.num_samplers:
                     return
                 version = self.sampler.version or 0
                 if not self.scheduler.admits(self.trainer_version, self._untrained, version):

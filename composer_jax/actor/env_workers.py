@@ -163,7 +163,8 @@ class WorkerPool(EnvironmentPool):
         if failed:
             self.shutdown()
             raise RuntimeError(
-                f"could not start environment worker(s) {[slot.index for slot in failed]}"
+                f"could not start environment worker(s) {[slot.index for slot in failed]}: "
+                f"{failed[0].launch_error}"
             ) from failed[0].launch_error
 
     def _launch(self):

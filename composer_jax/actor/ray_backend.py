@@ -4,7 +4,13 @@ The actor builds the model from its config and takes every weight from the store
 publishes compressed deltas there; use a shared directory or a tensorstore URL across hosts), so
 nothing but requests, finished turns and the store's location cross the network. Environment
 workers are Ray actors too (`RayEnvironmentPool`). A sampler actor that dies is
-replaced by a fresh one and the coordinator re-queues the samples it held.
+replaced by a fresh one and the coordinator re-queues the samples it held. Several samplers
+stand behind the coordinator as one `sampler_group.SamplerGroup`.
+
+Placement is Ray's own: the sampler reserves its node in a placement group (one CPU, its GPUs,
+custom resources such as a GPU host's `ray start --resources`), environment workers ask for
+custom resources of CPU-only hosts. An actor no node takes within `placement_timeout_s` fails
+with `RayPlacementError` naming what it asked for, instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -14,6 +20,23 @@ from composer_jax.actor.sampler import LocalSampler, Sampler
 from composer_jax.actor.worker_process import WorkerCrash, WorkerTimeout
 from composer_jax.config import ModelConfig
 from composer_jax.envs.worker import EpisodeHost
+
+
+class RayPlacementError(RuntimeError):
+    """No node of the Ray cluster took an actor's resources in time."""
+
+
+def _placement_error(ray, what: str, request: dict, timeout_s: float) -> RayPlacementError:
+    """Names the request and what each live node has, so a typo or a missing node shows."""
+    nodes = [
+        {k: v for k, v in node["Resources"].items() if "memory" not in k and ":" not in k}
+        for node in ray.nodes()
+        if node["Alive"]
+    ]
+    return RayPlacementError(
+        f"no Ray node took the {what} ({request}) within {timeout_s:g} s; "
+        f"the cluster's nodes have {nodes}"
+    )
 
 
 class SamplerLostError(RuntimeError):
@@ -54,7 +77,11 @@ def _require_ray():
 
 
 class RaySampler(Sampler):
-    """Driver-side handle: the Sampler interface over remote calls to the actor."""
+    """Driver-side handle: the Sampler interface over remote calls to the actor.
+
+    The actor lives in its own placement group: one bundle of 1 CPU, `num_gpus` GPUs and the
+    custom `resources`, kept for the job's life so a replacement actor lands on the same node.
+    """
 
     def __init__(
         self,
@@ -63,12 +90,27 @@ class RaySampler(Sampler):
         num_slots: int,
         max_len: int,
         recompute_cache: bool = False,
-        actor_options: dict | None = None,
         prefill_buckets: tuple[int, ...] = (64, 256),
+        num_gpus: float = 0.0,
+        resources: dict[str, float] | None = None,
+        placement_timeout_s: float = 300.0,
     ):
-        self._ray = _require_ray()
+        ray = self._ray = _require_ray()
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = {"CPU": 1.0, **({"GPU": num_gpus} if num_gpus else {}), **(resources or {})}
+        self.placement_group = placement_group([bundle])
+        ready, _ = ray.wait([self.placement_group.ready()], timeout=placement_timeout_s)
+        if not ready:
+            remove_placement_group(self.placement_group)
+            raise _placement_error(ray, "sampler's placement group", bundle, placement_timeout_s)
         self._args = (model_cfg, weight_store, num_slots, max_len, recompute_cache, prefill_buckets)
-        self._options = actor_options or {}
+        self._options = {
+            "num_cpus": 1,
+            "num_gpus": num_gpus,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement_group, 0),
+        }
         self.num_slots, self.max_len = num_slots, max_len
         self._version: int | None = None
         self.replacements = 0
@@ -91,6 +133,11 @@ class RaySampler(Sampler):
     def kill(self) -> None:
         """Kills the actor (fault-injection in tests); the next call fails and replaces it."""
         self._ray.kill(self._actor)
+
+    @property
+    def actor(self):
+        """The current actor's handle."""
+        return self._actor
 
     @property
     def version(self) -> int | None:
@@ -121,13 +168,17 @@ class RaySampler(Sampler):
 
 
 class _RayWorker:
-    """A Ray actor holding an `EpisodeHost`."""
+    """A Ray actor holding an `EpisodeHost`; it must answer within `start_timeout_s` (placement,
+    runtime_env set-up, imports)."""
 
-    def __init__(self, ray, actor_class, timeout_s: float):
+    def __init__(self, ray, actor_class, start_timeout_s: float, resources: dict):
         self._ray = ray
         self.actor = actor_class.remote()
         try:
-            self._get(self.actor.pid.remote(), timeout_s)
+            self._get(self.actor.pid.remote(), start_timeout_s)
+        except WorkerTimeout:
+            self.kill()
+            raise _placement_error(ray, "environment worker", resources, start_timeout_s) from None
         except BaseException:
             self.kill()
             raise
@@ -156,11 +207,17 @@ class _RayWorker:
 
 
 class RayEnvironmentPool(WorkerPool):
-    """Workers are Ray actors; the caller runs `ray.init`. `actor_options` go to `.options()`
-    (e.g. resources that place environments on CPU hosts)."""
+    """Workers are Ray actors; the caller runs `ray.init`. `resources` (custom resources of the
+    CPU-only hosts) place them, and then each worker also holds one CPU of its node (Ray's rule
+    for actors that name resources), so a host takes as many workers as it has cores; a worker no
+    node takes within `placement_timeout_s` fails."""
 
     def __init__(
-        self, num_workers: int = 2, timeout_s: float = 60.0, actor_options: dict | None = None
+        self,
+        num_workers: int = 2,
+        timeout_s: float = 60.0,
+        resources: dict[str, float] | None = None,
+        placement_timeout_s: float = 300.0,
     ):
         try:
             import ray
@@ -169,11 +226,18 @@ class RayEnvironmentPool(WorkerPool):
                 "RayEnvironmentPool needs ray: pip install 'composer-jax[ray]'"
             ) from error
         self._ray = ray
-        self._actor_class = ray.remote(EpisodeHost).options(**(actor_options or {}))
-        super().__init__(num_workers, timeout_s)
+        self._resources = resources or {}
+        self._start_timeout_s = placement_timeout_s
+        self._actor_class = ray.remote(EpisodeHost).options(resources=self._resources)
+        try:
+            super().__init__(num_workers, timeout_s)
+        except RuntimeError as error:  # keep the kind, so the entry point prints one line
+            if isinstance(error.__cause__, RayPlacementError):
+                raise RayPlacementError(str(error)) from error.__cause__
+            raise
 
     def _launch(self) -> _RayWorker:
-        return _RayWorker(self._ray, self._actor_class, self.timeout_s)
+        return _RayWorker(self._ray, self._actor_class, self._start_timeout_s, self._resources)
 
     def actors(self) -> dict:
         """Worker index -> its current actor handle."""

@@ -46,6 +46,7 @@ from composer_jax.actor.setup import (
     warm_start,
 )
 from composer_jax.actor.trainer import RLTrainer
+from composer_jax.config.rl import parse_resources
 from composer_jax.rl.rewards import reward_weights
 from composer_jax.trace import TRAINER, format_summary, make_tracer, summary_path
 from composer_jax.train.loop import StopRequest
@@ -143,16 +144,29 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
         writer.write(0, {"heldout_reward": before.mean, "heldout_pass_rate": before.pass_rate})
 
     if rl.backend == "ray":
-        from composer_jax.actor.ray_backend import RaySampler
+        from composer_jax.actor.ray_backend import RayEnvironmentPool, RaySampler
+        from composer_jax.actor.sampler_group import SamplerGroup
 
-        pool = make_environment_pool("ray", rl.num_env_workers, env_timeout_s)
-        sampler = RaySampler(
-            cfg.model,
-            store,
-            rl.num_slots,
-            rl.context_len,
-            rl.recompute_cache_on_update,
-            prefill_buckets=rl.prefill_buckets,
+        samplers = [
+            RaySampler(
+                cfg.model,
+                store,
+                rl.num_slots,
+                rl.context_len,
+                rl.recompute_cache_on_update,
+                prefill_buckets=rl.prefill_buckets,
+                num_gpus=rl.ray_sampler_gpus,
+                resources=parse_resources(rl.ray_sampler_resources, "rl.ray_sampler_resources"),
+                placement_timeout_s=rl.ray_placement_timeout_s,
+            )
+            for _ in range(rl.num_samplers)
+        ]
+        sampler = samplers[0] if len(samplers) == 1 else SamplerGroup(samplers)
+        pool = RayEnvironmentPool(
+            rl.num_env_workers,
+            env_timeout_s,
+            resources=parse_resources(rl.ray_env_resources, "rl.ray_env_resources"),
+            placement_timeout_s=rl.ray_placement_timeout_s,
         )
     else:
         pool = make_environment_pool(rl.env_workers, rl.num_env_workers, env_timeout_s)

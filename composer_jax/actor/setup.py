@@ -99,9 +99,10 @@ def env_timeout(rl, env_config) -> float:
 
 
 def store_dir(cfg) -> str:
-    root = cfg.rl.weight_store or os.path.abspath(os.path.join(cfg.workdir, "weights"))
+    root = cfg.rl.weight_store or os.path.join(cfg.workdir, "weights")
     if "://" in root:
         return f"{root.rstrip('/')}/attempt-{int(time.time())}"
+    root = os.path.abspath(root)  # Ray actors run in their runtime_env's folder, not this one
     os.makedirs(root, exist_ok=True)
     attempt = len([d for d in os.listdir(root) if d.startswith("attempt-")])
     return os.path.join(root, f"attempt-{attempt}")

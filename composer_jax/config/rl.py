@@ -82,6 +82,17 @@ class RLConfig(RLObjectiveConfig):
     backend: str = "threads"
     env_workers: str = "process"  # threads backend: environment workers as processes or threads
     num_env_workers: int = 2
+    # Samplers (each num_slots slots, its own placement group) behind the coordinator, which
+    # sends each new request to the least loaded one; more than one needs the ray backend.
+    num_samplers: int = 1
+    # Ray placement (backend "ray"): GPUs of the sampler's placement group (0: it decodes on CPU,
+    # as a CPU-only cluster needs), custom resources ("name=amount,...", as given to `ray start
+    # --resources`) that pin the sampler and the environment workers to the nodes having them, and
+    # how long an actor may wait for such a node before the start fails naming what it asked for.
+    ray_sampler_gpus: float = 0.0
+    ray_sampler_resources: str = ""
+    ray_env_resources: str = ""
+    ray_placement_timeout_s: float = 300.0
     # A step slower than this counts as a hung worker; 0 derives it from the environment's
     # limits (the longest a turn of commands plus grading may legitimately take).
     env_timeout_s: float = 0.0
@@ -193,6 +204,27 @@ def validate_rl_objective(cfg: RLObjectiveConfig, where: str = "rl") -> None:
     _check(cfg.clip_eps_high >= 0, f"{where}.clip_eps_high", "must be >= 0")
 
 
+def parse_resources(spec: str, field: str) -> dict[str, float]:
+    """Ray custom resources from "name=amount,..." ("" gives none)."""
+    resources = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, amount = (text.strip() for text in item.partition("="))
+        try:
+            value = float(amount) if name else 0.0
+        except ValueError:
+            value = 0.0
+        _check(
+            value > 0, field, f"{spec!r}: expected name=amount,... with amounts > 0 (e.g. 'a=1')"
+        )
+        _check(
+            name not in ("CPU", "GPU"),
+            field,
+            f"{name} is not a custom resource (the sampler's GPUs: rl.ray_sampler_gpus)",
+        )
+        resources[name] = value
+    return resources
+
+
 def validate_rl(cfg: RLConfig, where: str = "rl") -> None:
     """The objective's checks plus the actor loop's."""
     validate_rl_objective(cfg, where)
@@ -206,6 +238,7 @@ def validate_rl(cfg: RLConfig, where: str = "rl") -> None:
         _check(value in allowed, f"{where}.{name}", f"{value!r} is not one of {allowed}")
     for name in (
         "num_env_workers",
+        "num_samplers",
         "group_size",
         "groups_per_step",
         "num_slots",
@@ -228,6 +261,24 @@ def validate_rl(cfg: RLConfig, where: str = "rl") -> None:
         f"{cfg.prefill_buckets}: must be positive and increasing",
     )
     _check(cfg.env_timeout_s >= 0, f"{where}.env_timeout_s", "must be >= 0 (0: derived)")
+    _check(cfg.ray_sampler_gpus >= 0, f"{where}.ray_sampler_gpus", "must be >= 0")
+    _check(cfg.ray_placement_timeout_s > 0, f"{where}.ray_placement_timeout_s", "must be > 0")
+    for name in ("ray_sampler_resources", "ray_env_resources"):
+        parse_resources(getattr(cfg, name), f"{where}.{name}")
+    if cfg.backend != "ray":
+        defaults = RLConfig()
+        for name in (
+            "num_samplers",
+            "ray_sampler_gpus",
+            "ray_sampler_resources",
+            "ray_env_resources",
+            "ray_placement_timeout_s",
+        ):
+            _check(
+                getattr(cfg, name) == getattr(defaults, name),
+                f"{where}.{name}",
+                f"places Ray actors: set it with rl.backend='ray' (not {cfg.backend!r})",
+            )
     _check(0 < cfg.stale_decay <= 1, f"{where}.stale_decay", "must lie in (0, 1]")
     _check(0 <= cfg.hard_prompt_fraction < 1, f"{where}.hard_prompt_fraction", "must lie in [0, 1)")
     _check(cfg.temperature > 0, f"{where}.temperature", "RL samples: must be > 0")

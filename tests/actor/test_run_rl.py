@@ -1,5 +1,5 @@
 """`python -m launch.rl` end to end: kill -9 and restart keep exactly-once training (groups in
-flight resume from their saved state); Ray backend."""
+flight resume from their saved state); Ray backend with one sampler and with two."""
 
 import json
 import os
@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 from composer_jax.actor.ledger import GroupLedger
 from composer_jax.train.metrics import read_metrics
@@ -101,10 +103,11 @@ def test_kill_9_mid_run_resumes_without_losing_or_repeating_groups(tmp_path):
     assert [r["resumed_step"] for r in launches] == [None, resumed_at or None]
 
 
-def test_ray_backend_runs_the_same_smoke_test_on_a_local_cluster(tmp_path):
+@pytest.mark.parametrize("num_samplers", [1, 2])
+def test_ray_backend_runs_the_same_smoke_test_on_a_local_cluster(tmp_path, num_samplers):
     workdir = str(tmp_path / "run")
     result = subprocess.run(
-        _args(workdir, "--config.rl.backend=ray"),
+        _args(workdir, "--config.rl.backend=ray", f"--config.rl.num_samplers={num_samplers}"),
         cwd=ROOT,
         capture_output=True,
         text=True,
