@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from composer_jax.actor.rollout import collect_batch
+from composer_jax.actor.rollout import episode_stats, play_groups
 from composer_jax.config import RLConfig
 from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.envs import EnvConfig, Task
@@ -88,7 +88,9 @@ class Evaluator:
             max_new_tokens=cfg.max_new_tokens,
             seed=self.seed,
         )
-        _, stats = collect_batch(
+        # Rewards only: no sequences are built, so a prompt that leaves no room to answer
+        # scores 0 (with a warning) instead of failing the evaluation.
+        traces = play_groups(
             engine,
             self.tasks,
             self.samples,
@@ -97,5 +99,6 @@ class Evaluator:
             self.tokenizer,
             env_config=self.env_config,
         )
+        stats = episode_stats(traces)
         rewards = stats["reward"].reshape(len(self.tasks), self.samples)
         return HeldoutResult(rewards.mean(axis=1), float((rewards >= 1.0).mean()))

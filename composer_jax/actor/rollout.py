@@ -12,6 +12,7 @@ as many as the engine has slots (a parked episode holds its slot until it ends).
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 
@@ -21,6 +22,8 @@ from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.envs import EnvConfig, Episode, Task, protocol
 from composer_jax.infer import Completion, InferenceEngine, SamplingParams
 from composer_jax.rl.batch import SegmentKind, Sequence, TrajectoryBatch, pack_trajectories
+
+log = logging.getLogger(__name__)
 
 # A turn ends after a tool call (the environment must answer it) or the final message.
 TURN_END_MARKERS = (protocol.CALL_CLOSE, protocol.FINAL_CLOSE)
@@ -180,6 +183,13 @@ def play_episodes(
             prompt = chat.prompt(trace.episode.prompt)
             trace.add_context(prompt, SegmentKind.PROMPT)
             if len(prompt) + 1 >= engine.max_len:  # no room to answer: reward 0, like a full turn
+                log.warning(
+                    "task %s: its prompt (%d tokens) leaves no room to answer in a context of "
+                    "%d; it scores 0 (raise rl.context_len)",
+                    trace.episode.task.task_id,
+                    len(prompt),
+                    engine.max_len,
+                )
                 trace.done = trace.truncated = True
                 continue
             trace.request_id = engine.submit(prompt, trace.params)
@@ -228,22 +238,49 @@ def collect_group(
     traces = play_episodes(
         engine, [task] * group_size, sampling, max_turns, tokenizer, env_config, sampling.seed
     )
-    return _sequences(engine, traces, first_sample)
+    return _sequences(engine, traces, first_sample), episode_stats(traces)
 
 
-def _sequences(engine, traces, first_sample):
+def _sequences(engine: InferenceEngine, traces, first_sample: int = 0) -> list[Sequence]:
     cfg = engine.cfg
-    sequences = [
+    return [
         t.to_sequence(first_sample + i, cfg.num_moe_layers, cfg.num_experts_per_tok)
         for i, t in enumerate(traces)
     ]
-    stats = {
+
+
+def episode_stats(traces: list[EpisodeTrace]) -> dict[str, np.ndarray]:
+    """Per-sample reward, tool calls, turns and truncation of played episodes."""
+    return {
         "reward": np.array([t.reward for t in traces], np.float32),
         "num_tool_calls": np.array([t.counts.get("tool_calls", 0) for t in traces], np.float32),
         "num_turns": np.array([t.counts.get("turns", 0) for t in traces], np.float32),
         "truncated": np.array([t.truncated for t in traces], bool),
     }
-    return sequences, stats
+
+
+def play_groups(
+    engine: InferenceEngine,
+    tasks: list[Task],
+    group_size: int,
+    sampling: SamplingParams,
+    max_turns: int,
+    tokenizer: Tokenizer,
+    env_config: EnvConfig = EnvConfig(),
+) -> list[EpisodeTrace]:
+    """`group_size` episodes of every task, in waves of as many groups as fit in the engine's
+    slots; sample i (task i // group_size) is seeded sampling.seed + i."""
+    if not 0 < group_size <= engine.num_slots:
+        raise ValueError(f"group_size {group_size} must be in [1, {engine.num_slots}]")
+    per_wave = engine.num_slots // group_size
+    traces = []
+    for start in range(0, len(tasks), per_wave):
+        wave = [t for t in tasks[start : start + per_wave] for _ in range(group_size)]
+        first = start * group_size
+        traces += play_episodes(
+            engine, wave, sampling, max_turns, tokenizer, env_config, sampling.seed + first
+        )
+    return traces
 
 
 def collect_batch(
@@ -259,21 +296,10 @@ def collect_batch(
 ) -> tuple[TrajectoryBatch, dict[str, np.ndarray]]:
     """One group per task, packed into rows of `seq_len` (default: the engine's max_len). Groups
     run in waves of as many as fit in the engine's slots. Returns the batch (reward component
-    "task") and the per-sample stats of `collect_group`."""
-    if not 0 < group_size <= engine.num_slots:
-        raise ValueError(f"group_size {group_size} must be in [1, {engine.num_slots}]")
-    per_wave = engine.num_slots // group_size
-    sequences, stats = [], []
-    for start in range(0, len(tasks), per_wave):
-        wave = [t for t in tasks[start : start + per_wave] for _ in range(group_size)]
-        first = start * group_size
-        traces = play_episodes(
-            engine, wave, sampling, max_turns, tokenizer, env_config, sampling.seed + first
-        )
-        wave_sequences, wave_stats = _sequences(engine, traces, first)
-        sequences += wave_sequences
-        stats.append(wave_stats)
-    stats = {name: np.concatenate([s[name] for s in stats]) for name in stats[0]}
+    "task") and the per-sample stats of `episode_stats`."""
+    traces = play_groups(engine, tasks, group_size, sampling, max_turns, tokenizer, env_config)
+    sequences = _sequences(engine, traces)
+    stats = episode_stats(traces)
     batch = pack_trajectories(
         sequences,
         group_id=np.repeat(np.arange(len(tasks), dtype=np.int32), group_size),

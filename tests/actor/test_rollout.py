@@ -8,9 +8,11 @@ import pytest
 from flax import nnx
 
 from composer_jax import config
+from composer_jax.actor.evaluator import Evaluator
 from composer_jax.actor.rollout import collect_batch, collect_group, text_kinds, token_kinds
 from composer_jax.data import ByteTokenizer
-from composer_jax.envs import builtin_tasks, render_turn
+from composer_jax.data.chat import chat_format_for
+from composer_jax.envs import EnvConfig, builtin_tasks, episode_prompt, render_turn
 from composer_jax.infer import InferenceEngine, SamplingParams
 from composer_jax.model import init_model
 from composer_jax.rl import RLObjectiveConfig, SegmentKind, reference_logprobs, rl_loss
@@ -117,3 +119,27 @@ def test_episode_without_room_for_a_turn_is_truncated(model):
     assert stats["truncated"].all() and (stats["reward"] == 0).all()
     assert all(len(s) < engine.max_len for s in sequences)
     assert all(s is None for s in engine._slots)
+
+
+def test_evaluation_scores_prompts_without_room_as_zero_and_says_so(model, caplog):
+    """A held-out prompt longer than the context scores 0 with a warning naming it and
+    rl.context_len; the evaluation still plays the other tasks (it used to fail building
+    sequences)."""
+    chat = chat_format_for(ByteTokenizer())
+
+    def prompt_tokens(task):  # as the rollout renders it
+        return len(chat.prompt(episode_prompt(task, EnvConfig(max_turns=1))))
+
+    tasks = sorted(builtin_tasks(4, "train", seed=0), key=prompt_tokens)
+    short, long = tasks[0], tasks[-1]
+    lengths = prompt_tokens(short), prompt_tokens(long)
+    assert lengths[0] + 16 < lengths[1]
+    cfg = dataclasses.replace(
+        config.RLConfig(), context_len=lengths[0] + 16, num_slots=4, max_new_tokens=8, max_turns=1
+    )
+    evaluator = Evaluator(cfg, [short, long], ByteTokenizer(), samples=2, temperature=1.0)
+    with caplog.at_level("WARNING"):
+        result = evaluator.evaluate(model)
+    assert result.per_task.shape == (2,) and result.per_task[1] == 0
+    assert f"task {long.task_id}: its prompt ({lengths[1]} tokens)" in caplog.text
+    assert short.task_id not in caplog.text and "raise rl.context_len" in caplog.text
