@@ -265,8 +265,14 @@ def validate_rl(cfg: RLConfig, where: str = "rl") -> None:
     _check(cfg.ray_placement_timeout_s > 0, f"{where}.ray_placement_timeout_s", "must be > 0")
     for name in ("ray_sampler_resources", "ray_env_resources"):
         parse_resources(getattr(cfg, name), f"{where}.{name}")
+    defaults = RLConfig()
+    _check(
+        cfg.backend != "ray" or cfg.env_workers == defaults.env_workers,
+        f"{where}.env_workers",
+        "chooses the threads backend's workers; with rl.backend='ray' environment workers are "
+        "Ray actors (place them with rl.ray_env_resources)",
+    )
     if cfg.backend != "ray":
-        defaults = RLConfig()
         for name in (
             "num_samplers",
             "ray_sampler_gpus",

@@ -41,6 +41,7 @@ def test_ray_fields_are_validated_and_need_the_ray_backend():
         ({"ray_placement_timeout_s": 10}, "ray_placement_timeout_s"),
         ({"num_samplers": 2}, "num_samplers"),
         ({"backend": "ray", "num_samplers": 0}, "num_samplers"),
+        ({"backend": "ray", "env_workers": "thread"}, "env_workers"),
     ):
         with pytest.raises(ConfigError, match=rf"^rl\.{field}: "):
             config.validate_rl(RLConfig(**overrides))

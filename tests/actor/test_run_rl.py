@@ -19,7 +19,7 @@ STEPS, GROUPS_PER_STEP = 6, 2
 
 
 def _args(workdir, *extra):
-    return [
+    args = [
         sys.executable,
         "-m",
         "launch.rl",
@@ -38,10 +38,12 @@ def _args(workdir, *extra):
         "--config.rl.max_staleness=8",  # nothing dropped: every prompt must be trained once
         "--config.rl.skip_uniform_groups=False",
         "--config.rl.num_prompts=0",  # steps x groups_per_step: one epoch, all trained
-        "--config.rl.env_workers=thread",
         "--progress=false",
         *extra,
     ]
+    if "--config.rl.backend=ray" not in extra:  # Ray's environment workers are actors
+        args.append("--config.rl.env_workers=thread")
+    return args
 
 
 def _rl_steps(workdir) -> list[int]:
