@@ -1,0 +1,54 @@
+"""bench_throughput's arithmetic and its rollout batch; the whole bench as a slow smoke run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from composer_jax import config as config_lib
+from composer_jax.model import init_model
+from experiments import bench_throughput
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_ideal_speedup():
+    assert bench_throughput.ideal_speedup(1.0, 1.0) == pytest.approx(2.0)
+    assert bench_throughput.ideal_speedup(3.0, 1.0) == pytest.approx(4.0 / 3.0)
+    assert bench_throughput.ideal_speedup(1.0, 3.0) == pytest.approx(4.0 / 3.0)
+
+
+def test_rollout_batch_trains_only_generated_tokens():
+    model = init_model(config_lib.tiny().model, seed=0)
+    batch = bench_throughput.rollout_batch(model, 4, 32, 2, prompt_len=8)
+    assert batch.tokens_BT.shape == (4, 32)
+    mask = np.asarray(batch.policy_mask_BT)
+    assert not mask[:, :8].any() and mask[:, 8:].all()
+    assert np.isfinite(np.asarray(batch.sampler_logprobs_BT)).all()
+
+
+@pytest.mark.slow
+def test_bench_runs_end_to_end(tmp_path):
+    """The whole bench at toy sizes (about 2 minutes on 2 cores): every table and the ratios."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.bench_throughput",
+        "--steps=3",
+        "--warm_start_steps=2",
+        "--group_size=2",
+        "--num_slots=4",
+        "--max_new_tokens=8",
+        "--context_len=384",
+        "--prompt_len=100",
+        "--train_steps=1",
+        f"--out={tmp_path}",
+    ]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for line in ("== 1. Train step", "== 2. Sampler", "== 3. Async vs sync", "Ratios: RL step"):
+        assert line in out.stdout
