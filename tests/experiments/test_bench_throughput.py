@@ -1,4 +1,4 @@
-"""bench_throughput's arithmetic and its rollout batch; the whole bench as a slow smoke run."""
+"""bench_throughput's arithmetic, its rollout batch and trace window; the whole bench as a slow smoke run."""
 
 from __future__ import annotations
 
@@ -54,3 +54,19 @@ def test_bench_runs_end_to_end(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     for line in ("== 1. Train step", "== 2. Sampler", "== 3. Async vs sync", "Ratios: RL step"):
         assert line in out.stdout
+
+
+def test_steady_summary_clips_the_trace_after_the_first_train_step():
+    names = [
+        {"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": name}}
+        for tid, name in ((1, "sampler"), (2, "trainer"))
+    ]
+    spans = [
+        {"ph": "X", "tid": 2, "cat": "train_step", "name": "s", "ts": 0.0, "dur": 1e6, "args": {}},
+        {"ph": "X", "tid": 1, "cat": "decode", "name": "d", "ts": 5e5, "dur": 1.5e6, "args": {}},
+    ]
+    recorded = {"traceEvents": names + spans, "otherData": {"wall_s": 3.0}}
+    steady = bench_throughput.steady_summary(recorded)
+    assert steady["wall_s"] == pytest.approx(2.0)
+    assert steady["busy"]["sampler"] == pytest.approx(0.5)  # 1 s of decode left in 2 s
+    assert steady["busy"]["trainer"] == 0.0  # the first train step ends where the window starts
