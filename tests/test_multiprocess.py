@@ -5,6 +5,7 @@ import dataclasses
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -291,5 +292,8 @@ def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path, corpus):
             process.kill()
     assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
     stopped = max(_losses(workdir))
-    assert stopped < 500 and f"[1] Stopped by SIGTERM; step {stopped} is saved" in output
+    # Whichever process ends first may see the launcher stop the other before it prints.
+    assert stopped < 500 and re.search(
+        rf"\[[01]\] Stopped by SIGTERM; step {stopped} is saved", output
+    )
     assert str(stopped) in os.listdir(workdir / "checkpoints")
