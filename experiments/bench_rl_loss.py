@@ -4,7 +4,7 @@ Both run the same model, batch shape and parameters (MTP off, so the baseline is
 CE); the RL variants add router replay, the KL term, importance weights, group advantages, the
 length penalty and optionally the distillation teacher pass. Prints a table with the overhead ratio.
 
-  python experiments/bench_rl_loss.py [--batch=8] [--seq_len=128] [--steps=10]
+  python -m experiments.bench_rl_loss [--batch=8] [--seq_len=128] [--steps=10]
 """
 
 import dataclasses
@@ -19,40 +19,20 @@ _PROMPT = 16
 
 
 def make_batch(model, batch_size: int, seq_len: int, hinted_rows: int):
-    """Random rollouts sampled from `model` (its router choices and log-probs recorded)."""
-    import jax
+    """Random rollouts sampled from `model` (`bench_throughput.rollout_sequences`), groups of 4;
+    the first `hinted_rows` carry a hinted teacher context for the distillation term."""
     import numpy as np
 
     from composer_jax import rl
+    from experiments.bench_throughput import rollout_sequences
 
-    tokens = jax.random.randint(jax.random.key(0), (batch_size, seq_len), 0, model.cfg.vocab_size)
-
-    @jax.jit
-    def sample(m, tokens):
-        out = m(tokens, with_mtp=False)
-        return rl.token_logprobs(m.logits(out.hidden_BTD), tokens), out.router_indices_LBTK
-
-    logp, indices = (np.asarray(a) for a in sample(model, tokens))
-    kinds = np.full(seq_len, rl.SegmentKind.THINKING)
-    kinds[:_PROMPT] = rl.SegmentKind.PROMPT
-    sequences = []
-    for b in range(batch_size):
-        seq = rl.Sequence(
-            sample_index=b,
-            tokens=np.asarray(tokens[b]),
-            kinds=kinds,
-            policy_mask=kinds != rl.SegmentKind.PROMPT,
-            sampler_logprobs=logp[b],
-            policy_versions=np.zeros(seq_len, np.int32),
-            router_indices=indices[:, b],
+    sequences = rollout_sequences(model, batch_size, seq_len, _PROMPT)
+    hint = np.arange(8) + 1
+    for seq in sequences[:hinted_rows]:
+        seq.teacher_tokens = np.concatenate([seq.tokens[:_PROMPT], hint, seq.tokens[_PROMPT:]])
+        seq.teacher_target_index = np.where(
+            np.arange(seq_len) >= _PROMPT, np.arange(seq_len) + len(hint), -1
         )
-        if b < hinted_rows:
-            hint = np.arange(8) + 1
-            seq.teacher_tokens = np.concatenate([seq.tokens[:_PROMPT], hint, seq.tokens[_PROMPT:]])
-            seq.teacher_target_index = np.where(
-                np.arange(seq_len) >= _PROMPT, np.arange(seq_len) + len(hint), -1
-            )
-        sequences.append(seq)
     rewards = {"task": np.random.default_rng(0).normal(size=batch_size)}
     group_id = np.arange(batch_size) // 4
     return rl.pack_trajectories(sequences, group_id, rewards, seq_len, teacher_seq_len=seq_len + 8)

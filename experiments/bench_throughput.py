@@ -33,7 +33,7 @@ def ideal_speedup(generate_s: float, train_s: float) -> float:
     return (generate_s + train_s) / max(generate_s, train_s)
 
 
-def rollout_batch(model, rows: int, length: int, group_size: int, prompt_len: int):
+def rollout_sequences(model, rows: int, length: int, prompt_len: int) -> list:
     """One full-length sample per row, as the sampler would return it: random tokens, the
     model's own log-probs and routed experts, the first `prompt_len` tokens the prompt."""
     import jax
@@ -51,7 +51,7 @@ def rollout_batch(model, rows: int, length: int, group_size: int, prompt_len: in
     logp, experts = (np.asarray(a) for a in sample(model, tokens))
     kinds = np.full(length, rl.SegmentKind.THINKING)
     kinds[:prompt_len] = rl.SegmentKind.PROMPT
-    sequences = [
+    return [
         rl.Sequence(
             sample_index=b,
             tokens=np.asarray(tokens[b]),
@@ -63,6 +63,15 @@ def rollout_batch(model, rows: int, length: int, group_size: int, prompt_len: in
         )
         for b in range(rows)
     ]
+
+
+def rollout_batch(model, rows: int, length: int, group_size: int, prompt_len: int):
+    """`rollout_sequences` packed in groups of `group_size` with random rewards."""
+    import numpy as np
+
+    from composer_jax import rl
+
+    sequences = rollout_sequences(model, rows, length, prompt_len)
     rewards = {"task": np.random.default_rng(0).normal(size=rows)}
     return rl.pack_trajectories(sequences, np.arange(rows) // group_size, rewards, length)
 
