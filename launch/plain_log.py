@@ -177,10 +177,13 @@ class PlainProgress:
 
 
 def progress_context(files, progress: bool, every_s: float):
-    """PlainProgress over `files` when bars are off; a no-op context when they are on."""
+    """PlainProgress over `files` when bars are off; a no-op context when they are on, and on
+    every process of a multi-process job but the first (they would print the same lines)."""
     import contextlib
 
-    if progress:
+    import jax
+
+    if progress or jax.process_index() != 0:
         return contextlib.nullcontext()
     every_steps = _EVERY_STEPS.value if _EVERY_STEPS is not None else 0
     return PlainProgress(files, every_s, every_steps=every_steps)

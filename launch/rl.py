@@ -37,7 +37,7 @@ def main(argv):
     from composer_jax import config as config_lib
     from composer_jax.actor.ray_backend import RayPlacementError
     from composer_jax.actor.run import exit_code, run_rl
-    from composer_jax.actor.trainer import NonFiniteRLLossError
+    from composer_jax.actor.trainer import NonFiniteRLLossError, ProcessZeroFailed
     from composer_jax.train import CheckpointError, NonFiniteLossError
 
     try:
@@ -51,6 +51,7 @@ def main(argv):
         NonFiniteRLLossError,
         CheckpointError,
         RayPlacementError,
+        ProcessZeroFailed,
     ) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -3,6 +3,10 @@
 exit STATUS              process 1 exits with STATUS, the others sleep (to be stopped)
 batch CONFIG_PY OUT_DIR  joins the job, builds the first global batch of the config's first
                          phase and saves this process's device shards to OUT_DIR/<index>.npz
+channel                  a model sharded over both processes comes back whole on each
+                         (`host_model`); then process 0 sends commands through a LeaderChannel
+                         (a multi-chunk one, more than RETAINED of them) after waiting past
+                         the 30 s a gloo rendezvous allows; the others print a digest of each
 """
 
 import os
@@ -52,5 +56,46 @@ def _batch(config_py: str, out_dir: str) -> None:
     np.savez(os.path.join(out_dir, f"{jax.process_index()}.npz"), **shards)
 
 
+def _channel() -> None:
+    import hashlib
+
+    from absl import flags
+
+    flags.FLAGS(["probe"])
+    from launch import runtime
+
+    runtime.initialize()
+    import jax
+    import numpy as np
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from composer_jax.parallel.multihost import LeaderChannel, host_model, place_global
+
+    kernel = np.random.default_rng(7).normal(size=(8, 6)).astype(np.float32)
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    model = nnx.Linear(8, 6, rngs=nnx.Rngs(0))
+    model.kernel.set_value(place_global(kernel, NamedSharding(mesh, P("x"))))
+    assert not model.kernel[...].is_fully_addressable
+    local = host_model(model)
+    assert local.kernel[...].is_fully_addressable
+    np.testing.assert_array_equal(np.asarray(local.kernel[...]), kernel)
+    print("host_model ok", flush=True)
+
+    payloads = [np.random.default_rng(i).bytes(3_000_000 if i == 2 else 100 * i) for i in range(12)]
+    channel = LeaderChannel("probe")
+    if jax.process_index() == 0:
+        time.sleep(40)  # longer than a gloo rendezvous would wait
+        for i, payload in enumerate(payloads):
+            channel.send(f"c{i}", payload)
+        left = channel._client.key_value_dir_get_bytes("probe/")
+        print("commands held", sorted({key.split("/")[1] for key, _ in left}), flush=True)
+    else:
+        for _ in payloads:
+            kind, payload = channel.receive()
+            print(f"received {kind} {hashlib.sha256(payload).hexdigest()[:16]}", flush=True)
+
+
 if __name__ == "__main__":
-    {"exit": _exit, "batch": _batch}[sys.argv[1]](*sys.argv[2:])
+    {"exit": _exit, "batch": _batch, "channel": _channel}[sys.argv[1]](*sys.argv[2:])

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from composer_jax import config as config_lib
+from composer_jax.parallel.multihost import LeaderChannel
 from composer_jax.train import loop, read_metrics, run_pretraining
 from composer_jax.train.runs import resolve_tokenizer
 from launch import runtime
@@ -101,6 +102,29 @@ def test_launcher_rejects_a_missing_module():
     done = _launch(["--num_processes=2"])
     assert done.returncode != 0
     assert done.stderr.strip().splitlines()[-1].startswith("error: name the module")
+
+
+def test_leader_channel_and_host_model_across_two_processes():
+    import hashlib
+
+    done = _launch(
+        ["--num_processes=2", "--devices_per_process=2", "--"]
+        + [
+            "tests.multiprocess_probe",
+            "channel",
+        ]
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rng = [np.random.default_rng(i) for i in range(12)]
+    expected = [
+        f"[1] received c{i} "
+        + hashlib.sha256(rng[i].bytes(3_000_000 if i == 2 else 100 * i)).hexdigest()[:16]
+        for i in range(12)
+    ]
+    assert [line for line in done.stdout.splitlines() if "received" in line] == expected
+    assert done.stdout.count("host_model ok") == 2
+    held = [f"{n:012d}" for n in range(12 - LeaderChannel.RETAINED, 12)]
+    assert f"[0] commands held {held}" in done.stdout  # acknowledged ones were deleted
 
 
 # ----------------------------------------------------------------------------- job detection

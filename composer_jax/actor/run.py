@@ -12,6 +12,11 @@ Everything a run writes lives in `cfg.workdir`:
 Starting again with the same workdir resumes: the train state from the last checkpoint, finished
 groups from the ledger (too-stale ones are dropped and their prompts sampled again), and the groups
 that were in flight at that checkpoint from their environment snapshots.
+
+On several JAX processes (one job, `jax.distributed`) every process runs the warm start and holds
+its part of the train state; process 0 alone runs the actor loop (sampler, environments, ledger,
+in-flight records, metrics, held-out evaluation) and the others follow its trainer's calls
+(`RLTrainer.follow`). The workdir must be one folder that every process sees.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import signal
 import time
 
 import jax
+from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from composer_jax import config as config_lib
@@ -45,8 +51,9 @@ from composer_jax.actor.setup import (
     store_dir,
     warm_start,
 )
-from composer_jax.actor.trainer import RLTrainer
+from composer_jax.actor.trainer import ProcessZeroFailed, RLTrainer
 from composer_jax.config.rl import parse_resources
+from composer_jax.parallel.multihost import LeaderChannel, host_model, is_leader
 from composer_jax.rl.rewards import reward_weights
 from composer_jax.trace import TRAINER, format_summary, make_tracer, summary_path
 from composer_jax.train.loop import StopRequest
@@ -94,13 +101,30 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
     if rl.warm_start:  # before the workdir exists: a typo must not leave an empty run behind
         check_run_folder(rl.warm_start, "rl.warm_start")
     check_resume(os.path.abspath(cfg.workdir), cfg)  # before the folder is made
+    if jax.process_count() > 1:  # every process has judged the folder before process 0 writes
+        multihost_utils.sync_global_devices("checked the RL workdir")
     prepare_workdir(cfg.workdir)
     tokenizer = resolve_tokenizer(cfg)  # the warm start's unless data.tokenizer names one
-    save_run_tokenizer(tokenizer, cfg.workdir)
-    model = warm_start(cfg, progress)
+    if is_leader():
+        save_run_tokenizer(tokenizer, cfg.workdir)
+    model = warm_start(cfg, progress)  # a job of every process
     check_model(cfg, model)
     _, warm_params, warm_buffers = split_model(model)
+    model = host_model(model)  # process 0 samples and evaluates on its own devices
+    channel = LeaderChannel("composer_jax/rl_trainer") if jax.process_count() > 1 else None
+    if not is_leader():
+        return _follow(cfg, warm_params, warm_buffers, channel)
+    try:
+        return _lead(cfg, tokenizer, model, warm_params, warm_buffers, channel, progress)
+    except BaseException as error:
+        if channel is not None:  # followers waiting for a command stop now, not at a timeout
+            _send_abort(channel, error)
+        raise
 
+
+def _lead(cfg, tokenizer, model, warm_params, warm_buffers, channel, progress) -> RLResult:
+    """Process 0 (the only one with one process): the actor loop around the trainer."""
+    rl = cfg.rl
     env_config = envs.EnvConfig(max_turns=rl.max_turns, require_isolation=rl.require_sandbox)
     env_timeout_s = env_timeout(rl, env_config)
     heldout_tasks = heldout_task_set(cfg)
@@ -114,7 +138,9 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
     store = store_dir(cfg)
     tracer = make_tracer(rl.trace)  # no-op unless rl.trace names a file
     tracer.name_thread(TRAINER)
-    trainer = RLTrainer(cfg, warm_params, warm_buffers, store, tracer=tracer)
+    if channel is not None:
+        channel.send("store", store)  # the other processes build their trainers now
+    trainer = RLTrainer(cfg, warm_params, warm_buffers, store, tracer=tracer, channel=channel)
     write_config(cfg.workdir, cfg)  # only now: a refused resume leaves the old config as it was
     record_launch(cfg.workdir, cfg, trainer.restored_step, "rl")
     num_prompts = rl.num_prompts or cfg.steps * rl.groups_per_step
@@ -158,6 +184,7 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
                 num_gpus=rl.ray_sampler_gpus,
                 resources=parse_resources(rl.ray_sampler_resources, "rl.ray_sampler_resources"),
                 placement_timeout_s=rl.ray_placement_timeout_s,
+                publishers=jax.process_count(),
             )
             for _ in range(rl.num_samplers)
         ]
@@ -179,6 +206,7 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
             prefill_buckets=rl.prefill_buckets,
             recompute_cache=rl.recompute_cache_on_update,
             tracer=tracer,
+            publishers=jax.process_count(),
         )
     tracer.start()  # the timeline: from the first publication to the rollout thread's end
     trainer.publish().result()
@@ -255,8 +283,11 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
                         reward_weights=reward_weights(rl),
                     )
                 trained = time.perf_counter()
-                metrics = trainer.step(batch)
+                metrics = trainer.step(batch, stop)
                 trained = time.perf_counter() - trained
+                if metrics is None:  # another process has a signal: nobody trained
+                    interrupted = stop.signal
+                    break
                 ledger.mark_trained(ids, trainer.version)
                 coordinator.groups_trained(len(ids), trainer.version)
                 now = time.perf_counter()
@@ -319,15 +350,16 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
                     format_summary(summary),
                 )
     after = None
-    if interrupted is None:
+    final = trainer.host_model() if interrupted is None else None
+    trainer.close(interrupted)  # the other processes return now
+    if final is not None:
         after = heldout_once(
-            cfg, evaluator, trainer.model(), heldout_path, f"after-{trainer.version}", progress
+            cfg, evaluator, final, heldout_path, f"after-{trainer.version}", progress
         )
         writer.write(
             trainer.version, {"heldout_reward": after.mean, "heldout_pass_rate": after.pass_rate}
         )
     writer.close()
-    trainer.close()
     plot_curves(writer.path, os.path.join(cfg.workdir, "rl_curves.png"))
     log.info("Staleness of trained groups (versions: groups): %s", dict(sorted(histogram.items())))
     if after is not None:
@@ -335,6 +367,25 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
     return RLResult(
         trainer.version, before, after, cfg.workdir, dict(histogram), interrupted=interrupted
     )
+
+
+def _send_abort(channel: LeaderChannel, error: BaseException) -> None:
+    try:
+        channel.send("abort", f"{type(error).__name__}: {error}")
+    except Exception:  # noqa: BLE001 -- the runtime itself may be what failed
+        log.exception("could not tell the other processes that process 0 failed")
+
+
+def _follow(cfg, warm_params, warm_buffers, channel: LeaderChannel) -> RLResult:
+    """A process other than 0: its part of the train state, stepped as process 0's trainer
+    says; it writes only its checkpoint shards and its shards of each published version."""
+    kind, store = channel.receive()
+    if kind == "abort":
+        raise ProcessZeroFailed(f"process 0 stopped on {store}")
+    trainer = RLTrainer(cfg, warm_params, warm_buffers, store, channel=channel)
+    with StopRequest() as stop:
+        interrupted = trainer.follow(stop)
+    return RLResult(trainer.version, None, None, cfg.workdir, {}, interrupted=interrupted)
 
 
 def _checkpoint(trainer, coordinator, timeout_s: float = 120.0) -> None:

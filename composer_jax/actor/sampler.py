@@ -72,6 +72,7 @@ class LocalSampler(Sampler):
         prefill_buckets: tuple[int, ...] = (64, 256),
         recompute_cache: bool = False,
         tracer=NULL_TRACER,
+        publishers: int = 1,
     ):
         self.tracer = tracer
         self.graphdef, self._params, self._rest = nnx.split(model, nnx.Param, ...)
@@ -87,7 +88,8 @@ class LocalSampler(Sampler):
         )
         self.num_slots, self.max_len = num_slots, max_len
         self.recompute_cache = recompute_cache
-        self.subscriber = WeightSubscriber(open_store(weight_store))
+        # A trainer on several processes publishes each version as one part per process.
+        self.subscriber = WeightSubscriber(open_store(weight_store), process_count=publishers)
         self.updates = 0
         self.update_seconds = 0.0
         self.generated_tokens = 0

@@ -4,6 +4,12 @@ The policy's train state (fp32 master weights, optimizer moments) is sharded by 
 layout exactly like pretraining's; the reference policy of the KL term is the warm-start model,
 kept frozen. Each step publishes the new weights to the sampler through the compressed-delta
 store in the background (`WeightPublisher.publish_async`), so the trainer never waits for it.
+
+On several JAX processes the train state spans all of them, but only process 0 runs the actor
+loop. Its trainer sends each call that involves the state (step, publish, save, the model for
+evaluation, close) as a command through a `LeaderChannel`; every other process runs `follow`,
+which performs the same calls in the same order, so their collectives meet. Each process
+publishes its own shards of the weights; the sampler waits for all of them.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from composer_jax.config import RLConfig, RLObjectiveConfig
 from composer_jax.model.transformer import Transformer
 from composer_jax.parallel import Layout, make_layout
 from composer_jax.parallel.mesh import BATCH_AXES, use_layout
+from composer_jax.parallel.multihost import LeaderChannel, host_model, place_global
 from composer_jax.rl.batch import TrajectoryBatch
 from composer_jax.rl.policy import reference_logprobs, rl_loss
 from composer_jax.trace import NULL_TRACER
@@ -37,6 +44,11 @@ from composer_jax.weight_sync import WeightPublisher, open_store
 
 class NonFiniteRLLossError(FloatingPointError):
     """An RL step produced a NaN/Inf loss or gradient; nothing from it was saved or published."""
+
+
+class ProcessZeroFailed(RuntimeError):
+    """Raised on the other processes of a multi-process run when process 0 stopped on an error
+    (its message says which); they exit instead of waiting for commands that will not come."""
 
 
 def rl_train_step(
@@ -106,8 +118,10 @@ class RLTrainer:
         weight_store: str,
         layout: Layout | None = None,
         tracer=NULL_TRACER,
+        channel: LeaderChannel | None = None,
     ):
         self.cfg, self.tracer = cfg, tracer
+        self.channel = channel
         self.setup = setup = rl_setup(cfg, layout or make_layout(cfg.mesh))
         self.layout = setup.layout
         mesh = self.layout.mesh
@@ -157,8 +171,17 @@ class RLTrainer:
         """The policy version the current weights are: the number of steps applied."""
         return int(self.state.step)
 
+    def _send(self, kind: str, payload=None) -> None:
+        """On process 0 of several: have the other processes' `follow` make the same call."""
+        if self.channel is not None:
+            self.channel.send(kind, payload)
+
     def publish(self):
         """Queues the current weights as `version` (compress and write in the background)."""
+        self._send("publish")
+        return self._publish()
+
+    def _publish(self):
         self.last_publish = self.publisher.publish_async(self.state.params, self.version)
         if self.tracer.enabled:
             self.last_publish.add_done_callback(self._trace_publish)
@@ -193,11 +216,18 @@ class RLTrainer:
             return rows
 
         shardings = jax.tree_util.tree_map_with_path(sharding_of, batch)
-        return jax.device_put(batch, shardings)
+        return place_global(batch, shardings)
 
-    def step(self, batch: TrajectoryBatch) -> dict[str, float]:
+    def step(self, batch: TrajectoryBatch, stop=None) -> dict[str, float] | None:
         """One update on a packed batch; raises NonFiniteRLLossError on NaN (state unchanged,
-        nothing published)."""
+        nothing published). On several processes `stop` (a `StopRequest`) is agreed first: None
+        when any process has a signal, and then no process trains."""
+        self._send("step", batch)
+        return self._step(batch, stop)
+
+    def _step(self, batch: TrajectoryBatch, stop) -> dict[str, float] | None:
+        if stop is not None and jax.process_count() > 1 and stop.agreed():
+            return None
         tracer = self.tracer
         batch = self.place_batch(batch)
         ref = None
@@ -215,16 +245,50 @@ class RLTrainer:
                 f"{metrics['grad_norm']}; the state is unchanged, the last checkpoint kept"
             )
         with tracer.span("publish_dispatch"):
-            self.publish()
+            self._publish()
         return metrics
 
     def save(self, metadata: dict) -> None:
+        self._send("save", metadata)
         self.checkpointer.save(self.version, self.state, metadata)
 
     def model(self) -> Transformer:
-        """The current policy as a model (for evaluation)."""
+        """The current policy as a model over the train state's devices."""
         return nnx.merge(self.setup.graphdef, self.state.params, self.state.buffers)
 
-    def close(self) -> None:
+    def host_model(self) -> Transformer:
+        """The current policy on this process's devices alone (for evaluation); gathered from
+        every process when the state spans several."""
+        self._send("host_model")
+        return host_model(self.model())
+
+    def close(self, interrupted: str | None = None) -> None:
+        """Waits for pending publications and checkpoints; on several processes the others'
+        `follow` returns `interrupted` (the signal that stopped the run, if any)."""
+        self._send("close", interrupted)
         self.publisher.close()
         self.checkpointer.close()
+
+    def follow(self, stop) -> str | None:
+        """Processes other than 0: make process 0's trainer calls until it closes; returns the
+        signal that stopped the run (process 0's, or this process's own `stop`), if any."""
+        while True:
+            if self.last_publish is not None and self.last_publish.done():
+                self.last_publish.result()  # re-raises a failed publication of our shards
+            kind, payload = self.channel.receive()
+            if kind == "step":
+                self._step(payload, stop)
+            elif kind == "publish":
+                self._publish()
+            elif kind == "save":
+                self.checkpointer.save(self.version, self.state, payload)
+            elif kind == "host_model":
+                host_model(self.model())
+            elif kind == "close":
+                self.publisher.close()
+                self.checkpointer.close()
+                return payload or stop.signal
+            elif kind == "abort":
+                raise ProcessZeroFailed(f"process 0 stopped on {payload}")
+            else:
+                raise ValueError(f"unknown trainer command {kind!r} from process 0")

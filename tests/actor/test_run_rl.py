@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from composer_jax.actor.ledger import GroupLedger
@@ -117,3 +118,66 @@ def test_ray_backend_runs_the_same_smoke_test_on_a_local_cluster(tmp_path, num_s
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     _check_finished_run(workdir)
+
+
+def _process_of_job(launcher: subprocess.Popen, index: int):
+    """The child of `launch.multiprocess` that is process `index` of the JAX job."""
+    for child in psutil.Process(launcher.pid).children():
+        if child.environ().get("JAX_PROCESS_ID") == str(index):
+            return child
+    raise AssertionError(f"no process {index} under the launcher")
+
+
+def test_two_processes_run_the_main_job_and_resume_after_kill_9_of_one(tmp_path):
+    """Trainer over 2 processes x 4 devices, the actor loop on process 0: kill -9 of process 1
+    mid-run, then both restart and finish with every group trained exactly once; process 0
+    alone writes the ledger, metrics, launches and held-out results, each process publishes its
+    shards of every weight version."""
+    workdir = str(tmp_path / "run")
+    launcher = [sys.executable, "-m", "launch.multiprocess", "--num_processes=2"]
+    launcher += ["--devices_per_process=4", "--grace_s=5", "--"]
+    command = launcher + _args(workdir)[2:]  # launch.rl and its flags
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    while not any(s >= 3 for s in _rl_steps(workdir)):
+        assert process.poll() is None, process.stdout.read().decode()[-3000:]
+        assert time.monotonic() < deadline, "the run never reached step 3"
+        time.sleep(0.2)
+    _process_of_job(process, 1).send_signal(signal.SIGKILL)
+    first = process.communicate(timeout=120)[0].decode()
+    assert process.returncode != 0
+    assert "process 1 failed" in first, first[-3000:]
+    assert max(_rl_steps(workdir)) < STEPS
+
+    restart = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert restart.returncode == 0, restart.stdout[-3000:] + restart.stderr[-3000:]
+    assert "[0] Resumed RL at step" in restart.stdout
+    assert "[1] Resumed RL" not in restart.stdout  # the ledger is process 0's alone
+    _check_finished_run(workdir)
+    with open(os.path.join(workdir, "launches.jsonl")) as f:
+        launches = [json.loads(line) for line in f]
+    assert [(r["kind"], r["devices"]["processes"]) for r in launches] == [("rl", 2), ("rl", 2)]
+    with open(os.path.join(workdir, "heldout.json")) as f:
+        assert len(json.load(f)) == 2  # before RL, after it: each evaluated once
+    manifests = os.path.join(workdir, "weights", "attempt-1", "manifests")
+    for version in os.listdir(manifests):
+        assert sorted(os.listdir(os.path.join(manifests, version))) == [
+            "00000-of-00002.json",
+            "00001-of-00002.json",
+        ]
+
+
+def test_an_error_on_process_0_stops_the_other_processes_at_once(tmp_path):
+    """Process 1 waits for process 0's commands; when process 0 fails (here on a held-out split
+    its task source lacks, found after the shared warm start) process 1 says so and exits too,
+    rather than waiting for the distributed runtime's timeouts."""
+    workdir = str(tmp_path / "run")
+    launcher = [sys.executable, "-m", "launch.multiprocess", "--num_processes=2"]
+    launcher += ["--devices_per_process=4", "--"]
+    args = _args(workdir, "--config.rl.warm_start_steps=1", "--config.rl.heldout_split=nope")
+    done = subprocess.run(
+        launcher + args[2:], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "[0] error: rl.heldout_split:" in done.stderr
+    assert "[1] error: process 0 stopped on ConfigError: rl.heldout_split:" in done.stderr
