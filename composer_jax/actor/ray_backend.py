@@ -47,7 +47,14 @@ class _SamplerActor:
     """Runs inside the Ray actor: a LocalSampler on a model whose weights come from the store."""
 
     def __init__(
-        self, model_cfg: ModelConfig, weight_store: str, num_slots, max_len, recompute, buckets
+        self,
+        model_cfg: ModelConfig,
+        weight_store: str,
+        num_slots,
+        max_len,
+        recompute,
+        buckets,
+        decode_chunk,
     ):
         from composer_jax.model import init_model
 
@@ -59,6 +66,7 @@ class _SamplerActor:
             max_len=max_len,
             prefill_buckets=buckets,
             recompute_cache=recompute,
+            decode_chunk=decode_chunk,
         )
 
     def call(self, method: str, *args):
@@ -94,6 +102,7 @@ class RaySampler(Sampler):
         num_gpus: float = 0.0,
         resources: dict[str, float] | None = None,
         placement_timeout_s: float = 300.0,
+        decode_chunk: int = 1,
     ):
         ray = self._ray = _require_ray()
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -105,7 +114,15 @@ class RaySampler(Sampler):
         if not ready:
             remove_placement_group(self.placement_group)
             raise _placement_error(ray, "sampler's placement group", bundle, placement_timeout_s)
-        self._args = (model_cfg, weight_store, num_slots, max_len, recompute_cache, prefill_buckets)
+        self._args = (
+            model_cfg,
+            weight_store,
+            num_slots,
+            max_len,
+            recompute_cache,
+            prefill_buckets,
+            decode_chunk,
+        )
         self._options = {
             "num_cpus": 1,
             "num_gpus": num_gpus,

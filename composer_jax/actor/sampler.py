@@ -72,6 +72,7 @@ class LocalSampler(Sampler):
         prefill_buckets: tuple[int, ...] = (64, 256),
         recompute_cache: bool = False,
         tracer=NULL_TRACER,
+        decode_chunk: int = 1,
     ):
         self.tracer = tracer
         self.graphdef, self._params, self._rest = nnx.split(model, nnx.Param, ...)
@@ -84,6 +85,7 @@ class LocalSampler(Sampler):
             prefill_buckets=buckets,
             version=-1,
             tracer=tracer,
+            decode_chunk=decode_chunk,
         )
         self.num_slots, self.max_len = num_slots, max_len
         self.recompute_cache = recompute_cache
