@@ -19,6 +19,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import time
 from typing import Callable, ContextManager
 
 import jax
@@ -427,8 +428,12 @@ class InferenceEngine:
         count = sum(s is not None for s in running)
         if not count:
             return
-        with self.tracer.span("decode", running=count, steps=self.decode_chunk):
-            chunk = self._run_decode(running)
+        start = time.perf_counter()
+        chunk = self._run_decode(running)
+        sampled = int(chunk.live_NB.sum())
+        self.tracer.complete(
+            "decode", None, start, time.perf_counter(), running=count, tokens=sampled
+        )
         with self.tracer.span("emit", "after decode"):
             for index, slot in enumerate(running):
                 if slot is not None:
