@@ -65,9 +65,14 @@ class DecodeChunk(NamedTuple):
     reason_B: jax.Array  # index into REASONS: why the row stopped (0: still running)
 
 
+# Stop tables are at least this many sequences of this many tokens, so the usual requests (a few
+# stop tokens) share the one decode shape `InferenceEngine.compile_all` compiles.
+MIN_STOP_TABLE = 4
+
+
 def _bucket(n: int) -> int:
-    """The power of two >= n (at least 1), so stop tables compile few shapes."""
-    return 1 << max(n - 1, 0).bit_length()
+    """The power of two >= n, at least MIN_STOP_TABLE, so stop tables compile few shapes."""
+    return max(MIN_STOP_TABLE, 1 << max(n - 1, 0).bit_length())
 
 
 def stop_tables(

@@ -8,8 +8,9 @@ with `keep_cache=True` parks its slot when it finishes, so `continue_request` ca
 and generate the next turn without prefilling the prefix again. Weights can be swapped between
 calls (`update_weights`); every token records the policy version that sampled it.
 
-Shapes seen by the compiler: decode is always `decode_chunk` steps of [num_slots, 1] (plus a few
-power-of-two sizes of the stop-sequence table); prefill chunks are
+Shapes seen by the compiler: decode is always `decode_chunk` steps of [num_slots, 1] (with a
+stop-sequence table of one size unless a request has many or long stop sequences); prefill chunks
+are
 [batch bucket (power of two <= num_slots), length bucket], so nothing recompiles per request.
 """
 
@@ -279,7 +280,9 @@ class InferenceEngine:
 
     def compile_all(self) -> None:
         """Compiles every prefill (length bucket x batch size) shape and the decode shape now,
-        so serving never stops to compile. Runs them on padding rows, which write nothing."""
+        so serving never stops to compile (unless a request brings more than
+        `decode.MIN_STOP_TABLE` stop sequences, or longer ones). Runs them on padding rows,
+        which write nothing."""
         for bucket in self.buckets:
             for rows in self.batch_sizes:
                 self._run_padding(rows, bucket)

@@ -10,6 +10,7 @@ import pytest
 
 from composer_jax.data.tokenizer import ByteTokenizer
 from composer_jax.infer import Completion, InferenceEngine, SamplingParams
+from composer_jax.infer.decode import decode_chunk
 from composer_jax.infer.engine import ends_with_stop_string
 from composer_jax.model.transformer import init_model
 
@@ -52,14 +53,18 @@ def _assert_same(got: Completion, want: Completion) -> None:
 
 
 def _requests(model) -> list[tuple[list[int], SamplingParams]]:
-    """Six requests of mixed prompt lengths through three slots, ending by budget, by the cache
-    row's end, by one- and multi-token stop sequences (one spanning the token sampled after the
-    prefill), and by a stop string; greedy and seeded sampling."""
+    """Seven requests of mixed prompt lengths through three slots, ending by budget, by the cache
+    row's end, by stop sequences of one, two, three (spanning the token sampled after the
+    prefill) and six tokens (wider than the smallest stop table), and by a stop string; greedy
+    and seeded sampling."""
     long_prompt = _prompt(model, 40, seed=1)
     sampled = [dataclasses.replace(SAMPLED, seed=20 + i) for i in range(4)]
-    prompts = [_prompt(model, n, seed=10 + n) for n in (3, 7, 12, 5, 20)]
-    free = [_free_run(model, p, s) for p, s in zip(prompts[1:], (sampled[1], GREEDY, sampled[2]))]
-    stop_text = BYTES.decode(_free_run(model, prompts[4], GREEDY)[5:7])
+    prompts = [_prompt(model, n, seed=10 + n) for n in (3, 7, 12, 5, 20, 9)]
+    free = [
+        _free_run(model, p, s)
+        for p, s in zip(prompts[1:], (sampled[1], GREEDY, sampled[2], GREEDY, sampled[3]))
+    ]
+    stop_text = BYTES.decode(free[3][5:7])
     return [
         (prompts[0], dataclasses.replace(sampled[0], max_new_tokens=6)),
         (long_prompt, dataclasses.replace(GREEDY, max_new_tokens=20)),
@@ -67,6 +72,7 @@ def _requests(model) -> list[tuple[list[int], SamplingParams]]:
         (prompts[2], dataclasses.replace(GREEDY, stop_sequences=((999,), (free[1][3],)))),
         (prompts[3], dataclasses.replace(sampled[2], stop_sequences=(tuple(free[2][:3]),))),
         (prompts[4], dataclasses.replace(GREEDY, stop_strings=(stop_text,))),
+        (prompts[5], dataclasses.replace(sampled[3], stop_sequences=(tuple(free[4][4:10]),))),
     ]
 
 
@@ -86,6 +92,15 @@ def test_chunked_decode_matches_single_steps(tiny_model, decode_chunk):
     assert len(results[0][1].tokens) == MAX_LEN - len(requests[1][0])
     for got, (_, params) in zip(results[0][2:], requests[2:]):
         assert len(got.tokens) < params.max_new_tokens  # each stop ends its turn early
+
+
+def test_compile_all_covers_requests_with_a_few_stop_tokens(tiny_model):
+    engine = _engine(tiny_model, 4)
+    engine.compile_all()
+    compiled = decode_chunk._cache_size()
+    params = dataclasses.replace(SAMPLED, stop_sequences=((1,), (2,), (3, 4)))
+    engine.generate([_prompt(tiny_model, 5, seed=9)], params)
+    assert decode_chunk._cache_size() == compiled
 
 
 def test_stop_string_cuts_the_chunk(tiny_model):
