@@ -196,9 +196,10 @@ def _overlaps(start: float, end: float, intervals: list[tuple[float, float]]) ->
 
 def summarize(events: list[dict], wall_s: float) -> dict:
     """Busy fraction of the sampler and trainer tracks over the wall time (union of their busy
-    categories' events), then per (track, category): count and seconds; decode steps' mean
-    running rows and duration alone vs during a train step; the sampler's host work (emit and
-    rollout_host) per decoded token."""
+    categories' events), then per (track, category): count and seconds; decode calls' mean
+    running rows and duration alone vs during a train step (a call decodes up to the engine's
+    `decode_chunk` tokens per row); the sampler's host work (emit and rollout_host) per decoded
+    token."""
     names = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
     spans = [e for e in events if e["ph"] == "X"]
     seconds = lambda e: e["dur"] / 1e6  # noqa: E731
@@ -216,7 +217,8 @@ def summarize(events: list[dict], wall_s: float) -> dict:
     training = [interval(e) for e in spans if e["cat"] in ("train_step", "reference")]
     during = [seconds(e) for e in decodes if _overlaps(*interval(e), training)]
     alone = [seconds(e) for e in decodes if not _overlaps(*interval(e), training)]
-    tokens = sum(e["args"].get("running", 0) for e in decodes)
+    tokens = sum(e["args"].get("tokens", 0) for e in decodes)
+    rows = sum(e["args"].get("running", 0) for e in decodes)
     host = sum(seconds(e) for e in spans if e["cat"] in ("emit", "rollout_host"))
     return {
         "wall_s": wall_s,
@@ -224,7 +226,7 @@ def summarize(events: list[dict], wall_s: float) -> dict:
         "categories": {f"{t}/{c}": {"count": n, "seconds": s} for (t, c), (n, s) in table.items()},
         "decode_steps": len(decodes),
         "decoded_tokens": tokens,
-        "decode_rows_mean": tokens / max(len(decodes), 1),
+        "decode_rows_mean": rows / max(len(decodes), 1),
         "host_ms_per_token": 1e3 * host / max(tokens, 1),  # the sampler's emit + rollout_host
         "decode_ms_alone": 1e3 * sum(alone) / max(len(alone), 1),
         "decode_ms_during_train": 1e3 * sum(during) / max(len(during), 1),
@@ -250,11 +252,11 @@ def format_summary(summary: dict) -> str:
         lines.append(f"| {track} | {category} | {n} | {s:.2f} | {1e3 * s / n:.1f} | {share:.1%} |")
     lines += [
         "",
-        f"decode: {summary['decode_steps']} steps, {summary['decoded_tokens']} tokens, "
-        f"{summary['decode_rows_mean']:.1f} running rows per step; "
-        f"{summary['decode_ms_alone']:.1f} ms per step alone, "
+        f"decode: {summary['decode_steps']} calls, {summary['decoded_tokens']} tokens, "
+        f"{summary['decode_rows_mean']:.1f} running rows per call; "
+        f"{summary['decode_ms_alone']:.1f} ms per call alone, "
         f"{summary['decode_ms_during_train']:.1f} ms during a train step "
-        f"({summary['decode_steps_during_train']} steps); sampler host work "
+        f"({summary['decode_steps_during_train']} calls); sampler host work "
         f"{summary['host_ms_per_token']:.2f} ms per decoded token",
     ]
     return "\n".join(lines)

@@ -6,9 +6,13 @@ All ratios compare configurations measured in the same run on the same machine:
    expanded attention) against re-running the whole forward for every token;
 3. continuous batching (num_slots sequences in flight, requests joining as others finish) against
    serving the same requests one at a time;
-4. MTP speculative decoding: acceptance rate and tokens per main-model pass.
+4. MTP speculative decoding: acceptance rate and tokens per main-model pass;
+5. decode steps per jitted call (`decode_chunk`): tokens/s at each chunk against one step per
+   call, with every slot decoding to the same length and with requests of mixed lengths joining
+   as others finish (a slot freed mid-chunk idles until the chunk ends).
 
   python experiments/bench_decode.py [--contexts=256,1024] [--decode_steps=32] [--requests=32]
+      [--tables=cache,decode,batching,speculative,chunks] [--chunks=1,4,8,16]
 """
 
 import dataclasses
@@ -21,6 +25,10 @@ _DECODE_STEPS = flags.DEFINE_integer("decode_steps", 32, "Timed tokens per decod
 _REQUESTS = flags.DEFINE_integer("requests", 32, "Requests in the batching comparison.")
 _SLOTS = flags.DEFINE_integer("slots", 8, "Cache slots for continuous batching.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repeats per measurement; the best counts.")
+_TABLES = flags.DEFINE_list(
+    "tables", ["cache", "decode", "batching", "speculative", "chunks"], "Tables to print."
+)
+_CHUNKS = flags.DEFINE_list("chunks", ["1", "4", "8", "16"], "decode_chunk values, baseline first.")
 
 
 def _best_seconds(run) -> float:
@@ -159,15 +167,72 @@ def speculative_table(model) -> None:
         )
 
 
+def _chunk_workloads(requests: int, slots: int):
+    """(label, requests as (prompt, params)): every slot decoding 224 tokens after an 8-token
+    prompt, and `requests` of mixed prompt (8-60) and generation (16-64) lengths."""
+    import numpy as np
+
+    from composer_jax.infer import SamplingParams
+
+    rng = np.random.default_rng(2)
+    equal = [
+        (rng.integers(1, 250, size=8).tolist(), SamplingParams(max_new_tokens=224, seed=i))
+        for i in range(slots)
+    ]
+    mixed = [
+        (
+            rng.integers(1, 250, size=int(rng.integers(8, 60))).tolist(),
+            SamplingParams(max_new_tokens=int(rng.integers(16, 64)), seed=i),
+        )
+        for i in range(requests)
+    ]
+    return [(f"{slots} x 224 tokens", equal), (f"{requests} mixed requests", mixed)]
+
+
+def chunk_table(model, requests: int, slots: int, chunks: list[int]) -> None:
+    """Serving tokens/s (prefill included, compile excluded) per decode_chunk, vs the first.
+    The chunks take turns within each repeat, so load on a shared machine hits them alike."""
+    from composer_jax.infer import InferenceEngine
+
+    engines = {}
+    for chunk in chunks:
+        engines[chunk] = InferenceEngine(
+            model, num_slots=slots, max_len=256, prefill_buckets=(16, 64), decode_chunk=chunk
+        )
+        engines[chunk].compile_all()
+    print(f"\n== Decode steps per jitted call ({slots} slots, temperature 1, tiny float32) ==")
+    print(f"{'workload':<22}{'decode_chunk':>13}{'seconds':>9}{'tokens/s':>10}{'vs first':>10}")
+    for label, work in _chunk_workloads(requests, slots):
+        best = dict.fromkeys(chunks, float("inf"))
+        for _ in range(_REPEATS.value):
+            for chunk, engine in engines.items():
+                start = time.perf_counter()
+                for prompt, params in work:
+                    engine.submit(prompt, params)
+                engine.run()
+                best[chunk] = min(best[chunk], time.perf_counter() - start)
+        total = sum(p.max_new_tokens for _, p in work)
+        for chunk, seconds in best.items():
+            ratio = best[chunks[0]] / seconds
+            print(f"{label:<22}{chunk:>13}{seconds:>9.3f}{total / seconds:>10.1f}{ratio:>9.2f}x")
+
+
 def main(argv):
     del argv
     from composer_jax.model import init_model
 
     model = init_model(_model_cfg(), seed=0)
-    cache_table()
-    decode_table(model, [int(c) for c in _CONTEXTS.value], _DECODE_STEPS.value)
-    batching_table(model, _REQUESTS.value, _SLOTS.value)
-    speculative_table(model)
+    tables = set(_TABLES.value)
+    if "cache" in tables:
+        cache_table()
+    if "decode" in tables:
+        decode_table(model, [int(c) for c in _CONTEXTS.value], _DECODE_STEPS.value)
+    if "batching" in tables:
+        batching_table(model, _REQUESTS.value, _SLOTS.value)
+    if "speculative" in tables:
+        speculative_table(model)
+    if "chunks" in tables:
+        chunk_table(model, _REQUESTS.value, _SLOTS.value, [int(c) for c in _CHUNKS.value])
 
 
 if __name__ == "__main__":

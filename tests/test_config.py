@@ -118,3 +118,9 @@ def test_cli_rejects_bad_override_before_compiling(tmp_path):
     assert out.returncode == 2
     assert "model.num_experts_per_tok" in out.stderr
     assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
+
+
+def test_decode_chunk_must_be_positive():
+    with pytest.raises(C.ConfigError, match=r"rl\.decode_chunk"):
+        C.validate_rl(C.RLConfig(decode_chunk=0))
+    C.validate_rl(C.RLConfig(decode_chunk=8))

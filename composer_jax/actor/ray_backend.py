@@ -55,6 +55,7 @@ class _SamplerActor:
         recompute,
         buckets,
         publishers,
+        decode_chunk,
     ):
         from composer_jax.model import init_model
 
@@ -67,6 +68,7 @@ class _SamplerActor:
             prefill_buckets=buckets,
             recompute_cache=recompute,
             publishers=publishers,
+            decode_chunk=decode_chunk,
         )
 
     def call(self, method: str, *args):
@@ -103,6 +105,7 @@ class RaySampler(Sampler):
         resources: dict[str, float] | None = None,
         placement_timeout_s: float = 300.0,
         publishers: int = 1,
+        decode_chunk: int = 1,
     ):
         ray = self._ray = _require_ray()
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -122,6 +125,7 @@ class RaySampler(Sampler):
             recompute_cache,
             prefill_buckets,
             publishers,
+            decode_chunk,
         )
         self._options = {
             "num_cpus": 1,

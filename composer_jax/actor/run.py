@@ -185,6 +185,7 @@ def _lead(cfg, tokenizer, model, warm_params, warm_buffers, channel, progress) -
                 resources=parse_resources(rl.ray_sampler_resources, "rl.ray_sampler_resources"),
                 placement_timeout_s=rl.ray_placement_timeout_s,
                 publishers=jax.process_count(),
+                decode_chunk=rl.decode_chunk,
             )
             for _ in range(rl.num_samplers)
         ]
@@ -207,6 +208,7 @@ def _lead(cfg, tokenizer, model, warm_params, warm_buffers, channel, progress) -
             recompute_cache=rl.recompute_cache_on_update,
             tracer=tracer,
             publishers=jax.process_count(),
+            decode_chunk=rl.decode_chunk,
         )
     tracer.start()  # the timeline: from the first publication to the rollout thread's end
     trainer.publish().result()

@@ -73,6 +73,7 @@ class LocalSampler(Sampler):
         recompute_cache: bool = False,
         tracer=NULL_TRACER,
         publishers: int = 1,
+        decode_chunk: int = 1,
     ):
         self.tracer = tracer
         self.graphdef, self._params, self._rest = nnx.split(model, nnx.Param, ...)
@@ -85,6 +86,7 @@ class LocalSampler(Sampler):
             prefill_buckets=buckets,
             version=-1,
             tracer=tracer,
+            decode_chunk=decode_chunk,
         )
         self.num_slots, self.max_len = num_slots, max_len
         self.recompute_cache = recompute_cache

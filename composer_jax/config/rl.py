@@ -125,6 +125,9 @@ class RLConfig(RLObjectiveConfig):
     temperature: float = 1.0
     top_p: float = 1.0
     recompute_cache_on_update: bool = False
+    # Decode steps per jitted engine call (one host sync per call); a weight update lands between
+    # calls and a slot freed mid-call takes its next request at the call's end.
+    decode_chunk: int = 1
     # Prefill chunk lengths below context_len (which is always the last): a group's prompts
     # prefill as one chunk, and compile one shape, when one bucket holds them all.
     prefill_buckets: tuple[int, ...] = (64, 256)
@@ -245,6 +248,7 @@ def validate_rl(cfg: RLConfig, where: str = "rl") -> None:
         "context_len",
         "max_new_tokens",
         "max_turns",
+        "decode_chunk",
         "summary_max_tokens",
         "snapshot_every",
         "warm_start_steps",

@@ -1,13 +1,16 @@
 """Rollout inference engine: continuous batching over slots of the MLA latent cache.
 
-Each running sequence owns a cache slot. Between decode steps the host admits queued requests into
-free slots (bucketed, batched prefill), decodes one token for every running slot in one fixed-shape
-call, and frees slots whose request hit a stop sequence or its token budget. A request submitted
+Each running sequence owns a cache slot. Between decode calls the host admits queued requests into
+free slots (bucketed, batched prefill), decodes `decode_chunk` tokens for every running slot in one
+fixed-shape call (stop sequences and budgets checked on device, `infer.decode`), and frees slots
+whose request hit a stop sequence, a stop string or its token budget. A request submitted
 with `keep_cache=True` parks its slot when it finishes, so `continue_request` can append tool output
 and generate the next turn without prefilling the prefix again. Weights can be swapped between
-steps (`update_weights`); every token records the policy version that sampled it.
+calls (`update_weights`); every token records the policy version that sampled it.
 
-Shapes seen by the compiler: decode is always [num_slots, 1]; prefill chunks are
+Shapes seen by the compiler: decode is always `decode_chunk` steps of [num_slots, 1] (with a
+stop-sequence table of one size unless a request has many or long stop sequences); prefill chunks
+are
 [batch bucket (power of two <= num_slots), length bucket], so nothing recompiles per request.
 """
 
@@ -17,6 +20,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import time
 from typing import Callable, ContextManager
 
 import jax
@@ -29,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from composer_jax.data.tokenizer import Tokenizer, cached_tokenizer
 from composer_jax.infer import sampling
 from composer_jax.infer.cache import LatentCache, init_cache
+from composer_jax.infer.decode import REASONS, DecodeChunk, DecodeInputs, decode_chunk, stop_tables
 from composer_jax.infer.forward import forward_chunk
 from composer_jax.infer.sampling import Sampled, SamplingParams
 from composer_jax.model.transformer import Transformer
@@ -60,23 +65,38 @@ class Completion:
         self.versions.append(version)
         self.experts.append(np.asarray(experts_LK))
 
+    def extend(self, tokens, logprobs, raws, version: int, experts_NLK) -> None:
+        """`record` for the N tokens a decode chunk sampled, as arrays."""
+        self.tokens.extend(tokens)
+        self.logprobs.extend(logprobs)
+        self.raw_logprobs.extend(raws)
+        self.versions.extend([version] * len(tokens))
+        self.experts.extend(np.asarray(experts_NLK))
+
 
 # Tokens decoded beyond a stop string's byte length when looking for it at the end of a turn (a
 # token adds at least one byte; the slack covers tokens that end inside a character).
 _STOP_SLACK = 8
 
 
+def ends_with_stop_string(tokens: list[int], params: SamplingParams, decode) -> bool:
+    """Whether the text (`decode`) of `tokens` now contains a stop string. Asked after every
+    token, so a stop string can only first appear in the text of the last few tokens, which is all
+    that is decoded."""
+    if not params.stop_strings:
+        return False
+    longest = max(len(s.encode("utf-8")) for s in params.stop_strings)
+    tail = decode(tokens[-(longest + _STOP_SLACK) :])
+    return any(s in tail for s in params.stop_strings)
+
+
 def finish_reason(tokens: list[int], params: SamplingParams, decode=None) -> str | None:
-    """ "stop" when `tokens` end with a stop sequence or their text (`decode`) now contains a stop
-    string, "length" at the token budget, else None. Called after every token, so a stop string
-    can only first appear in the text of the last few tokens, which is all that is decoded."""
+    """ "stop" when `tokens` end with a stop sequence or their text now contains a stop string,
+    "length" at the token budget, else None."""
     if any(len(tokens) >= len(s) and tokens[-len(s) :] == list(s) for s in params.stop_sequences):
         return "stop"
-    if params.stop_strings:
-        longest = max(len(s.encode("utf-8")) for s in params.stop_strings)
-        tail = decode(tokens[-(longest + _STOP_SLACK) :])
-        if any(s in tail for s in params.stop_strings):
-            return "stop"
+    if ends_with_stop_string(tokens, params, decode):
+        return "stop"
     if len(tokens) >= params.max_new_tokens:
         return "length"
     return None
@@ -131,8 +151,11 @@ class InferenceEngine:
     (default row counts: powers of two up to num_slots); each pair compiles once.
     `absorbed`: decode and prefill in latent space (`absorbed_attend`) instead of expanding K/V.
     `tokenizer`: decodes turns for `SamplingParams.stop_strings` (else the params name one).
-    `tracer`: records prefill chunks, decode steps and the per-token host work after them
+    `tracer`: records prefill chunks, decode calls and the host work after them
     (`composer_jax.trace`); the attribute may be replaced later.
+    `decode_chunk`: decode steps per jitted call (one host sync per call). Larger chunks cut the
+    per-token dispatch and host work; a slot freed mid-chunk waits for the chunk's end to take
+    the next queued request, and a weight update lands only between chunks.
     """
 
     def __init__(
@@ -149,8 +172,12 @@ class InferenceEngine:
         trace_context: Callable[[], ContextManager] | None = None,
         tokenizer: Tokenizer | None = None,
         tracer=NULL_TRACER,
+        decode_chunk: int = 1,
     ):
+        if decode_chunk < 1:
+            raise ValueError(f"decode_chunk={decode_chunk} must be >= 1")
         self.cfg = model.cfg
+        self.decode_chunk = decode_chunk
         self.tokenizer, self.tracer = tokenizer, tracer
         self.num_slots, self.max_len = num_slots, max_len
         self.buckets = tuple(sorted(b for b in prefill_buckets if b <= max_len)) or (max_len,)
@@ -234,7 +261,7 @@ class InferenceEngine:
         self._slots[self._slot_of(request_id)] = None
 
     def update_weights(self, params, version: int, recompute_cache: bool = True) -> None:
-        """Swaps in new weights between decode steps; running sequences keep their slots.
+        """Swaps in new weights between decode calls; running sequences keep their slots.
 
         `params`: a `Transformer` or its `nnx.State`. With `recompute_cache`, every held sequence's
         cached latents are recomputed under the new weights (so what follows is exactly what the
@@ -253,11 +280,13 @@ class InferenceEngine:
 
     def compile_all(self) -> None:
         """Compiles every prefill (length bucket x batch size) shape and the decode shape now,
-        so serving never stops to compile. Runs them on padding rows, which write nothing."""
+        so serving never stops to compile (unless a request brings more than
+        `decode.MIN_STOP_TABLE` stop sequences, or longer ones). Runs them on padding rows,
+        which write nothing."""
         for bucket in self.buckets:
             for rows in self.batch_sizes:
                 self._run_padding(rows, bucket)
-        self._run_padding(self.num_slots, 1)
+        self._run_decode([None] * self.num_slots)
 
     @property
     def has_work(self) -> bool:
@@ -265,8 +294,8 @@ class InferenceEngine:
         return bool(self._queue) or running
 
     def step(self) -> list[int]:
-        """Admits queued requests, prefills, decodes one token per running slot. Returns the ids
-        of requests that finished during this step."""
+        """Admits queued requests, prefills, decodes up to `decode_chunk` tokens per running
+        slot. Returns the ids of requests that finished during this step."""
         self._admit()
         self._prefill()
         self._decode()
@@ -398,35 +427,89 @@ class InferenceEngine:
                     self._emit(index, drawn, row, experts[:, row, n - 1])
 
     def _decode(self) -> None:
-        N = self.num_slots
-        rows = [i for i, s in enumerate(self._slots) if s is not None and not s.parked]
-        if not rows:
+        running = [s if s is not None and not s.parked else None for s in self._slots]
+        count = sum(s is not None for s in running)
+        if not count:
             return
-        tokens = np.zeros((N, 1), np.int32)
-        positions = np.zeros((N, 1), np.int32)
-        valid = np.zeros((N, 1), bool)
-        for index in rows:
-            slot = self._slots[index]
-            tokens[index, 0] = slot.context[slot.length]  # the last sampled token
-            positions[index, 0] = slot.length
-            valid[index, 0] = True
-        row_slots = [self._slots[i] if i in rows else None for i in range(N)]
-        with self.tracer.span("decode", running=len(rows)):
-            drawn, experts = self._run(
-                tokens,
-                positions,
-                valid,
-                np.arange(N, dtype=np.int32),
-                np.zeros(N, np.int32),
-                row_slots,
-            )
+        start = time.perf_counter()
+        chunk = self._run_decode(running)
+        sampled = int(chunk.live_NB.sum())
+        self.tracer.complete(
+            "decode", None, start, time.perf_counter(), running=count, tokens=sampled
+        )
         with self.tracer.span("emit", "after decode"):
-            for index in rows:
-                self._slots[index].length += 1
-                self._emit(index, drawn, index, experts[:, index, 0])
+            for index, slot in enumerate(running):
+                if slot is not None:
+                    self._take_chunk(index, chunk)
+
+    def _run_decode(self, running: list[_Slot | None]) -> DecodeChunk:
+        """One `decode_chunk` call over every slot (None: not generating), synced to the host."""
+        B = self.num_slots
+        stops, history = stop_tables(
+            [
+                (s.params, self.completions[s.request_id].tokens) if s is not None else None
+                for s in running
+            ]
+        )
+        inputs = DecodeInputs(
+            tokens=np.zeros(B, np.int32),
+            positions=np.zeros(B, np.int32),
+            live=np.zeros(B, bool),
+            temperature=np.zeros(B, np.float32),
+            top_p=np.ones(B, np.float32),
+            seeds=np.zeros(B, np.uint32),
+            tokens_left=np.zeros(B, np.int32),
+            context_left=np.zeros(B, np.int32),
+            stops=stops,
+            history=history,
+        )
+        for index, slot in enumerate(running):
+            if slot is None:
+                continue
+            generated = len(self.completions[slot.request_id].tokens)
+            inputs.tokens[index] = slot.context[slot.length]  # the last sampled token
+            inputs.positions[index] = slot.length
+            inputs.live[index] = True
+            inputs.temperature[index] = slot.params.temperature
+            inputs.top_p[index] = slot.params.top_p
+            inputs.seeds[index] = slot.params.seed
+            inputs.tokens_left[index] = slot.params.max_new_tokens - generated
+            inputs.context_left[index] = self.max_len - len(slot.context)
+        with self._trace_context():
+            chunk, self.cache = decode_chunk(
+                self.graphdef, self.state, self.cache, inputs, self.decode_chunk, self.absorbed
+            )
+        return jax.device_get(chunk)
+
+    def _take_chunk(self, index: int, chunk: DecodeChunk) -> None:
+        """Records what slot `index` sampled in a chunk, cut at the first stop string; finishes
+        the slot if it is done (cache entries past a cut are never read: the next turn rewrites
+        them)."""
+        slot = self._slots[index]
+        completion = self.completions[slot.request_id]
+        count = int(chunk.live_NB[:, index].sum())
+        tokens = chunk.token_NB[:count, index].tolist()
+        reason = REASONS[int(chunk.reason_B[index])]
+        decode = self._decoder(slot.params)
+        if decode is not None:
+            for n in range(1, count + 1):
+                if ends_with_stop_string(completion.tokens + tokens[:n], slot.params, decode):
+                    count, reason = n, "stop"
+                    break
+        completion.extend(
+            tokens[:count],
+            chunk.logprob_NB[:count, index].tolist(),
+            chunk.raw_logprob_NB[:count, index].tolist(),
+            self.version,
+            chunk.experts_NBLK[:count, index],
+        )
+        slot.context.extend(tokens[:count])
+        slot.length += count
+        if reason is not None:
+            self._finish(index, reason)
 
     def _emit(self, index: int, drawn: Sampled, row: int, experts_LK: np.ndarray) -> None:
-        """Appends a sampled token to its request; finishes (frees or parks) the slot if done."""
+        """Appends the token sampled after a prefill; finishes the slot if done."""
         slot = self._slots[index]
         completion = self.completions[slot.request_id]
         token = int(drawn.token_B[row])
@@ -441,9 +524,13 @@ class InferenceEngine:
         reason = finish_reason(completion.tokens, slot.params, self._decoder(slot.params))
         if reason is None and len(slot.context) >= self.max_len:
             reason = "max_len"
-        if reason is None:
-            return
-        completion.finish_reason = reason
+        if reason is not None:
+            self._finish(index, reason)
+
+    def _finish(self, index: int, reason: str) -> None:
+        """Ends the slot's turn: parks the slot for a continuation or frees it."""
+        slot = self._slots[index]
+        self.completions[slot.request_id].finish_reason = reason
         self._finished.append(slot.request_id)
         if slot.params.keep_cache:
             slot.parked = True

@@ -122,7 +122,7 @@ def test_a_traced_rollout_and_step_give_role_tracks_and_a_consistent_summary(tmp
         assert 0 < summary["busy"][role] <= 1
     decodes = [e for e in spans if e["cat"] == "decode"]
     assert summary["decode_steps"] == len(decodes) > 0
-    assert summary["decoded_tokens"] == sum(e["args"]["running"] for e in decodes)
+    assert summary["decoded_tokens"] == sum(e["args"]["tokens"] for e in decodes)
     assert summary["categories"]["trainer/train_step"]["count"] == 1
     host = [
         e for e in spans if tracks[e["tid"]] == "sampler" and e["cat"] in ("emit", "rollout_host")

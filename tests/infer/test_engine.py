@@ -148,9 +148,11 @@ def test_sharded_engine_matches_recompute(tiny_model):
     _check_eight_slots(tiny_model, _engine(tiny_model, num_slots=8, mesh=mesh))
 
 
-def test_expert_parallel_engine_matches_recompute(tiny_model):
+@pytest.mark.parametrize("decode_chunk", [1, 4])
+def test_expert_parallel_engine_matches_recompute(tiny_model, decode_chunk):
     """Weights sharded by the training layout's rule tables and the MoE traced under the layout,
-    so it dispatches tokens to experts sharded over 8 devices (EP=8)."""
+    so it dispatches tokens to experts sharded over 8 devices (EP=8), one decode step per call
+    or several."""
     layout = mesh_lib.make_layout(MeshConfig(), jax.devices()[:8])
     assert layout.ep_size == 8
     state = nnx.split(tiny_model)[1]
@@ -160,6 +162,7 @@ def test_expert_parallel_engine_matches_recompute(tiny_model):
         mesh=layout.mesh,
         param_shardings=layout.tree_shardings(logical_axes_of(state), state),
         trace_context=lambda: mesh_lib.use_layout(layout),
+        decode_chunk=decode_chunk,
     )
     _check_eight_slots(tiny_model, engine)
 

@@ -1,0 +1,162 @@
+"""Several decode steps in one jitted call, with the stop checks on device.
+
+Each step feeds every live slot its last sampled token, samples the next one and decides on device
+whether the row is done: it ended with one of its stop sequences, spent its token budget, or filled
+its cache row. A finished row stops writing (its input is marked invalid, so its cache row and
+length stay where they were) and its later outputs are masked, so the host syncs once per chunk
+and reads the per-token records as [steps, slots, ...] arrays. Stop strings need decoded text and
+are checked by the host after the chunk.
+
+Inputs of rows that are not live are the ones a single decode step gives them (token 0 at position
+0, invalid), and each token's key depends only on (request seed, position), so a chunk of N steps
+samples exactly what N single steps sample.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from composer_jax.infer import sampling
+from composer_jax.infer.cache import LatentCache
+from composer_jax.infer.forward import forward_chunk
+from composer_jax.infer.sampling import SamplingParams
+
+# Finish reasons by the code a chunk returns per row (0: still running).
+REASONS = (None, "stop", "length", "max_len")
+_STOP, _LENGTH, _MAX_LEN = 1, 2, 3
+
+# Stop tables hold each row's stop sequences right-aligned in [stops, width]; entries left of a
+# sequence match anything, unused stop rows match nothing. A row's history holds its turn's last
+# `width` tokens right-aligned, padded where the turn has fewer tokens (which no stop entry equals).
+_ANY_TOKEN = -1
+_BEFORE_TURN = -2
+_UNUSED_STOP = -3
+
+
+class DecodeInputs(NamedTuple):
+    """Per-slot state at the start of a chunk ([B] unless noted)."""
+
+    tokens: np.ndarray  # the last sampled token, fed at the first step
+    positions: np.ndarray  # its position (the cached length)
+    live: np.ndarray  # bool: the slot is generating
+    temperature: np.ndarray
+    top_p: np.ndarray
+    seeds: np.ndarray
+    tokens_left: np.ndarray  # tokens the turn may still sample
+    context_left: np.ndarray  # tokens that still fit in the cache row
+    stops: np.ndarray  # [B, stops, width], see the sentinels above
+    history: np.ndarray  # [B, width]
+
+
+class DecodeChunk(NamedTuple):
+    """What a chunk sampled, step-major; entries where `live_NB` is False are to be ignored."""
+
+    token_NB: jax.Array
+    logprob_NB: jax.Array  # under the sampling distribution
+    raw_logprob_NB: jax.Array  # under log_softmax(logits)
+    experts_NBLK: jax.Array  # routed experts of the position that produced each token
+    live_NB: jax.Array  # the row sampled this token
+    reason_B: jax.Array  # index into REASONS: why the row stopped (0: still running)
+
+
+# Stop tables are at least this many sequences of this many tokens, so the usual requests (a few
+# stop tokens) share the one decode shape `InferenceEngine.compile_all` compiles.
+MIN_STOP_TABLE = 4
+
+
+def _bucket(n: int) -> int:
+    """The power of two >= n, at least MIN_STOP_TABLE, so stop tables compile few shapes."""
+    return max(MIN_STOP_TABLE, 1 << max(n - 1, 0).bit_length())
+
+
+def stop_tables(
+    rows: list[tuple[SamplingParams, list[int]] | None],
+) -> tuple[np.ndarray, np.ndarray]:
+    """Stop tables [B, stops, width] and turn histories [B, width] for rows given as (params,
+    tokens generated so far this turn), None for rows that are not live."""
+    sequences = [[s for s in row[0].stop_sequences if s] if row else [] for row in rows]
+    count = _bucket(max(map(len, sequences), default=0))
+    width = _bucket(max((len(s) for seqs in sequences for s in seqs), default=1))
+    stops = np.full((len(rows), count, width), _UNUSED_STOP, np.int32)
+    history = np.full((len(rows), width), _BEFORE_TURN, np.int32)
+    for b, (row, seqs) in enumerate(zip(rows, sequences)):
+        for i, seq in enumerate(seqs):
+            stops[b, i] = _ANY_TOKEN
+            stops[b, i, width - len(seq) :] = seq
+        if row is not None:
+            recent = row[1][-width:]
+            history[b, width - len(recent) :] = recent
+    return stops, history
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5), donate_argnums=(2,))
+def decode_chunk(
+    graphdef, state, cache: LatentCache, inputs: DecodeInputs, steps: int, absorbed: bool
+) -> tuple[DecodeChunk, LatentCache]:
+    """`steps` decode steps over all slots (row b is cache slot b); see the module docstring."""
+    m = nnx.merge(graphdef, state)
+    slot_ids_B = jnp.arange(inputs.tokens.shape[0], dtype=jnp.int32)
+
+    def step(carry, _):
+        cache, token_B, position_B, live_B, history_BL, tokens_left_B, context_left_B, reason_B = (
+            carry
+        )
+        out = forward_chunk(
+            m,
+            cache,
+            jnp.where(live_B, token_B, 0)[:, None],
+            jnp.where(live_B, position_B, 0)[:, None],
+            live_B[:, None],
+            slot_ids_B,
+            absorbed,
+        )
+        logits_BV = m.logits(out.hidden_BTD[:, 0])
+        keys = sampling.token_keys(inputs.seeds, jnp.where(live_B, position_B, 0) + 1)
+        drawn = sampling.sample(logits_BV, inputs.temperature, inputs.top_p, keys)
+        shifted_BL = jnp.concatenate([history_BL[:, 1:], drawn.token_B[:, None]], axis=1)
+        history_BL = jnp.where(live_B[:, None], shifted_BL, history_BL)
+        tokens_left_B = tokens_left_B - live_B
+        context_left_B = context_left_B - live_B
+        matched_BSL = (inputs.stops == _ANY_TOKEN) | (inputs.stops == history_BL[:, None, :])
+        stopped_B = jnp.all(matched_BSL, axis=-1).any(axis=-1)
+        ended_B = jnp.select(
+            [stopped_B, tokens_left_B <= 0, context_left_B <= 0], [_STOP, _LENGTH, _MAX_LEN], 0
+        )
+        reason_B = jnp.where(live_B, ended_B, reason_B)
+        record = (
+            drawn.token_B,
+            drawn.logprob_B,
+            drawn.raw_logprob_B,
+            out.experts_LBTK[:, :, 0].transpose(1, 0, 2),
+            live_B,
+        )
+        carry = (
+            out.cache,
+            jnp.where(live_B, drawn.token_B, token_B),
+            position_B + live_B,
+            live_B & (ended_B == 0),
+            history_BL,
+            tokens_left_B,
+            context_left_B,
+            reason_B,
+        )
+        return carry, record
+
+    carry = (
+        cache,
+        inputs.tokens,
+        inputs.positions,
+        inputs.live,
+        inputs.history,
+        inputs.tokens_left,
+        inputs.context_left,
+        jnp.zeros_like(inputs.tokens),
+    )
+    carry, records = jax.lax.scan(step, carry, length=steps)
+    return DecodeChunk(*records, carry[-1]), carry[0]
