@@ -14,6 +14,7 @@ train steps report their fastest step. Like sync_vs_async.py, every XLA computat
 thread (`--xla_cpu_multi_thread_eigen=false`) unless --multi_thread.
 
   python -m experiments.bench_throughput [--steps=8] [--warm_start_steps=30 | --warm_start=RUN]
+      [--decode_chunk=N]
 """
 
 import dataclasses
@@ -176,7 +177,11 @@ def sampler_rate(model, rl, prompt_len: int, requests: int) -> tuple[float, int]
     from composer_jax.infer import InferenceEngine, SamplingParams
 
     engine = InferenceEngine(
-        model, num_slots=rl.num_slots, max_len=rl.context_len, prefill_buckets=rl.prefill_buckets
+        model,
+        num_slots=rl.num_slots,
+        max_len=rl.context_len,
+        prefill_buckets=rl.prefill_buckets,
+        decode_chunk=rl.decode_chunk,
     )
     engine.compile_all()
     rng = np.random.default_rng(0)
@@ -257,6 +262,7 @@ def experiment_config():
             num_prompts=0,
             heldout_num_tasks=1,
             heldout_samples=1,
+            decode_chunk=FLAGS.decode_chunk,
         ),
     )
 
@@ -397,6 +403,7 @@ if __name__ == "__main__":
     flags.DEFINE_integer("groups_per_step", 2, "Groups per RL step.")
     flags.DEFINE_integer("group_size", 8, "Samples per group.")
     flags.DEFINE_integer("num_slots", 16, "Sampler slots.")
+    flags.DEFINE_integer("decode_chunk", 1, "Decode steps per engine call (rl.decode_chunk).")
     flags.DEFINE_integer("max_new_tokens", 96, "Tokens per turn.")
     flags.DEFINE_integer("context_len", 768, "RL rows' length (the train-step shape).")
     flags.DEFINE_integer("prompt_len", 280, "Prompt tokens of the standalone sampler.")

@@ -7,6 +7,9 @@ channel                  a model sharded over both processes comes back whole on
                          (`host_model`); then process 0 sends commands through a LeaderChannel
                          (a multi-chunk one, more than RETAINED of them) after waiting past
                          the 30 s a gloo rendezvous allows; the others print a digest of each
+rl_step OUT_DIR          one RL trainer step over both processes (process 1 follows process 0's
+                         commands): process 0 samples a batch, saves it, the step's metrics and
+                         the new parameters to OUT_DIR; both publish their weight shards
 """
 
 import os
@@ -97,5 +100,89 @@ def _channel() -> None:
             print(f"received {kind} {hashlib.sha256(payload).hexdigest()[:16]}", flush=True)
 
 
+def rl_step_config(workdir: str):
+    """rl_tiny in float32 (the comparison with one process is tight), its layout fitted to 8."""
+    import dataclasses
+
+    from composer_jax import config
+
+    cfg = config.rl_tiny()
+    model = dataclasses.replace(cfg.model, dtype="float32")
+    return dataclasses.replace(cfg, model=model, workdir=workdir)
+
+
+def rl_step_batch():
+    """A real rollout batch of 8 rows from the untrained policy, one sample per group rewarded."""
+    import dataclasses
+
+    import numpy as np
+
+    from composer_jax.actor.rollout import collect_batch
+    from composer_jax.data import ByteTokenizer
+    from composer_jax.envs import builtin_tasks
+    from composer_jax.infer import InferenceEngine, SamplingParams
+    from composer_jax.model import init_model
+
+    model = init_model(rl_step_config("unused").model, 0)
+    engine = InferenceEngine(model, num_slots=4, max_len=384, prefill_buckets=(384,))
+    tasks = builtin_tasks(2, "train", seed=0, max_ops=1)
+    batch, _ = collect_batch(
+        engine,
+        tasks,
+        2,
+        SamplingParams(max_new_tokens=16, seed=1),
+        1,
+        ByteTokenizer(),
+        seq_len=384,
+        num_rows=8,
+    )
+    return dataclasses.replace(batch, rewards_N={"task": np.array([1, 0, 0, 1], np.float32)})
+
+
+def _rl_step(out_dir: str) -> None:
+    import json
+    import pickle
+
+    from absl import flags
+
+    flags.FLAGS(["probe"])
+    from launch import runtime
+
+    runtime.initialize()
+    import jax
+    import numpy as np
+
+    from composer_jax.actor.trainer import RLTrainer
+    from composer_jax.model import init_model
+    from composer_jax.parallel.multihost import LeaderChannel
+    from composer_jax.train.loop import StopRequest
+    from composer_jax.train.step import split_model
+
+    cfg = rl_step_config(os.path.join(out_dir, "run"))
+    _, params, buffers = split_model(init_model(cfg.model, 0))
+    params, buffers = jax.tree.map(np.asarray, (params, buffers))  # the same on every process
+    channel = LeaderChannel("probe_trainer")
+    trainer = RLTrainer(cfg, params, buffers, os.path.join(out_dir, "weights"), channel=channel)
+    if jax.process_index() != 0:
+        with StopRequest() as stop:
+            trainer.follow(stop)
+        return
+    batch = rl_step_batch()
+    trainer.publish().result()
+    metrics = trainer.step(batch)
+    trainer.last_publish.result()
+    final = trainer.host_model()
+    trainer.close()
+    with open(os.path.join(out_dir, "batch.pkl"), "wb") as f:
+        pickle.dump(batch, f)
+    with open(os.path.join(out_dir, "metrics.json"), "w") as f:
+        json.dump(metrics, f)
+    _, final_params, _ = split_model(final)
+    leaves = jax.tree.leaves(final_params)
+    np.savez(os.path.join(out_dir, "params.npz"), *[np.asarray(x) for x in leaves])
+
+
 if __name__ == "__main__":
-    {"exit": _exit, "batch": _batch, "channel": _channel}[sys.argv[1]](*sys.argv[2:])
+    {"exit": _exit, "batch": _batch, "channel": _channel, "rl_step": _rl_step}[sys.argv[1]](
+        *sys.argv[2:]
+    )

@@ -14,6 +14,7 @@ import textwrap
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -125,6 +126,52 @@ def test_leader_channel_and_host_model_across_two_processes():
     assert done.stdout.count("host_model ok") == 2
     held = [f"{n:012d}" for n in range(12 - LeaderChannel.RETAINED, 12)]
     assert f"[0] commands held {held}" in done.stdout  # acknowledged ones were deleted
+
+
+def test_an_rl_step_on_two_processes_equals_one_process(tmp_path):
+    """The RL trainer split over 2 processes x 4 devices (process 1 following process 0's
+    commands) takes the same step as one process on 8 devices, and each process publishes its
+    shards so that the sampler rebuilds the new version bitwise."""
+    import pickle
+
+    from composer_jax.actor.trainer import RLTrainer
+    from composer_jax.model import init_model
+    from composer_jax.train.step import split_model
+    from composer_jax.weight_sync import LocalDirStore, WeightSubscriber
+    from tests.multiprocess_probe import rl_step_config
+
+    done = _launch(
+        ["--num_processes=2", "--devices_per_process=4", "--"]
+        + ["tests.multiprocess_probe", "rl_step", str(tmp_path)]
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    with open(tmp_path / "batch.pkl", "rb") as f:
+        batch = pickle.load(f)
+    with open(tmp_path / "metrics.json") as f:
+        two = json.load(f)
+
+    cfg = rl_step_config(str(tmp_path / "one"))
+    _, params, buffers = split_model(init_model(cfg.model, 0))
+    trainer = RLTrainer(cfg, params, buffers, str(tmp_path / "one-weights"))
+    one = trainer.step(batch)
+    assert one["grad_norm"] > 0
+    for key in ("loss", "grad_norm", "kl_k1"):
+        np.testing.assert_allclose(two[key], one[key], rtol=1e-5, atol=1e-7, err_msg=key)
+    with np.load(tmp_path / "params.npz") as saved:
+        got = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+    want = [np.asarray(x) for x in jax.tree.leaves(trainer.state.params)]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+
+    subscriber = WeightSubscriber(LocalDirStore(str(tmp_path / "weights")), process_count=2)
+    assert subscriber.update() == 1
+    rebuilt = jax.tree.leaves(subscriber.tree_like(trainer.state.params))
+    for r, g in zip(rebuilt, got):
+        np.testing.assert_array_equal(
+            np.asarray(r).view(np.uint16), g.astype(jnp.bfloat16).view(np.uint16)
+        )
+    trainer.close()
 
 
 # ----------------------------------------------------------------------------- job detection

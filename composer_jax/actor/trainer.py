@@ -37,7 +37,7 @@ from composer_jax.rl.batch import TrajectoryBatch
 from composer_jax.rl.policy import reference_logprobs, rl_loss
 from composer_jax.trace import NULL_TRACER
 from composer_jax.train.checkpoint import Checkpointer
-from composer_jax.train.loop import TrainSetup, make_setup
+from composer_jax.train.loop import StopRequest, TrainSetup, make_setup
 from composer_jax.train.step import TrainState, apply_gradients
 from composer_jax.weight_sync import WeightPublisher, open_store
 
@@ -226,7 +226,8 @@ class RLTrainer:
         return self._step(batch, stop)
 
     def _step(self, batch: TrajectoryBatch, stop) -> dict[str, float] | None:
-        if stop is not None and jax.process_count() > 1 and stop.agreed():
+        # Every process takes part in the agreement, whether or not its caller passed a `stop`.
+        if jax.process_count() > 1 and (stop or StopRequest()).agreed():
             return None
         tracer = self.tracer
         batch = self.place_batch(batch)
