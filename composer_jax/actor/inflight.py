@@ -15,11 +15,11 @@ import copy
 import dataclasses
 import os
 import pickle
-import tempfile
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future
 
+from composer_jax.actor import durable
 from composer_jax.actor.ids import GroupId
 from composer_jax.actor.lifecycle import GroupSlot, SampleState
 
@@ -195,32 +195,30 @@ class InFlightSaver:
 
 class InFlightStore:
     """`<directory>/step-<N>.pkl`: the groups in flight at checkpoint step N (written atomically;
-    the newest `keep` are kept)."""
+    the newest `keep` are kept). `directory` may be a bucket (`gs://`)."""
 
     def __init__(self, directory: str, keep: int = 2):
         self.directory = directory
         self.keep = keep
-        os.makedirs(directory, exist_ok=True)
+        durable.make_dirs(directory)
 
     def path(self, step: int) -> str:
         return os.path.join(self.directory, f"step-{step:09d}.pkl")
 
     def save(self, step: int, groups: list[GroupState]) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            pickle.dump({"format": FORMAT, "step": step, "groups": groups}, f)
-        os.replace(tmp, self.path(step))
-        saved = sorted(n for n in os.listdir(self.directory) if n.endswith(".pkl"))
+        record = {"format": FORMAT, "step": step, "groups": groups}
+        durable.write_atomically(self.path(step), lambda f: pickle.dump(record, f))
+        saved = sorted(n for n in durable.list_names(self.directory) if n.endswith(".pkl"))
         for name in saved[: -self.keep]:
-            os.remove(os.path.join(self.directory, name))
+            durable.remove(os.path.join(self.directory, name))
 
     def load(self, step: int) -> list[GroupState]:
         """The groups saved at `step` ([] when none were)."""
         path = self.path(step)
-        if not os.path.exists(path):
+        if not durable.exists(path):
             return []
         try:
-            with open(path, "rb") as f:
+            with durable.open_binary(path) as f:
                 record = pickle.load(f)
         except Exception as error:  # noqa: BLE001 -- any unreadable file is reported the same
             raise InFlightError(f"{path}: unreadable ({type(error).__name__}: {error})") from None

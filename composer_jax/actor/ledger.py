@@ -2,7 +2,8 @@
 trains every group exactly once.
 
 Every record is one file made visible by an atomic rename (written to a temporary name, fsynced,
-renamed, directory fsynced), so a crash at any point leaves each record either complete or absent:
+renamed, directory fsynced), so a crash at any point leaves each record either complete or absent;
+in a bucket (`gs://`) each record is one object, which the store writes whole (`durable`):
   groups/<group id>.npz              a finished group: its arrays plus a JSON metadata member
   consumed/trained-<step>.json       the groups trainer step <step> consumed
   consumed/dropped-<n>.json          groups dropped (too stale, or uninformative), with the reason
@@ -27,10 +28,11 @@ from typing import Any
 
 import numpy as np
 
+from composer_jax.actor import durable
+
 log = logging.getLogger(__name__)
 
 _META = "__meta__"
-_TMP = ".tmp-"
 _ID = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -90,7 +92,7 @@ def _unflatten(flat: dict[str, np.ndarray]) -> dict[str, Any]:
 def _read_record(path: str, name: str) -> dict | None:
     """A consumed/ record, or None when it is torn, garbled or not the expected shape."""
     try:
-        with open(path, "rb") as f:
+        with durable.open_binary(path) as f:
             record = json.loads(f.read().decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
         return None
@@ -103,40 +105,15 @@ def _read_record(path: str, name: str) -> dict | None:
     return record
 
 
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: str, write) -> None:
-    """Calls `write(file)` on a temporary file, then renames it to `path` durably."""
-    directory, name = os.path.split(path)
-    tmp = os.path.join(directory, f"{_TMP}{name}.{os.getpid()}.{threading.get_ident()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    _fsync_dir(directory)
-
-
 class GroupLedger:
     """Finished groups on disk with who consumed them; reopening gives the last consistent view."""
 
     def __init__(self, directory: str):
-        self.directory = os.path.abspath(directory)
+        self.directory = durable.absolute(directory)
         self._groups_dir = os.path.join(self.directory, "groups")
         self._consumed_dir = os.path.join(self.directory, "consumed")
-        os.makedirs(self._groups_dir, exist_ok=True)
-        os.makedirs(self._consumed_dir, exist_ok=True)
+        durable.make_dirs(self._groups_dir)
+        durable.make_dirs(self._consumed_dir)
         self._lock = threading.Lock()
         self._index: dict[str, dict] = {}  # group id -> metadata (versions summary, add order)
         self._trained: dict[str, int] = {}  # group id -> trainer step
@@ -151,24 +128,24 @@ class GroupLedger:
     # ------------------------------------------------------------------------------ reopening
     def _load(self) -> None:
         for d in (self._groups_dir, self._consumed_dir):
-            for name in os.listdir(d):
-                if name.startswith(_TMP):  # a write that never completed
-                    os.remove(os.path.join(d, name))
-        for name in sorted(os.listdir(self._groups_dir)):
+            for name in durable.list_names(d):
+                if name.startswith(durable.TMP_PREFIX):  # a write that never completed
+                    durable.remove(os.path.join(d, name))
+        for name in sorted(durable.list_names(self._groups_dir)):
             if name.endswith(".npz.corrupt"):  # set aside by an earlier start
                 self.corrupt.append(name[: -len(".npz.corrupt")])
             if not name.endswith(".npz"):
                 continue
             path = os.path.join(self._groups_dir, name)
             try:
-                with np.load(path, allow_pickle=False) as z:  # reads the metadata member only
-                    meta = json.loads(z[_META].tobytes())
+                with durable.open_binary(path) as f, np.load(f, allow_pickle=False) as z:
+                    meta = json.loads(z[_META].tobytes())  # the metadata member only
             except (zipfile.BadZipFile, KeyError, ValueError, OSError, EOFError):
-                os.replace(path, path + ".corrupt")
+                durable.move(path, path + ".corrupt")
                 self.corrupt.append(name[: -len(".npz")])
                 continue
             self._index[meta["group_id"]] = meta
-        for name in sorted(os.listdir(self._consumed_dir)):
+        for name in sorted(durable.list_names(self._consumed_dir)):
             if name.startswith("dropped-"):  # the next record's number (set-aside ones too)
                 number = name.removeprefix("dropped-").split(".")[0]
                 if number.isdigit():
@@ -181,7 +158,7 @@ class GroupLedger:
             if record is None:
                 # Its groups read as pending again: a damaged "trained" record can lead to a
                 # group trained twice, a damaged "dropped" one to a stale group trained.
-                os.replace(path, path + ".corrupt")
+                durable.move(path, path + ".corrupt")
                 self.corrupt_records.append(name)
                 log.warning(
                     "ledger record %s is damaged; set aside as %s.corrupt (the groups it listed "
@@ -227,7 +204,7 @@ class GroupLedger:
             payload = json.dumps(meta).encode()
             arrays[_META] = np.frombuffer(payload, np.uint8)
             path = os.path.join(self._groups_dir, f"{group.group_id}.npz")
-            _atomic_write(path, lambda f: np.savez(f, **arrays))
+            durable.write_atomically(path, lambda f: np.savez(f, **arrays))
             self._index[group.group_id] = meta
 
     def mark_trained(self, group_ids: list[str], step: int) -> None:
@@ -255,7 +232,7 @@ class GroupLedger:
                     raise LedgerError(f"group {gid} was dropped as stale")
             record = json.dumps({"step": step, "group_ids": group_ids}).encode()
             path = os.path.join(self._consumed_dir, f"trained-{step:012d}.json")
-            _atomic_write(path, lambda f: f.write(record))
+            durable.write_atomically(path, lambda f: f.write(record))
             self._steps[step] = group_ids
             self._trained.update(dict.fromkeys(group_ids, step))
 
@@ -267,11 +244,11 @@ class GroupLedger:
         with self._lock:
             returned = []
             for later in sorted(s for s in self._steps if s > step):
-                os.remove(os.path.join(self._consumed_dir, f"trained-{later:012d}.json"))
+                durable.remove(os.path.join(self._consumed_dir, f"trained-{later:012d}.json"))
                 for gid in self._steps.pop(later):
                     del self._trained[gid]
                     returned.append(gid)
-            _fsync_dir(self._consumed_dir)
+            durable.sync_dir(self._consumed_dir)
             return returned
 
     def drop_stale(
@@ -310,7 +287,7 @@ class GroupLedger:
         }
         data = json.dumps(record).encode()
         path = os.path.join(self._consumed_dir, f"dropped-{self._drop_records:06d}.json")
-        _atomic_write(path, lambda f: f.write(data))
+        durable.write_atomically(path, lambda f: f.write(data))
         self._drop_records += 1
         self._dropped.update(dict.fromkeys(group_ids, current_version))
         self._drop_reason.update(dict.fromkeys(group_ids, reason))
@@ -350,13 +327,13 @@ class GroupLedger:
         set aside as `.corrupt`, counted, and the group leaves the ledger: DamagedGroup."""
         path = os.path.join(self._groups_dir, f"{group_id}.npz")
         try:
-            with np.load(path, allow_pickle=False) as z:
+            with durable.open_binary(path) as f, np.load(f, allow_pickle=False) as z:
                 flat = {name: z[name] for name in z.files}
             meta = json.loads(flat.pop(_META).tobytes())
         except (zipfile.BadZipFile, OSError, ValueError, EOFError, KeyError) as e:
             with self._lock:
-                if os.path.exists(path):
-                    os.replace(path, path + ".corrupt")
+                if durable.exists(path):
+                    durable.move(path, path + ".corrupt")
                 self._index.pop(group_id, None)
                 self.corrupt.append(group_id)
             raise DamagedGroup(

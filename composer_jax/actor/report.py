@@ -1,14 +1,17 @@
 """What an RL run reports: held-out evaluations (computed once per key, kept in heldout.json),
-per-step metrics of the trained groups, and the curves."""
+per-step metrics of the trained groups, and the curves. Files go through `etils.epath`, so the
+run's folder may be a bucket."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
 import time
 
 import numpy as np
+from etils import epath
 
 from composer_jax.actor.evaluator import HeldoutResult
 from composer_jax.train.metrics import read_metrics
@@ -19,10 +22,8 @@ log = logging.getLogger(__name__)
 def heldout_once(cfg, evaluator, model, path, key, progress) -> HeldoutResult:
     """The held-out evaluation under `key` ("before", "after-<step>"): read from `path` when a
     start of this run already made it, else computed and added there."""
-    stored = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            stored = json.load(f)
+    path = epath.Path(path)
+    stored = json.loads(path.read_text()) if path.exists() else {}
     if key in stored:
         r = stored[key]
         return HeldoutResult(np.asarray(r["per_task"]), r["pass_rate"])
@@ -33,8 +34,7 @@ def heldout_once(cfg, evaluator, model, path, key, progress) -> HeldoutResult:
         f"[{time.perf_counter() - start:.0f} s]"
     )
     stored[key] = {"per_task": result.per_task.tolist(), "pass_rate": result.pass_rate}
-    with open(path, "w") as f:
-        json.dump(stored, f)
+    path.write_text(json.dumps(stored))
     return result
 
 
@@ -102,7 +102,8 @@ def group_metrics(groups, version: int, cfg) -> dict[str, float]:
 
 
 def plot_curves(metrics_path: str, out_path: str) -> None:
-    """Reward, pass rate, KL, length penalty and staleness against the step, as one PNG."""
+    """Reward, pass rate, KL, length penalty and staleness against the step, as one PNG (drawn
+    in memory: matplotlib writes local files only)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -138,5 +139,7 @@ def plot_curves(metrics_path: str, out_path: str) -> None:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out_path, dpi=100)
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=100)
     plt.close(fig)
+    epath.Path(out_path).write_bytes(image.getvalue())

@@ -5,7 +5,8 @@ Everything a run writes lives in `cfg.workdir`:
   checkpoints/       RL train state (orbax), every train.checkpoint_every steps and at the end
   ledger/            finished groups and which step consumed them (exactly-once on restart)
   inflight/          the groups in flight at each checkpoint (a restart resumes them mid-episode)
-  weights/attempt-N/ the compressed-delta weight store of the N-th start of this run
+  weights/attempt-N/ the compressed-delta weight store of the N-th start of this run (in a
+                     bucket: attempt-<unix time>)
   metrics.jsonl      one line per step (reward, pass rate, staleness, tokens/s, KL, length
                      penalty, health counters), plus `heldout_reward` before RL and at the end
   heldout.json       the held-out evaluations; rl_curves.png the curves
@@ -16,7 +17,9 @@ that were in flight at that checkpoint from their environment snapshots.
 On several JAX processes (one job, `jax.distributed`) every process runs the warm start and holds
 its part of the train state; process 0 alone runs the actor loop (sampler, environments, ledger,
 in-flight records, metrics, held-out evaluation) and the others follow its trainer's calls
-(`RLTrainer.follow`). The workdir must be one folder that every process sees.
+(`RLTrainer.follow`). The workdir must be one folder that every process sees: a shared file
+system, or a `gs://` bucket (every file above goes there through epath, orbax and tensorstore;
+only `rl.trace` stays local).
 """
 
 from __future__ import annotations
@@ -63,9 +66,9 @@ from composer_jax.train.step import split_model
 from composer_jax.train.workdir import (
     check_resume,
     check_run_folder,
-    is_remote,
     prepare_workdir,
     record_launch,
+    run_path,
     write_config,
 )
 
@@ -93,14 +96,9 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
     """Trains (or resumes) the asynchronous RL run described by `cfg` in `cfg.workdir`."""
     config_lib.validate(cfg, jax.device_count())
     rl = cfg.rl
-    if is_remote(cfg.workdir):  # the ledger, in-flight records and weight store are local files
-        raise config_lib.ConfigError(
-            f"workdir: {cfg.workdir} is a bucket; an RL run's workdir must be a local path "
-            "for now (its rl.warm_start may be a bucket run)"
-        )
     if rl.warm_start:  # before the workdir exists: a typo must not leave an empty run behind
         check_run_folder(rl.warm_start, "rl.warm_start")
-    check_resume(os.path.abspath(cfg.workdir), cfg)  # before the folder is made
+    check_resume(str(run_path(cfg.workdir, "workdir")), cfg)  # before the folder is made
     if jax.process_count() > 1:  # every process has judged the folder before process 0 writes
         multihost_utils.sync_global_devices("checked the RL workdir")
     prepare_workdir(cfg.workdir)

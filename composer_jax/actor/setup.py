@@ -99,9 +99,13 @@ def env_timeout(rl, env_config) -> float:
 
 
 def store_dir(cfg) -> str:
+    """A weight store of this start alone (an earlier start's versions never mix with its own):
+    `<root>/attempt-<N>` in a local folder; `<root>/attempt-<unix time>/` under a kvstore URL such
+    as a `gs://` workdir, which trainer and sampler open as a tensorstore kvstore (the trailing
+    slash: a kvstore prefixes its keys with the path as it is)."""
     root = cfg.rl.weight_store or os.path.join(cfg.workdir, "weights")
     if "://" in root:
-        return f"{root.rstrip('/')}/attempt-{int(time.time())}"
+        return f"{root.rstrip('/')}/attempt-{int(time.time())}/"
     root = os.path.abspath(root)  # Ray actors run in their runtime_env's folder, not this one
     os.makedirs(root, exist_ok=True)
     attempt = len([d for d in os.listdir(root) if d.startswith("attempt-")])

@@ -1,13 +1,14 @@
-"""A run in a bucket: pretraining and its resume on a `gs://` workdir, offline; an RL run may
-warm-start from one (the same loaders) but its own workdir stays local for now.
+"""Runs in a bucket, offline: pretraining and its resume on a `gs://` workdir, and an RL run
+stopped by a signal and resumed there (ledger, in-flight records, weight store, checkpoints).
 
 Why this scheme: `gs://` is the one bucket scheme both epath (metrics, config, launches, the
 checkpoint folders) and orbax (checkpoint tensors) serve, so it is the one whose real code paths a
 run crosses: URIs kept as URIs, epath's fsspec backend, orbax's gs:// handling (no atomic
 rename; `commit_success.txt` markers; deletions past `keep_checkpoints`). Only the storage under
 the three Google clients is swapped for a local folder: fsspec's `gs` protocol (gcsfs) becomes a
-DirFileSystem over the folder, tensorstore's `gcs` kvstore spec a `file` one over the same
-folder, and orbax's bucket-layout query (google-cloud-storage) answers "flat namespace".
+DirFileSystem over the folder, tensorstore's `gcs` kvstore (orbax's spec, and a `gs://` URL that
+the weight store opens) a `file` one over the same folder, and orbax's bucket-layout query
+(google-cloud-storage) answers "flat namespace".
 `memory://` is no alternative: epath does not route it to fsspec, and orbax would write its
 tensors under a local folder named `memory:`. A mock of epath would skip the code under test.
 """
@@ -16,14 +17,19 @@ import dataclasses
 import importlib
 import json
 import os
+import signal
 
 import pytest
+import tensorstore as ts
 from etils.epath import backend as epath_backend
 from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from orbax.checkpoint._src.path import gcs_utils
 
 from composer_jax import config
+from composer_jax.actor import run as run_lib
+from composer_jax.actor.inflight import GroupState, InFlightStore
+from composer_jax.actor.ledger import Group, GroupLedger
 from composer_jax.actor.run import run_rl
 from composer_jax.config import ConfigError
 from composer_jax.data.tokenizer import load_tokenizer
@@ -31,6 +37,8 @@ from composer_jax.train import load_run, read_metrics, run_pretraining
 from composer_jax.train import workdir as workdir_lib
 from composer_jax.train.runs import run_tokenizer, save_run_tokenizer
 from composer_jax.train.workdir import check_run_folder, prepare_workdir
+from tests.actor.test_ledger import make_group
+from tests.actor.test_run_rl import GROUPS_PER_STEP, STEPS, _check_finished_run
 from tests.train.helpers import make_corpus, tiny_experiment
 
 
@@ -61,6 +69,14 @@ def bucket(tmp_path, monkeypatch):
         return {"driver": "file", "path": str(root / spec["bucket"] / spec["path"])}
 
     monkeypatch.setattr(gcs_utils, "get_kvstore_for_gcs", local_kvstore)
+    open_kvstore = ts.KvStore.open
+
+    def open_local_kvstore(spec, *args, **kwargs):
+        if isinstance(spec, str) and spec.startswith("gs://"):
+            spec = {"driver": "file", "path": f"{root}/{spec.removeprefix('gs://')}"}  # as is
+        return open_kvstore(spec, *args, **kwargs)
+
+    monkeypatch.setattr(ts.KvStore, "open", staticmethod(open_local_kvstore))
     monkeypatch.setattr(gcs_utils, "is_hierarchical_namespace_enabled", lambda path: False)
     # google-cloud-storage's one use (that layout query) is answered, so run_path needs it not.
     monkeypatch.setitem(workdir_lib._SCHEMES, "gs", gcs_utils.__name__)
@@ -110,11 +126,96 @@ def test_a_bucket_run_keeps_its_tokenizer(bucket):
     save_run_tokenizer(tokenizer, "gs://runs/bpe")  # the same one again: left as it is
 
 
-def test_an_rl_run_in_a_bucket_is_refused_before_anything_is_written(bucket):
-    cfg = dataclasses.replace(config.PRESETS["rl_tiny"](), workdir="gs://runs/rl")
-    with pytest.raises(ConfigError, match=r"^workdir: gs://runs/rl is a bucket; an RL run"):
+def test_ledger_and_in_flight_records_in_a_bucket(bucket):
+    """Objects written whole (no temporary ones), damaged records set aside in the bucket, the
+    newest two in-flight records kept; reopening gives the same view."""
+    ledger = GroupLedger("gs://runs/rl/ledger")
+    for i in range(3):
+        ledger.add(make_group(Group, i))
+    ledger.mark_trained(["g00000"], step=1)
+    ledger.mark_trained(["g00001"], step=2)
+    assert ledger.rewind(1) == ["g00001"]
+    groups = bucket / "runs" / "rl" / "ledger" / "groups"
+    (groups / "g00002.npz").write_bytes(b"torn")
+    reopened = GroupLedger("gs://runs/rl/ledger")
+    assert reopened.directory == "gs://runs/rl/ledger"
+    assert reopened.pending() == ["g00001"] and reopened.trained_step("g00000") == 1
+    assert reopened.corrupt == ["g00002"] and (groups / "g00002.npz.corrupt").is_file()
+    assert reopened.load("g00001").metadata == make_group(Group, 1).metadata
+    assert not [p for p in (bucket / "runs").rglob("*") if p.name.startswith(".tmp-")]
+
+    store = InFlightStore("gs://runs/rl/inflight")
+    for step in (2, 4, 6):
+        store.save(step, [GroupState(f"p{step:05d}-g", step, [])])
+    assert sorted(os.listdir(bucket / "runs" / "rl" / "inflight")) == [
+        "step-000000004.pkl",
+        "step-000000006.pkl",
+    ]
+    assert store.load(6) == [GroupState("p00006-g", 6, [])] and store.load(2) == []
+
+
+def _small_rl(workdir: str, **fields) -> config.ExperimentConfig:
+    """`rl_tiny` at the size of tests/actor/test_run_rl.py's runs."""
+    cfg = config.PRESETS["rl_tiny"]()
+    rl = dataclasses.replace(
+        cfg.rl,
+        warm_start_steps=4,
+        heldout_num_tasks=2,
+        heldout_samples=1,
+        group_size=2,
+        groups_per_step=GROUPS_PER_STEP,
+        num_slots=4,
+        context_len=512,
+        max_new_tokens=24,
+        max_turns=2,  # samples wait between turns: in-flight records matter
+        max_staleness=8,  # nothing dropped: every prompt must be trained once
+        skip_uniform_groups=False,
+        num_prompts=0,
+        env_workers="thread",
+    )
+    train = dataclasses.replace(cfg.train, checkpoint_every=2)
+    return dataclasses.replace(cfg, workdir=workdir, steps=STEPS, train=train, rl=rl, **fields)
+
+
+def test_an_rl_run_in_a_bucket_stops_on_sigterm_and_resumes_exactly_once(bucket, monkeypatch):
+    """SIGTERM after step 3 (its checkpoint and groups in flight saved at once), then a start
+    with resume=must trains on to the end: every group trained exactly once, and every file of
+    the run (ledger, in-flight records, weight stores, checkpoints, held-out results, curves)
+    in the bucket."""
+
+    class StopAfterStep3(run_lib.MetricsWriter):
+        def write(self, step, record):
+            super().write(step, record)
+            if step == 3 and "reward_mean" in record:
+                signal.raise_signal(signal.SIGTERM)  # the loop's handler: stop at this step
+
+    with monkeypatch.context() as patch:
+        patch.setattr(run_lib, "MetricsWriter", StopAfterStep3)
+        stopped = run_rl(_small_rl("gs://runs/rl"), progress=False)
+    assert (stopped.final_step, stopped.interrupted) == (3, "SIGTERM")
+    run = bucket / "runs" / "rl"
+    assert sorted(os.listdir(run / "inflight")) == ["step-000000002.pkl", "step-000000003.pkl"]
+
+    finished = run_rl(_small_rl("gs://runs/rl", resume="must"), progress=False)
+    assert (finished.final_step, finished.interrupted) == (STEPS, None)
+    _check_finished_run(str(run))
+    launches = [json.loads(line) for line in (run / "launches.jsonl").read_text().splitlines()]
+    assert [launch["resumed_step"] for launch in launches] == [None, 3]
+    assert len(json.loads((run / "heldout.json").read_text())) == 2  # before RL, after it
+    attempts = sorted(os.listdir(run / "weights"))
+    assert len(attempts) == 2  # one store per start, each read by that start's sampler
+    for attempt in attempts:
+        assert os.listdir(run / "weights" / attempt / "manifests")
+    assert (run / "warm_start" / "config.json").is_file()
+    assert (run / "checkpoints" / str(STEPS) / "commit_success.txt").exists()
+
+
+def test_an_rl_run_on_s3_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = dataclasses.replace(config.PRESETS["rl_tiny"](), workdir="s3://runs/rl")
+    with pytest.raises(ConfigError, match=r"^workdir: 's3://runs/rl' has the scheme s3://"):
         run_rl(cfg, progress=False)
-    assert os.listdir(bucket) == []
+    assert os.listdir(tmp_path) == []
 
 
 def test_an_unserved_scheme_is_a_one_line_error(tmp_path, monkeypatch):
