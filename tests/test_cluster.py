@@ -192,13 +192,14 @@ def test_jobset_environment_forms_a_two_process_job_through_launch_runtime():
 
 
 def test_jobset_on_several_pods_needs_the_workdir_on_a_shared_claim():
-    with pytest.raises(ValueError, match="2 pods need a shared workdir: give --pvc"):
+    with pytest.raises(ValueError, match="2 pods need a shared workdir: give --pvc .* or a gs:// --config.workdir"):
         templates.jobset(job(), "img")
     with pytest.raises(ValueError, match="workdir=runs/x is not on the shared claim: use a path"):
         templates.jobset(job(("launch.pretrain", "--config.workdir=runs/x")), "img", pvc="c")
     with pytest.raises(ValueError, match="the config's workdir is not on the shared claim"):
         templates.jobset(job(("launch.pretrain",)), "img", pvc="c")
     templates.jobset(job(("launch.pretrain",), nodes=1), "img")  # one pod: its disk is enough
+    templates.jobset(job(("launch.rl", "--config.workdir=gs://bucket/run")), "img")  # shared
 
 
 # ----------------------------------------------------------------------------- Docker

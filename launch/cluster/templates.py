@@ -156,7 +156,7 @@ def jobset(
     max_restarts: int = 3,
 ) -> dict[str, str]:
     """A headless Service and a JobSet; `pvc` mounts a ReadWriteMany claim at `mount`, where the
-    workdir of a run on several pods must be."""
+    workdir of a run on several pods must be unless it is a `gs://` bucket."""
     if not 0 < port < 65536:
         raise ValueError(f"port must be in 1..65535, got {port}")
     if job.nodes > 1:
@@ -233,13 +233,16 @@ def jobset(
 
 def _check_shared_workdir(job: Job, pvc: str, mount: str) -> None:
     """Every process reads the workdir's config and writes its shards of each checkpoint there,
-    so on several pods it must be one folder for all: on the mounted claim, never a pod's own
-    disk (workdirs are file-system paths; buckets are not supported)."""
+    so on several pods it must be one folder for all: a `gs://` bucket, or a path on the mounted
+    claim, never a pod's own disk."""
+    workdirs = [a.split("=", 1)[1] for a in job.command if a.startswith("--config.workdir=")]
+    if workdirs and workdirs[-1].startswith("gs://"):
+        return
     if not pvc:
         raise ValueError(
-            f"{job.nodes} pods need a shared workdir: give --pvc (a ReadWriteMany claim)"
+            f"{job.nodes} pods need a shared workdir: give --pvc (a ReadWriteMany claim) or a "
+            "gs:// --config.workdir"
         )
-    workdirs = [a.split("=", 1)[1] for a in job.command if a.startswith("--config.workdir=")]
     if not workdirs or not workdirs[-1].startswith(mount.rstrip("/") + "/"):
         given = f"--config.workdir={workdirs[-1]}" if workdirs else "the config's workdir"
         raise ValueError(f"{given} is not on the shared claim: use a path under {mount}")
