@@ -89,7 +89,7 @@ def _channel() -> None:
     payloads = [np.random.default_rng(i).bytes(3_000_000 if i == 2 else 100 * i) for i in range(12)]
     channel = LeaderChannel("probe")
     if jax.process_index() == 0:
-        time.sleep(40)  # longer than a gloo rendezvous would wait
+        time.sleep(35)  # longer than a gloo rendezvous would wait (30 s)
         for i, payload in enumerate(payloads):
             channel.send(f"c{i}", payload)
         left = channel._client.key_value_dir_get_bytes("probe/")
