@@ -2,10 +2,12 @@
 
 Each step feeds every live slot its last sampled token, samples the next one and decides on device
 whether the row is done: it ended with one of its stop sequences, spent its token budget, or filled
-its cache row. A finished row stops writing (its input is marked invalid, so its cache row and
-length stay where they were) and its later outputs are masked, so the host syncs once per chunk
-and reads the per-token records as [steps, slots, ...] arrays. Stop strings need decoded text and
-are checked by the host after the chunk.
+its cache row. The call ends after `steps` steps or after the first step in which a row finished
+(so the host can give that slot its next request without the other rows idling it), and the host
+syncs once per call, reading the per-token records as [steps, slots, ...] arrays whose entries
+past a row's end are masked. A finished row stops writing (its input is marked invalid, so its
+cache row and length stay where they were). Stop strings need decoded text and are checked by the
+host after the call.
 
 Inputs of rows that are not live are the ones a single decode step gives them (token 0 at position
 0, invalid), and each token's key depends only on (request seed, position), so a chunk of N steps
@@ -158,5 +160,22 @@ def decode_chunk(
         inputs.context_left,
         jnp.zeros_like(inputs.tokens),
     )
-    carry, records = jax.lax.scan(step, carry, length=steps)
+    # A while loop rather than a scan: the call ends at the first step in which a row finishes,
+    # so its slot is refilled by the host at once instead of idling to the end of the chunk.
+    # Records of steps not run stay zero with `live` False, which the host skips.
+    shapes = jax.eval_shape(lambda c: step(c, None)[1], carry)
+    buffers = jax.tree.map(lambda x: jnp.zeros((steps, *x.shape), x.dtype), shapes)
+
+    def running(loop):
+        i, carry, _ = loop
+        live_B, reason_B = carry[3], carry[-1]
+        return (i < steps) & live_B.any() & ~(reason_B != 0).any()
+
+    def body(loop):
+        i, carry, buffers = loop
+        carry, record = step(carry, None)
+        buffers = jax.tree.map(lambda buf, r: buf.at[i].set(r), buffers, record)
+        return i + 1, carry, buffers
+
+    _, carry, records = jax.lax.while_loop(running, body, (0, carry, buffers))
     return DecodeChunk(*records, carry[-1]), carry[0]

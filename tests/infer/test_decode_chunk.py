@@ -181,3 +181,17 @@ def test_weight_update_between_chunks(tiny_model, recompute_cache):
 def test_decode_chunk_must_be_positive(tiny_model):
     with pytest.raises(ValueError, match="decode_chunk"):
         _engine(tiny_model, 0)
+
+
+def test_a_call_ends_when_a_row_finishes_so_its_slot_refills(tiny_model):
+    """A row that ends mid-chunk ends the call: the next request takes its slot at once instead
+    of waiting while the other rows decode the rest of the chunk."""
+    engine = _engine(tiny_model, 8, num_slots=2)
+    greedy = dataclasses.replace(GREEDY, max_new_tokens=3)
+    short = engine.submit(_prompt(tiny_model, 6, 0), greedy)
+    long = engine.submit(_prompt(tiny_model, 6, 1), dataclasses.replace(GREEDY, max_new_tokens=30))
+    waiting = engine.submit(_prompt(tiny_model, 6, 2), greedy)
+    assert engine.step() == [short]  # prefill's token, then a call of 2 steps, not 8
+    assert len(engine.completions[long].tokens) == 3
+    engine.step()  # the waiting request took the free slot
+    assert engine.completions[waiting].tokens
