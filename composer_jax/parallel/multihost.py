@@ -29,12 +29,12 @@ class LeaderChannel:
 
     Carried by the distributed runtime's key-value store rather than a device collective: a
     follower may wait minutes for the next command (while process 0 evaluates or waits for
-    rollouts), and XLA:CPU's gloo collectives give up on a peer after 30 s. JAX has no public API
-    for that store (its compilation cache and array serialization reach it the same way). A
-    payload is pickled and split into chunks under `<name>/<n>/<i>`. Each follower acknowledges
-    every command it reads; process 0 deletes a command `RETAINED` commands later, once every
-    follower has acknowledged it (waiting for that if a follower lags so far behind), so the
-    store holds a bounded window of the stream.
+    rollouts), and an XLA:CPU (gloo) collective's first meeting of a device set gives up after
+    30 s. JAX has no public API for that store (its compilation cache and array serialization
+    reach it the same way). A payload is pickled and split into chunks under `<name>/<n>/<i>`.
+    Each follower acknowledges every command it reads; process 0 deletes a command `RETAINED`
+    commands later, once every follower has acknowledged it (waiting for that if a follower lags
+    so far behind), so the store holds a bounded window of the stream.
     """
 
     CHUNK = 1 << 20
