@@ -12,6 +12,7 @@ import time
 import psutil
 import pytest
 
+from composer_jax.actor.ids import GroupId
 from composer_jax.actor.ledger import GroupLedger
 from composer_jax.train.metrics import read_metrics
 
@@ -54,20 +55,27 @@ def _rl_steps(workdir) -> list[int]:
     return [m["step"] for m in read_metrics(path) if "reward_mean" in m]
 
 
-def _check_finished_run(workdir):
+def _check_finished_run(workdir, allow_dropped: bool = False):
+    """Steps 1..STEPS each trained once, every prompt trained exactly once. `allow_dropped`:
+    groups sampled by weights newer than the restored checkpoint may have been dropped (their
+    prompts sampled again), which happens when a process outlives the kill long enough to
+    sample with them."""
     ledger = GroupLedger(os.path.join(workdir, "ledger"))
     prompts = {f"p{i:05d}" for i in range(STEPS * GROUPS_PER_STEP)}
     consumed = {}
     for name in os.listdir(os.path.join(workdir, "ledger", "consumed")):
         with open(os.path.join(workdir, "ledger", "consumed", name)) as f:
             record = json.load(f)
+        if allow_dropped and name.startswith("dropped-"):
+            continue
         assert name.startswith("trained-"), name  # nothing was dropped
         consumed[record["step"]] = record["group_ids"]
     assert sorted(consumed) == list(range(1, STEPS + 1))
-    trained = [gid for ids in consumed.values() for gid in ids]
-    assert len(trained) == len(set(trained)), "a group was trained twice"
+    trained = [GroupId.parse(gid).prompt for ids in consumed.values() for gid in ids]
+    assert len(trained) == len(set(trained)), "a prompt was trained twice"
     assert set(trained) == prompts, "a prompt was lost or an unknown group trained"
-    assert all(ledger.trained_step(gid) is not None for gid in prompts)
+    trained_ids = [gid for ids in consumed.values() for gid in ids]
+    assert all(ledger.trained_step(gid) is not None for gid in trained_ids)
     assert _rl_steps(workdir) == list(range(1, STEPS + 1))
     heldout = [
         m for m in read_metrics(os.path.join(workdir, "metrics.jsonl")) if "heldout_reward" in m
@@ -153,7 +161,9 @@ def test_two_processes_run_the_main_job_and_resume_after_kill_9_of_one(tmp_path)
     assert restart.returncode == 0, restart.stdout[-3000:] + restart.stderr[-3000:]
     assert "[0] Resumed RL at step" in restart.stdout
     assert "[1] Resumed RL" not in restart.stdout  # the ledger is process 0's alone
-    _check_finished_run(workdir)
+    # Process 0 outlives process 1 by the launcher's grace period, sampling with weights the
+    # restored checkpoint never had: those groups are dropped and their prompts sampled again.
+    _check_finished_run(workdir, allow_dropped=True)
     with open(os.path.join(workdir, "launches.jsonl")) as f:
         launches = [json.loads(line) for line in f]
     assert [(r["kind"], r["devices"]["processes"]) for r in launches] == [("rl", 2), ("rl", 2)]
