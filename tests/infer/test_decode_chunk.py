@@ -13,6 +13,7 @@ from composer_jax.infer import Completion, InferenceEngine, SamplingParams
 from composer_jax.infer.decode import decode_chunk
 from composer_jax.infer.engine import ends_with_stop_string
 from composer_jax.model.transformer import init_model
+from tests.infer.test_engine import _engine as engine_for_tests
 
 MAX_LEN = 48
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
@@ -21,15 +22,7 @@ BYTES = ByteTokenizer()
 
 
 def _engine(model, decode_chunk: int, num_slots: int = 3) -> InferenceEngine:
-    return InferenceEngine(
-        model,
-        num_slots=num_slots,
-        max_len=MAX_LEN,
-        prefill_buckets=(8,),
-        prefill_batch_sizes=(num_slots,),
-        tokenizer=BYTES,
-        decode_chunk=decode_chunk,
-    )
+    return engine_for_tests(model, num_slots, tokenizer=BYTES, decode_chunk=decode_chunk)
 
 
 def _prompt(model, n: int, seed: int) -> list[int]:
