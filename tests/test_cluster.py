@@ -192,7 +192,9 @@ def test_jobset_environment_forms_a_two_process_job_through_launch_runtime():
 
 
 def test_jobset_on_several_pods_needs_the_workdir_on_a_shared_claim():
-    with pytest.raises(ValueError, match="2 pods need a shared workdir: give --pvc .* or a gs:// --config.workdir"):
+    with pytest.raises(
+        ValueError, match="2 pods need a shared workdir: give --pvc .* or a gs:// --config.workdir"
+    ):
         templates.jobset(job(), "img")
     with pytest.raises(ValueError, match="workdir=runs/x is not on the shared claim: use a path"):
         templates.jobset(job(("launch.pretrain", "--config.workdir=runs/x")), "img", pvc="c")

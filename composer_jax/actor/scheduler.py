@@ -123,13 +123,21 @@ class Scheduler:
             self._hard.append((num_turns * 1e6 + thinking_tokens, group.prompt))
 
 
+def uniform_rewards(group, rl: RLConfig) -> np.ndarray:
+    """The rewards dynamic sampling compares within a group (rl.uniform_by): the task reward, or
+    the total before KL (task, weighted behaviour rewards, length penalty)."""
+    if rl.uniform_by == "task":
+        return np.asarray(group.rewards)
+    return total_rewards(group, rl)
+
+
 def next_groups(coordinator, ledger: GroupLedger, rl: RLConfig, version: int, interrupted=None):
     """The next batch of finished groups for the trainer at `version`: (groups, advantage
     weights, groups dropped as stale). Groups whose oldest token lags more than rl.max_staleness
     versions are dropped for good (and the wait goes on) or kept with weight
     stale_decay ** (lag - max_staleness), per rl.stale_policy; a dropped group's prompt is
-    sampled again. With rl.skip_uniform_groups, groups whose samples' total rewards (task,
-    behaviour and length penalty) are all equal are dropped too (not redone). Fewer groups only
+    sampled again. With rl.skip_uniform_groups, groups whose samples' rewards are all equal
+    (`uniform_rewards`) are dropped too (not redone). Fewer groups only
     at the end of the prompt epoch; none when it is over; (None, None, dropped) when
     `interrupted()` returned True."""
     dropped = 0
@@ -157,7 +165,7 @@ def next_groups(coordinator, ledger: GroupLedger, rl: RLConfig, version: int, in
         uniform = [
             g.group_id
             for g in groups
-            if rl.skip_uniform_groups and np.ptp(total_rewards(g, rl)) == 0
+            if rl.skip_uniform_groups and np.ptp(uniform_rewards(g, rl)) == 0
         ]
         if not uniform:
             break

@@ -71,6 +71,7 @@ class RLObjectiveConfig:
 RL_BACKENDS = ("threads", "ray")
 ENV_WORKER_KINDS = ("process", "thread")
 STALE_POLICIES = ("drop", "reweight")
+UNIFORM_BY = ("task", "total")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,9 +112,13 @@ class RLConfig(RLObjectiveConfig):
     max_staleness: int = 2
     stale_policy: str = "drop"
     stale_decay: float = 0.5
-    # Dynamic sampling (DAPO): skip groups whose samples all got the same task reward (their
-    # advantages carry only the KL and length terms); they are counted, their prompts not redone.
+    # Dynamic sampling (DAPO): skip groups whose samples all got the same reward; they are
+    # counted, their prompts not redone. `uniform_by` "task": the task reward (all pass or all
+    # fail: the advantages carry only the length, behaviour and KL terms, which then decide the
+    # step); "total": the total reward before KL (the length penalty makes almost every group
+    # differ, so almost none is skipped).
     skip_uniform_groups: bool = False
+    uniform_by: str = "task"
     # Later in the epoch, revisit the hardest prompts seen (most turns, then most thinking tokens):
     # this fraction of the scheduled groups is drawn from them once half the prompts are used.
     hard_prompt_fraction: float = 0.0
@@ -235,6 +240,7 @@ def validate_rl(cfg: RLConfig, where: str = "rl") -> None:
         ("backend", RL_BACKENDS),
         ("env_workers", ENV_WORKER_KINDS),
         ("stale_policy", STALE_POLICIES),
+        ("uniform_by", UNIFORM_BY),
         ("weight_delta", ("xor", "add")),
     ):
         value = getattr(cfg, name)

@@ -90,13 +90,23 @@ def test_stale_groups_are_dropped_or_reweighted(tmp_path, policy):
         assert dropped == 0 and ledger.stats()["dropped_stale"] == 0
 
 
-def test_dynamic_sampling_keeps_groups_whose_lengths_differ(tmp_path):
-    """Every sample passes, but the shorter one gets a smaller length penalty: the group still
-    has a signal and is trained; an all-pass group of equal lengths is dropped."""
-    rl = dataclasses.replace(RLConfig(), groups_per_step=1, skip_uniform_groups=True)
-    ledger = _ledger(tmp_path, [3, 3], rewards=[[1, 1], [1, 1]], lengths=[(20, 20), (10, 300)])
+@pytest.mark.parametrize("uniform_by", ["task", "total"])
+def test_dynamic_sampling_compares_the_chosen_reward(tmp_path, uniform_by):
+    """Every sample of g1 passes but the shorter one gets a smaller length penalty: by task reward
+    g1 is uniform and skipped like g0; by total reward it still has a signal and is trained. g2
+    (one pass, one fail) is trained either way."""
+    rl = dataclasses.replace(
+        RLConfig(), groups_per_step=1, skip_uniform_groups=True, uniform_by=uniform_by
+    )
+    rewards = [[1, 1], [1, 1], [1, 0]]
+    ledger = _ledger(tmp_path, [3, 3, 3], rewards, lengths=[(20, 20), (10, 300), (20, 20)])
     groups, _, _ = next_groups(_Coordinator(ledger), ledger, rl, version=3)
-    assert [g.group_id for g in groups] == ["g1"] and ledger.dropped("uninformative") == ["g0"]
+    if uniform_by == "total":
+        assert [g.group_id for g in groups] == ["g1"]
+        assert ledger.dropped("uninformative") == ["g0"]
+    else:
+        assert [g.group_id for g in groups] == ["g2"]
+        assert ledger.dropped("uninformative") == ["g0", "g1"]
 
 
 def test_weights_scale_the_advantages_of_their_samples():
