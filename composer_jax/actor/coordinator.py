@@ -278,8 +278,11 @@ class Coordinator:
         cfg, state = self.cfg, self.state
         with state.lock:
             while True:
-                in_flight = sum(len(g.samples) for g in state.groups.values())
-                if in_flight + cfg.group_size > cfg.num_slots * cfg.num_samplers:
+                # Samples not yet scored (a scored sample's slot is free again, even while the
+                # rest of its group still generates), against the slots plus the lookahead.
+                capacity = cfg.num_slots * cfg.num_samplers
+                capacity += cfg.group_size * cfg.schedule_ahead_groups
+                if len(state.active) + cfg.group_size > capacity:
                     return
                 version = self.sampler.version or 0
                 if not self.scheduler.admits(self.trainer_version, self._untrained, version):

@@ -1,4 +1,5 @@
-"""The coordinator's rollout mechanics: text feedback, self-summarisation, worker failures."""
+"""The coordinator's rollout mechanics: text feedback, self-summarisation, worker failures,
+scheduling against the sampler's slots."""
 
 import os
 import signal
@@ -215,6 +216,7 @@ def test_hardest_prompts_are_revisited_late_in_the_epoch(tmp_path):
         groups_per_step=1,
         max_turns=6,
         num_slots=2,  # one group at a time: the epoch runs in prompt order
+        schedule_ahead_groups=0,
         max_staleness=100,
         hard_prompt_fraction=0.99,
         feedback_detectors=(),
@@ -338,3 +340,80 @@ def test_restart_resumes_samples_mid_episode_from_the_in_flight_record(tmp_path)
     )
     policy_text = TOKENIZER.decode(seq.tokens[seq.policy_mask])
     assert policy_text == write + final
+
+
+class _SelectiveSampler(ScriptedSampler):
+    """Finishes the requests `finishes(request_id)` accepts and holds the others forever."""
+
+    def __init__(self, finishes, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.finishes = finishes
+
+    def poll(self, max_steps: int = 8):
+        held = [rid for rid in self._running if not self.finishes(rid)]
+        self._running = [rid for rid in self._running if self.finishes(rid)]
+        done = super().poll(max_steps)
+        self._running = held
+        return done
+
+
+def _scheduled_groups(cfg, finishes, ledger_dir, settle_s=1.5):
+    """The groups the coordinator started within `settle_s` with a sampler that finishes only
+    the requests `finishes` accepts, and its samples queued for a slot at that moment."""
+    tasks = envs.builtin_tasks(4, seed=51, max_ops=1)
+    write = envs.oracle_turns(tasks[0])[0]
+    sampler = _SelectiveSampler(
+        finishes,
+        lambda prompt, turn: write,
+        TOKENIZER,
+        num_slots=cfg.num_slots,
+        moe_layers=MODEL_CFG.num_moe_layers,
+        k=MODEL_CFG.num_experts_per_tok,
+    )
+    prompts = [(f"p{i}", task) for i, task in enumerate(tasks)]
+    args = (TOKENIZER, MODEL_CFG.num_moe_layers, MODEL_CFG.num_experts_per_tok)
+    with ThreadEnvironmentPool(4, timeout_s=60) as pool:
+        coordinator = Coordinator(cfg, sampler, pool, GroupLedger(ledger_dir), prompts, *args)
+        coordinator.start()
+        try:
+            time.sleep(settle_s)
+            with coordinator.state.lock:
+                groups = sorted(str(g) for g in coordinator.state.groups)
+                waiting = len(coordinator.state.waiting)
+        finally:
+            coordinator.stop()
+    return groups, waiting
+
+
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_groups_start_ahead_of_free_slots(tmp_path, ahead):
+    """With every request held, the slots hold one group; `schedule_ahead_groups` more groups
+    start their environments and wait for a slot with their prompts ready."""
+    cfg = RLConfig(
+        group_size=2,
+        groups_per_step=1,
+        max_turns=1,
+        num_slots=2,
+        max_staleness=100,
+        schedule_ahead_groups=ahead,
+        feedback_detectors=(),
+    )
+    groups, waiting = _scheduled_groups(cfg, lambda rid: False, tmp_path)
+    assert groups == ["p0", "p1"][: 1 + ahead]
+    assert waiting == 2 * ahead
+
+
+def test_a_scored_sample_frees_its_slot_for_the_next_group(tmp_path):
+    """Group p0's first sample is scored while its second is held: p1 starts in the freed slot,
+    although p0 is not finished."""
+    cfg = RLConfig(
+        group_size=2,
+        groups_per_step=1,
+        max_turns=1,
+        num_slots=3,
+        max_staleness=100,
+        schedule_ahead_groups=0,
+        feedback_detectors=(),
+    )
+    groups, _ = _scheduled_groups(cfg, lambda rid: rid == 0, tmp_path)
+    assert groups == ["p0", "p1"]
