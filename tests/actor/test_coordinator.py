@@ -357,16 +357,26 @@ class _SelectiveSampler(ScriptedSampler):
         return done
 
 
-def _scheduled_groups(cfg, finishes, ledger_dir, settle_s=1.5):
-    """The groups the coordinator started within `settle_s` with a sampler that finishes only
-    the requests `finishes` accepts, and its samples queued for a slot at that moment."""
+def _scheduled_groups(finishes, ready, ledger_dir, num_slots, ahead):
+    """Groups of 2 one-turn samples under a sampler that finishes only the requests `finishes`
+    accepts: once `ready(state)` holds (within 60 s) and the loop ran on a while, the groups the
+    coordinator started and its samples queued for a slot."""
+    cfg = RLConfig(
+        group_size=2,
+        groups_per_step=1,
+        max_turns=1,
+        num_slots=num_slots,
+        max_staleness=100,
+        schedule_ahead_groups=ahead,
+        feedback_detectors=(),
+    )
     tasks = envs.builtin_tasks(4, seed=51, max_ops=1)
     write = envs.oracle_turns(tasks[0])[0]
     sampler = _SelectiveSampler(
         finishes,
         lambda prompt, turn: write,
         TOKENIZER,
-        num_slots=cfg.num_slots,
+        num_slots=num_slots,
         moe_layers=MODEL_CFG.num_moe_layers,
         k=MODEL_CFG.num_experts_per_tok,
     )
@@ -374,46 +384,42 @@ def _scheduled_groups(cfg, finishes, ledger_dir, settle_s=1.5):
     args = (TOKENIZER, MODEL_CFG.num_moe_layers, MODEL_CFG.num_experts_per_tok)
     with ThreadEnvironmentPool(4, timeout_s=60) as pool:
         coordinator = Coordinator(cfg, sampler, pool, GroupLedger(ledger_dir), prompts, *args)
+        state = coordinator.state
         coordinator.start()
         try:
-            time.sleep(settle_s)
-            with coordinator.state.lock:
-                groups = sorted(str(g) for g in coordinator.state.groups)
-                waiting = len(coordinator.state.waiting)
+            deadline = time.monotonic() + 60
+            while True:
+                with state.lock:
+                    if ready(state):
+                        break
+                assert time.monotonic() < deadline, sorted(str(g) for g in state.groups)
+                time.sleep(0.02)
+            time.sleep(0.5)  # hundreds of loop iterations: time to start anything more
+            with state.lock:
+                return sorted(str(g) for g in state.groups), len(state.waiting)
         finally:
             coordinator.stop()
-    return groups, waiting
 
 
 @pytest.mark.parametrize("ahead", [0, 1])
 def test_groups_start_ahead_of_free_slots(tmp_path, ahead):
     """With every request held, the slots hold one group; `schedule_ahead_groups` more groups
     start their environments and wait for a slot with their prompts ready."""
-    cfg = RLConfig(
-        group_size=2,
-        groups_per_step=1,
-        max_turns=1,
-        num_slots=2,
-        max_staleness=100,
-        schedule_ahead_groups=ahead,
-        feedback_detectors=(),
-    )
-    groups, waiting = _scheduled_groups(cfg, lambda rid: False, tmp_path)
+
+    def ready(state):
+        return len(state.by_request) == 2 and len(state.waiting) == 2 * ahead
+
+    groups, waiting = _scheduled_groups(lambda rid: False, ready, tmp_path, 2, ahead)
     assert groups == ["p0", "p1"][: 1 + ahead]
     assert waiting == 2 * ahead
 
 
 def test_a_scored_sample_frees_its_slot_for_the_next_group(tmp_path):
     """Group p0's first sample is scored while its second is held: p1 starts in the freed slot,
-    although p0 is not finished."""
-    cfg = RLConfig(
-        group_size=2,
-        groups_per_step=1,
-        max_turns=1,
-        num_slots=3,
-        max_staleness=100,
-        schedule_ahead_groups=0,
-        feedback_detectors=(),
-    )
-    groups, _ = _scheduled_groups(cfg, lambda rid: rid == 0, tmp_path)
+    although p0 is not finished (3 slots, nothing scheduled ahead)."""
+
+    def ready(state):
+        return "p1" in [str(g) for g in state.groups]
+
+    groups, _ = _scheduled_groups(lambda rid: rid == 0, ready, tmp_path, 3, 0)
     assert groups == ["p0", "p1"]
