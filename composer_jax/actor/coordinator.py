@@ -276,12 +276,11 @@ class Coordinator:
 
     def _schedule(self) -> None:
         cfg, state = self.cfg, self.state
+        # Samples not yet scored count against the slots plus the lookahead (a scored sample's
+        # slot is free again, even while the rest of its group still generates).
+        capacity = cfg.num_slots * cfg.num_samplers + cfg.group_size * cfg.schedule_ahead_groups
         with state.lock:
             while True:
-                # Samples not yet scored (a scored sample's slot is free again, even while the
-                # rest of its group still generates), against the slots plus the lookahead.
-                capacity = cfg.num_slots * cfg.num_samplers
-                capacity += cfg.group_size * cfg.schedule_ahead_groups
                 if len(state.active) + cfg.group_size > capacity:
                     return
                 version = self.sampler.version or 0

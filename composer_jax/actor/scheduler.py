@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 
 from composer_jax.actor.ids import GroupId
-from composer_jax.actor.ledger import DamagedGroup, GroupLedger
+from composer_jax.actor.ledger import DamagedGroup, Group, GroupLedger
 from composer_jax.actor.samples import total_rewards
 from composer_jax.config import RLConfig
 from composer_jax.envs import Task
@@ -123,7 +123,7 @@ class Scheduler:
             self._hard.append((num_turns * 1e6 + thinking_tokens, group.prompt))
 
 
-def uniform_rewards(group, rl: RLConfig) -> np.ndarray:
+def uniform_rewards(group: Group, rl: RLConfig) -> np.ndarray:
     """The rewards dynamic sampling compares within a group (rl.uniform_by): the task reward, or
     the total before KL (task, weighted behaviour rewards, length penalty)."""
     if rl.uniform_by == "task":

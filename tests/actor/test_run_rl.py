@@ -71,10 +71,10 @@ def _check_finished_run(workdir, allow_dropped: bool = False):
         assert name.startswith("trained-"), name  # nothing was dropped
         consumed[record["step"]] = record["group_ids"]
     assert sorted(consumed) == list(range(1, STEPS + 1))
-    trained = [GroupId.parse(gid).prompt for ids in consumed.values() for gid in ids]
+    trained_ids = [gid for ids in consumed.values() for gid in ids]
+    trained = [GroupId.parse(gid).prompt for gid in trained_ids]
     assert len(trained) == len(set(trained)), "a prompt was trained twice"
     assert set(trained) == prompts, "a prompt was lost or an unknown group trained"
-    trained_ids = [gid for ids in consumed.values() for gid in ids]
     assert all(ledger.trained_step(gid) is not None for gid in trained_ids)
     assert _rl_steps(workdir) == list(range(1, STEPS + 1))
     heldout = [
