@@ -57,7 +57,9 @@ class HeldoutResult:
 
 
 class Evaluator:
-    """Plays `samples` episodes of every held-out task with a fresh engine on the given model."""
+    """Plays `samples` episodes of every held-out task with a fresh engine on the given model:
+    the sampler's engine settings (prefill buckets, decode steps per call), slots refilled as
+    episodes end, environment steps on `rl.num_env_workers` threads."""
 
     def __init__(
         self,
@@ -79,8 +81,9 @@ class Evaluator:
             model,
             num_slots=cfg.num_slots,
             max_len=cfg.context_len,
-            prefill_buckets=tuple(sorted({64, 256, cfg.context_len})),
+            prefill_buckets=tuple(sorted({*cfg.prefill_buckets, cfg.context_len})),
             tokenizer=self.tokenizer,
+            decode_chunk=cfg.decode_chunk,
         )
         sampling = SamplingParams(
             temperature=self.temperature,
@@ -98,6 +101,7 @@ class Evaluator:
             cfg.max_turns,
             self.tokenizer,
             env_config=self.env_config,
+            env_threads=cfg.num_env_workers,
         )
         stats = episode_stats(traces)
         rewards = stats["reward"].reshape(len(self.tasks), self.samples)

@@ -5,21 +5,26 @@ Each episode is one request that keeps its cache slot between turns: the policy 
 template's end of turn), the environment runs it, and the tool output, rendered by the
 tokenizer's chat format, is appended with `continue_request`, so only new tokens are prefilled. An episode becomes
 one `Sequence`: policy tokens are trainable with the sampler's log-probs, versions and routed
-experts; prompt and tool output are context. Episodes of every group in a wave run side by side,
-as many as the engine has slots (a parked episode holds its slot until it ends).
+experts; prompt and tool output are context. Episodes run side by side, as many as the engine
+has slots (a parked episode holds its slot until it ends), and a slot freed by a finished
+episode takes the next one at once.
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
+import heapq
 import logging
+from collections.abc import Callable
 
 import numpy as np
 
 from composer_jax.actor.feedback import teacher_sequence
 from composer_jax.data.chat import OBSERVATION, ChatFormat, Segment, chat_format_for
 from composer_jax.data.tokenizer import Tokenizer
-from composer_jax.envs import EnvConfig, Episode, Task, protocol
+from composer_jax.envs import EnvConfig, Episode, StepResult, Task, protocol
 from composer_jax.infer import Completion, InferenceEngine, SamplingParams
 from composer_jax.rl.batch import SegmentKind, Sequence, TrajectoryBatch, pack_trajectories
 
@@ -163,63 +168,105 @@ def play_episodes(
     tokenizer: Tokenizer,
     env_config: EnvConfig,
     first_seed: int,
-    step_map=map,
+    env_threads: int = 1,
+    on_finish: Callable[[EpisodeTrace], None] | None = None,
+    step: Callable[[Episode, str], StepResult] = Episode.step,
+    env_lag_steps: int = 8,
 ) -> list[EpisodeTrace]:
-    """Plays one episode per task side by side, turn by turn, and closes them. `step_map(fn,
-    items)` runs the environment steps of one turn (e.g. a thread pool's map, so commands and
-    grading of different episodes overlap); the episode of sample i is seeded first_seed + i."""
-    if len(tasks) > engine.num_slots:
-        raise ValueError(f"{len(tasks)} episodes need as many engine slots ({engine.num_slots})")
+    """Plays one episode per task, as many side by side as the engine has slots: a finished
+    episode's slot takes the next task, and each turn's environment step (tool commands,
+    grading) runs on one of `env_threads` threads while the engine decodes the other episodes.
+
+    The episode of task i is seeded first_seed + i, and the schedule does not depend on timing:
+    a step's result is taken `env_lag_steps` engine steps after its turn ended (waiting for it
+    then if it is late), so every run batches the same requests together and samples the same
+    tokens. `on_finish(trace)` is called as each episode ends; `step(episode, text)` is the
+    environment step (e.g. wrapped to time it)."""
     config = dataclasses.replace(env_config, max_turns=max_turns)  # the last turn is graded
     chat = chat_format_for(tokenizer)
     base = turn_sampling(sampling, chat)
-    traces = []
+    traces: list[EpisodeTrace] = []
+    waiting = collections.deque(enumerate(tasks))
+    generating: dict[int, EpisodeTrace] = {}  # engine request id -> its episode
+    # Environment steps in flight, each due `env_lag_steps` engine steps after its turn ended:
+    # (due step, order, future, trace, completion).
+    stepping: list[tuple[int, int, concurrent.futures.Future, EpisodeTrace, Completion]] = []
+    holding = 0  # episodes holding a slot: generating, or parked while their environment steps
+    engine_steps = turns = 0
+
+    def finish(trace: EpisodeTrace) -> None:
+        trace.done = True
+        trace.episode.close()
+        if on_finish is not None:
+            on_finish(trace)
+
+    pool = concurrent.futures.ThreadPoolExecutor(env_threads, thread_name_prefix="episode-step")
     try:
-        for i, task in enumerate(tasks):
-            seed = first_seed + i  # distinct samples within a group
-            params = dataclasses.replace(base, seed=seed, keep_cache=True)
-            traces.append(EpisodeTrace(episode=Episode(task, config), params=params))
-        for trace in traces:
-            prompt = chat.prompt(trace.episode.prompt)
-            trace.add_context(prompt, SegmentKind.PROMPT)
-            if len(prompt) + 1 >= engine.max_len:  # no room to answer: reward 0, like a full turn
-                log.warning(
-                    "task %s: its prompt (%d tokens) leaves no room to answer in a context of "
-                    "%d; it scores 0 (raise rl.context_len)",
-                    trace.episode.task.task_id,
-                    len(prompt),
-                    engine.max_len,
-                )
-                trace.done = trace.truncated = True
-                continue
-            trace.request_id = engine.submit(prompt, trace.params)
-        while not all(t.done for t in traces):
-            engine.run()
-            turns = []
-            for trace in (t for t in traces if not t.done):
-                completion = engine.completions.pop(trace.request_id)
-                trace.add_turn(completion, token_kinds(completion.tokens, tokenizer))
-                turns.append((trace, completion, tokenizer.decode(completion.tokens)))
-            results = list(step_map(lambda turn: turn[0].episode.step(turn[2]), turns))
-            for (trace, completion, _), result in zip(turns, results):
-                trace.counts, trace.reward = result.counts, result.reward
-                segments = chat.after_turn(result.observation, completion.tokens)
-                appended = [i for segment in segments for i in segment.ids]
-                full = completion.finish_reason == "max_len"
-                if full or len(trace.tokens) + len(appended) + 1 >= engine.max_len:
-                    trace.truncated = not result.done  # no room for another turn: reward 0
-                if result.done or trace.truncated:
-                    trace.done = True
-                    trace.flags, trace.grade = result.flags, result.info.get("grade")
-                    engine.release(trace.request_id)
+        while waiting or generating or stepping:
+            while waiting and holding < engine.num_slots:
+                index, task = waiting.popleft()
+                params = dataclasses.replace(base, seed=first_seed + index, keep_cache=True)
+                trace = EpisodeTrace(episode=Episode(task, config), params=params)
+                traces.append(trace)
+                prompt = chat.prompt(trace.episode.prompt)
+                trace.add_context(prompt, SegmentKind.PROMPT)
+                if len(prompt) + 1 >= engine.max_len:  # no room to answer: reward 0
+                    log.warning(
+                        "task %s: its prompt (%d tokens) leaves no room to answer in a context "
+                        "of %d; it scores 0 (raise rl.context_len)",
+                        task.task_id,
+                        len(prompt),
+                        engine.max_len,
+                    )
+                    trace.truncated = True
+                    finish(trace)
                     continue
-                for segment in segments:
-                    trace.add_context(segment.ids, segment_kind(segment))
-                trace.request_id = engine.continue_request(trace.request_id, appended, trace.params)
-        return traces
+                trace.request_id = engine.submit(prompt, trace.params)
+                generating[trace.request_id] = trace
+                holding += 1
+            if generating:
+                for request_id in engine.step():
+                    trace = generating.pop(request_id)
+                    completion = engine.completions.pop(request_id)
+                    trace.add_turn(completion, token_kinds(completion.tokens, tokenizer))
+                    future = pool.submit(step, trace.episode, tokenizer.decode(completion.tokens))
+                    due = engine_steps + env_lag_steps
+                    heapq.heappush(stepping, (due, turns, future, trace, completion))
+                    turns += 1
+                engine_steps += 1
+            else:  # nothing to decode: on to the next step's result
+                engine_steps = max(engine_steps, stepping[0][0])
+            while stepping and stepping[0][0] <= engine_steps:
+                _, _, future, trace, completion = heapq.heappop(stepping)
+                if _next_turn(engine, chat, trace, completion, future.result()):
+                    generating[trace.request_id] = trace
+                else:
+                    engine.release(trace.request_id)
+                    holding -= 1
+                    finish(trace)
+        return traces  # started, and so listed, in the order of `tasks`
     finally:
+        pool.shutdown(wait=True, cancel_futures=True)
         for trace in traces:
             trace.episode.close()
+
+
+def _next_turn(engine, chat: ChatFormat, trace: EpisodeTrace, completion, result) -> bool:
+    """Records an environment step's result; when the episode goes on, appends the tool output
+    to its context and queues its next turn (True)."""
+    trace.counts, trace.reward = result.counts, result.reward
+    segments = chat.after_turn(result.observation, completion.tokens)
+    appended = [i for segment in segments for i in segment.ids]
+    full = completion.finish_reason == "max_len"
+    if full or len(trace.tokens) + len(appended) + 1 >= engine.max_len:
+        trace.truncated = not result.done  # no room for another turn: reward 0
+    if result.done or trace.truncated:
+        trace.flags, trace.grade = result.flags, result.info.get("grade")
+        return False
+    for segment in segments:
+        trace.add_context(segment.ids, segment_kind(segment))
+    trace.request_id = engine.continue_request(trace.request_id, appended, trace.params)
+    return True
 
 
 def collect_group(
@@ -267,20 +314,16 @@ def play_groups(
     max_turns: int,
     tokenizer: Tokenizer,
     env_config: EnvConfig = EnvConfig(),
+    env_threads: int = 1,
 ) -> list[EpisodeTrace]:
-    """`group_size` episodes of every task, in waves of as many groups as fit in the engine's
-    slots; sample i (task i // group_size) is seeded sampling.seed + i."""
-    if not 0 < group_size <= engine.num_slots:
-        raise ValueError(f"group_size {group_size} must be in [1, {engine.num_slots}]")
-    per_wave = engine.num_slots // group_size
-    traces = []
-    for start in range(0, len(tasks), per_wave):
-        wave = [t for t in tasks[start : start + per_wave] for _ in range(group_size)]
-        first = start * group_size
-        traces += play_episodes(
-            engine, wave, sampling, max_turns, tokenizer, env_config, sampling.seed + first
-        )
-    return traces
+    """`group_size` episodes of every task (`play_episodes`: slots refilled as episodes end);
+    sample i (task i // group_size) is seeded sampling.seed + i."""
+    if group_size < 1:
+        raise ValueError(f"group_size {group_size} must be >= 1")
+    episodes = [task for task in tasks for _ in range(group_size)]
+    return play_episodes(
+        engine, episodes, sampling, max_turns, tokenizer, env_config, sampling.seed, env_threads
+    )
 
 
 def collect_batch(

@@ -1,6 +1,8 @@
 """The synchronous rollout: tiny-model episodes on built-in tasks become a trainable batch."""
 
 import dataclasses
+import random
+import time
 
 import jax
 import numpy as np
@@ -9,10 +11,16 @@ from flax import nnx
 
 from composer_jax import config
 from composer_jax.actor.evaluator import Evaluator
-from composer_jax.actor.rollout import collect_batch, collect_group, text_kinds, token_kinds
+from composer_jax.actor.rollout import (
+    collect_batch,
+    collect_group,
+    play_episodes,
+    text_kinds,
+    token_kinds,
+)
 from composer_jax.data import ByteTokenizer
 from composer_jax.data.chat import chat_format_for
-from composer_jax.envs import EnvConfig, builtin_tasks, episode_prompt, render_turn
+from composer_jax.envs import EnvConfig, Episode, builtin_tasks, episode_prompt, render_turn
 from composer_jax.infer import InferenceEngine, SamplingParams
 from composer_jax.model import init_model
 from composer_jax.rl import RLObjectiveConfig, SegmentKind, reference_logprobs, rl_loss
@@ -44,14 +52,14 @@ def test_collect_batch_trains(model):
     tasks = builtin_tasks(2, "train", seed=0)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, seed=3)
     generated = []
-    original_run = engine.run
+    original_step = engine.step
 
-    def run_and_record():
-        out = original_run()
-        generated.extend(c for c in out.values() if c.finish_reason is not None)
-        return out
+    def step_and_record():
+        finished = original_step()
+        generated.extend(engine.completions[i] for i in finished)
+        return finished
 
-    engine.run = run_and_record
+    engine.step = step_and_record
     batch, stats = collect_batch(engine, tasks, 2, sampling, max_turns=2, tokenizer=tokenizer)
 
     assert batch.num_samples == 4
@@ -96,6 +104,57 @@ def test_collect_batch_trains(model):
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     assert np.isfinite(float(loss))
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+
+
+def test_slots_refill_on_a_schedule_that_environment_timing_does_not_change(model):
+    """Six two-turn episodes on 4 slots with environment steps delayed at random: a finished
+    episode's slot takes the next one (the engine never queues a request for want of a slot),
+    every episode plays out, and two runs submit every turn at the same engine step, so they
+    batch the same requests together and sample the same tokens."""
+    tasks = builtin_tasks(3, "train", seed=2) * 2
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=24, seed=5)
+
+    def play(delay_seed: int):
+        engine = InferenceEngine(model, num_slots=4, max_len=768, prefill_buckets=(64, 512))
+        schedule, steps = [], [0]
+        step, submit, continue_request = engine.step, engine.submit, engine.continue_request
+
+        def counted_step():
+            finished = step()
+            steps[0] += 1
+            assert not engine._queue, "a request waited for a slot"
+            return finished
+
+        def recorded_submit(prompt, params):
+            schedule.append(("submit", steps[0], params.seed))
+            return submit(prompt, params)
+
+        def recorded_continue(request_id, appended, params):
+            schedule.append(("continue", steps[0], params.seed))
+            return continue_request(request_id, appended, params)
+
+        engine.step, engine.submit = counted_step, recorded_submit
+        engine.continue_request = recorded_continue
+        delays = random.Random(delay_seed)
+
+        def late_step(episode, text):
+            time.sleep(delays.uniform(0.0, 0.06))
+            return Episode.step(episode, text)
+
+        traces = play_episodes(
+            engine, tasks, sampling, 2, ByteTokenizer(), EnvConfig(), 100, 2, step=late_step
+        )
+        return schedule, traces
+
+    (schedule, traces), (again, traces_again) = play(0), play(1)
+    assert [t.params.seed for t in traces] == list(range(100, 106))
+    assert all(t.done for t in traces)
+    assert [kind for kind, _, _ in schedule].count("submit") == 6
+    assert "continue" in {kind for kind, _, _ in schedule}  # a second turn ran
+    assert max(step for kind, step, _ in schedule if kind == "submit") > 0  # a slot was refilled
+    assert schedule == again
+    assert [t.tokens for t in traces] == [t.tokens for t in traces_again]
+    assert [t.reward for t in traces] == [t.reward for t in traces_again]
 
 
 def test_group_samples_differ_and_free_the_engine(model):

@@ -138,6 +138,9 @@ def _process_of_job(launcher: subprocess.Popen, index: int):
     raise AssertionError(f"no process {index} under the launcher")
 
 
+# The slow tier's (2 minutes): the default run keeps the single-process kill -9 test, one RL step
+# on two processes equal to one, and an error on process 0 stopping process 1.
+@pytest.mark.slow
 def test_two_processes_run_the_main_job_and_resume_after_kill_9_of_one(tmp_path):
     """Trainer over 2 processes x 4 devices, the actor loop on process 0: kill -9 of process 1
     mid-run, then both restart and finish with every group trained exactly once; process 0
