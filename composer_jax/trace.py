@@ -24,7 +24,7 @@ import time
 # Tracks and the categories that count as their role being busy (the summary's busy fractions).
 SAMPLER, TRAINER = "sampler", "trainer"
 BUSY = {
-    SAMPLER: ("decode", "prefill", "emit", "weight_reload"),
+    SAMPLER: ("decode", "prefill", "prefix_copy", "emit", "weight_reload"),
     TRAINER: ("pack", "reference", "train_step", "publish_dispatch", "checkpoint"),
 }
 _JAX_COMPILE = "/jax/core/compile/"

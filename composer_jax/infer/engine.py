@@ -112,6 +112,12 @@ class _Slot:
     emit: bool = True  # sample this turn's first token once the feed is consumed
     unrecorded: int = 0  # leading feed tokens that only rebuild the cache (no experts recorded)
     parked: bool = False
+    # Routed experts of the cached positions [0, len) of the slot's first prompt under the
+    # current weights: what another request with the same prompt may copy with the latents.
+    prefix_experts: list[np.ndarray] = dataclasses.field(default_factory=list)
+    # The first decode step feeds the prompt's last token (the rest was copied from a slot
+    # holding the same prompt); its experts complete prompt_experts.
+    last_prompt_in_decode: bool = False
 
 
 @functools.partial(jax.jit, static_argnums=(0, 11), donate_argnums=(2,))
@@ -139,6 +145,18 @@ def _generate_step(
     return sampling.sample(logits_BV, temperature_B, top_p_B, keys), out.experts_LBTK, out.cache
 
 
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _copy_slot(cache: LatentCache, source, target) -> LatentCache:
+    """Slot `source`'s cache row written over slot `target`'s (entries past the length the
+    target then claims are never read)."""
+
+    def copy(a):  # [layers, slots, max_len, features]
+        row = jax.lax.dynamic_index_in_dim(a, source, axis=1, keepdims=True)
+        return jax.lax.dynamic_update_index_in_dim(a, row, target, axis=1)
+
+    return LatentCache(*map(copy, cache))
+
+
 class InferenceEngine:
     """Continuous-batching sampler over a fixed pool of cache slots.
 
@@ -156,6 +174,9 @@ class InferenceEngine:
     `decode_chunk`: decode steps per jitted call (one host sync per call). Larger chunks cut the
     per-token dispatch and host work; a slot freed mid-chunk waits for the chunk's end to take
     the next queued request, and a weight update lands only between chunks.
+    `share_prefixes`: a new request whose prompt another slot already holds under the current
+    weights (the samples of one RL group) copies that slot's cached latents and routed experts
+    instead of prefilling them, and feeds only the prompt's last token, in its first decode step.
     """
 
     def __init__(
@@ -173,11 +194,13 @@ class InferenceEngine:
         tokenizer: Tokenizer | None = None,
         tracer=NULL_TRACER,
         decode_chunk: int = 1,
+        share_prefixes: bool = True,
     ):
         if decode_chunk < 1:
             raise ValueError(f"decode_chunk={decode_chunk} must be >= 1")
         self.cfg = model.cfg
         self.decode_chunk = decode_chunk
+        self.share_prefixes = share_prefixes
         self.tokenizer, self.tracer = tokenizer, tracer
         self.num_slots, self.max_len = num_slots, max_len
         self.buckets = tuple(sorted(b for b in prefill_buckets if b <= max_len)) or (max_len,)
@@ -210,7 +233,10 @@ class InferenceEngine:
             raise ValueError(f"prompt length {len(prompt)} must be in [1, max_len={self.max_len})")
         self._decoder(params)
         rid = self._new_completion(list(prompt), 0)
-        self._queue.append(_Slot(rid, params, list(prompt), feed=list(prompt)))
+        experts = self.completions[rid].prompt_experts  # filled as the prompt is prefilled
+        self._queue.append(
+            _Slot(rid, params, list(prompt), feed=list(prompt), prefix_experts=experts)
+        )
         return rid
 
     def continue_request(
@@ -228,7 +254,12 @@ class InferenceEngine:
             raise ValueError(f"continuation would exceed max_len={self.max_len}")
         rid = self._new_completion(feed, slot.length)
         self._slots[index] = _Slot(
-            rid, params, slot.context + list(appended), slot.length, feed=feed
+            rid,
+            params,
+            slot.context + list(appended),
+            slot.length,
+            feed=feed,
+            prefix_experts=slot.prefix_experts,  # the first prompt's cache is untouched
         )
         return rid
 
@@ -253,7 +284,14 @@ class InferenceEngine:
         self._decoder(params)
         rid = self._new_completion(list(appended), keep)
         context = slot.context[:keep] + list(appended)
-        self._slots[index] = _Slot(rid, params, context, keep, feed=list(appended))
+        self._slots[index] = _Slot(
+            rid,
+            params,
+            context,
+            keep,
+            feed=list(appended),
+            prefix_experts=slot.prefix_experts[:keep],
+        )
         return rid
 
     def release(self, request_id: int) -> None:
@@ -270,6 +308,9 @@ class InferenceEngine:
         state = nnx.split(params)[1] if isinstance(params, nnx.Module) else params
         self.state = self._place_params(state)
         self.version = version
+        for slot in self._slots:  # cached latents of the old weights are shared no more
+            if slot is not None:
+                slot.prefix_experts = []
         if recompute_cache:
             for slot in self._slots:
                 if slot is not None and slot.length:
@@ -287,6 +328,8 @@ class InferenceEngine:
             for rows in self.batch_sizes:
                 self._run_padding(rows, bucket)
         self._run_decode([None] * self.num_slots)
+        if self.share_prefixes:
+            self.cache = _copy_slot(self.cache, 0, 0)
 
     @property
     def has_work(self) -> bool:
@@ -383,9 +426,12 @@ class InferenceEngine:
         return jax.device_get(drawn), np.asarray(experts)
 
     def _prefill(self) -> None:
-        """Feeds every slot's pending tokens in bucketed chunks until all feeds are consumed."""
+        """Feeds every slot's pending tokens in bucketed chunks until all feeds are consumed
+        (first copying the prompts other slots hold, when `share_prefixes`)."""
         while True:
             todo = [i for i, s in enumerate(self._slots) if s is not None and s.feed]
+            if self.share_prefixes:
+                todo = self._share_prefixes(todo)
             if not todo:
                 return
             by_bucket: dict[int, list[int]] = collections.defaultdict(list)
@@ -394,6 +440,45 @@ class InferenceEngine:
                 by_bucket[next(b for b in self.buckets if b >= n)].append(index)
             for bucket, group in by_bucket.items():
                 self._prefill_batch(bucket, group)
+
+    def _share_prefixes(self, todo: list[int]) -> list[int]:
+        """Slots in `todo` starting a prompt that another slot holds take its cache row and the
+        experts of all but the prompt's last position; one whose prompt a slot is still
+        prefilling waits for it. Returns the slots to prefill now."""
+        prefill = []
+        for index in todo:
+            slot = self._slots[index]
+            n = len(slot.feed) - 1  # positions to copy: the last one is decoded
+            if slot.length or slot.unrecorded or not slot.emit or n < 1:
+                prefill.append(index)
+                continue
+            prompt = slot.feed[:n]
+            donor = self._holder_of(prompt, index)
+            if donor is not None:
+                with self.tracer.span("prefix_copy", "copy prefix"):
+                    self.cache = _copy_slot(self.cache, donor, index)
+                experts = self.completions[slot.request_id].prompt_experts
+                experts.extend(self._slots[donor].prefix_experts[:n])
+                slot.prefix_experts = experts
+                slot.length, slot.feed, slot.emit = n, [], False
+                slot.last_prompt_in_decode = True
+            elif not any(self._slots[i].context[:n] == prompt for i in prefill):
+                prefill.append(index)  # the first of its prompt; the others copy it next round
+        return prefill
+
+    def _holder_of(self, prompt: list[int], exclude: int) -> int | None:
+        """A slot whose cache holds `prompt` (positions and experts) under the current weights."""
+        n = len(prompt)
+        for index, slot in enumerate(self._slots):
+            if (
+                slot is not None
+                and index != exclude
+                and slot.length >= n
+                and len(slot.prefix_experts) >= n
+                and slot.context[:n] == prompt
+            ):
+                return index
+        return None
 
     def _prefill_batch(self, bucket: int, group: list[int]) -> None:
         B = next(b for b in self.batch_sizes if b >= len(group))
@@ -488,6 +573,9 @@ class InferenceEngine:
         slot = self._slots[index]
         completion = self.completions[slot.request_id]
         count = int(chunk.live_NB[:, index].sum())
+        if slot.last_prompt_in_decode:  # its first step fed the prompt's last position
+            completion.prompt_experts.append(chunk.experts_NBLK[0, index])
+            slot.last_prompt_in_decode = False
         tokens = chunk.token_NB[:count, index].tolist()
         reason = REASONS[int(chunk.reason_B[index])]
         decode = self._decoder(slot.params)

@@ -60,6 +60,8 @@ def test_rl_trains_on_a_mixture_of_jsonl_feature_deletion_and_a_plugin(tmp_path,
         "--config.rl.warm_start_steps=2",
         f"--config.steps={STEPS}",
         f"--config.rl.groups_per_step={GROUPS}",
+        f"--config.rl.num_prompts={STEPS * GROUPS}",  # the epoch: the groups are trained in the
+        # order they finish, so a longer epoch would train whichever of its prompts came first
         "--config.rl.group_size=2",
         "--config.rl.num_slots=4",
         "--config.rl.context_len=512",

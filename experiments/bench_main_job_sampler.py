@@ -1,0 +1,142 @@
+r"""The main job's sampler: rollout tokens/s inside its actor loop against the same engine alone.
+
+Issue 18's target compares rollout tokens/s inside the main job with the standalone engine's at
+the same slots and lengths. Here both play the main job's own workload from one warm start:
+
+1. Alone: the sampler's engine (rl_tiny's slots, prefill buckets, decode steps per call) plays
+   `--groups` of the RL prompts, `group_size` samples each, through the real environments (slots
+   refilled as episodes end, environment steps on `rl.num_env_workers` threads, no trainer),
+   with prompt sharing on and, as the baseline, off.
+2. In the loop: the main job's RL loop from the same warm start, traced; its sampler's decoded
+   tokens over the loop's wall time, for the whole loop and for steps 2+ (after step 1's
+   compiles).
+
+  python -m experiments.bench_main_job_sampler --warm_start=RUN [--groups=16] [--steps=24]
+"""
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+
+
+def standalone_rate(cfg, model, tokenizer, tasks, share: bool) -> dict:
+    """Tokens/s of the engine alone playing `tasks` in groups (every shape compiled first)."""
+    from composer_jax import envs
+    from composer_jax.actor.rollout import play_groups
+    from composer_jax.infer import InferenceEngine, SamplingParams
+
+    rl = cfg.rl
+    engine = InferenceEngine(
+        model,
+        num_slots=rl.num_slots,
+        max_len=rl.context_len,
+        prefill_buckets=tuple(sorted({*rl.prefill_buckets, rl.context_len})),
+        decode_chunk=rl.decode_chunk,
+        tokenizer=tokenizer,
+        share_prefixes=share,
+    )
+    engine.compile_all()
+    sampling = SamplingParams(
+        temperature=rl.temperature,
+        top_p=rl.top_p,
+        max_new_tokens=rl.max_new_tokens,
+        seed=cfg.seed,
+    )
+    env_config = envs.EnvConfig(max_turns=rl.max_turns, require_isolation=rl.require_sandbox)
+    start = time.perf_counter()
+    traces = play_groups(
+        engine,
+        tasks,
+        rl.group_size,
+        sampling,
+        rl.max_turns,
+        tokenizer,
+        env_config,
+        env_threads=rl.num_env_workers,
+    )
+    seconds = time.perf_counter() - start
+    tokens = sum(t.generated_tokens for t in traces)
+    return dict(tokens=tokens, seconds=seconds, rate=tokens / seconds)
+
+
+def main(argv):
+    del argv
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)
+
+    from composer_jax import config as config_lib
+    from composer_jax.actor.run import run_rl
+    from composer_jax.actor.setup import rl_task_source, warm_start
+    from composer_jax.trace import SAMPLER, summarize
+    from composer_jax.train.runs import resolve_tokenizer
+    from experiments.bench_throughput import steady_summary
+
+    if not FLAGS.warm_start:
+        sys.exit("--warm_start: a finished SFT run (e.g. runs/rl_tiny/warm_start)")
+    base = config_lib.rl_tiny()
+    rl = dataclasses.replace(
+        base.rl,
+        warm_start=FLAGS.warm_start,
+        heldout_num_tasks=1,  # the loop's own held-out passes are not what is measured
+        heldout_samples=1,
+        trace=os.path.join(FLAGS.out, "loop", "trace.json"),
+    )
+    cfg = dataclasses.replace(
+        base, rl=rl, steps=FLAGS.steps, workdir=os.path.join(FLAGS.out, "loop")
+    )
+    if os.path.exists(cfg.workdir):
+        sys.exit(f"{cfg.workdir} exists: pick another --out")
+    model = warm_start(cfg, False)
+    tokenizer = resolve_tokenizer(cfg)
+    num_prompts = rl.num_prompts or cfg.steps * rl.groups_per_step
+    tasks = rl_task_source(cfg).take(num_prompts, "train", seed=cfg.seed + 1)[: FLAGS.groups]
+
+    print(f"== 1. The engine alone: {len(tasks)} of the main job's groups x {rl.group_size} ==")
+    alone = {share: standalone_rate(cfg, model, tokenizer, tasks, share) for share in (False, True)}
+    for share, r in alone.items():
+        print(
+            f"prompt sharing {'on ' if share else 'off'}: {r['tokens']} tokens in "
+            f"{r['seconds']:.1f} s, {r['rate']:.0f} tokens/s",
+            flush=True,
+        )
+
+    print(f"\n== 2. The main job's actor loop: {cfg.steps} steps, traced ==", flush=True)
+    run_rl(cfg, progress=True)
+    with open(rl.trace) as f:
+        recorded = json.load(f)
+    whole = summarize(recorded["traceEvents"], recorded["otherData"]["wall_s"])
+    steady = steady_summary(recorded)
+    reference = alone[True]["rate"]
+    rows = [
+        ("engine alone, prompt sharing off", alone[False]["rate"], "", ""),
+        ("engine alone, prompt sharing on (the loop's engine)", reference, "", ""),
+    ]
+    for label, summary in (("in the loop, whole", whole), ("in the loop, steps 2+", steady)):
+        rate = summary["decoded_tokens"] / summary["wall_s"]
+        rows.append((label, rate, f"{summary['busy'][SAMPLER]:.1%}", f"{summary['wall_s']:.1f}"))
+    print("\n| sampler | tokens/s | vs alone (sharing on) | busy | wall s |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for label, rate, busy, wall in rows:
+        print(f"| {label} | {rate:.0f} | {rate / reference:.0%} | {busy} | {wall} |")
+    print(
+        f"\nsteps 2+: {steady['decode_rows_mean']:.1f} of {rl.num_slots} rows per decode call; "
+        f"{steady['decode_ms_alone']:.1f} ms per call alone, "
+        f"{steady['decode_ms_during_train']:.1f} ms during a train step. Prompt sharing alone: "
+        f"{alone[True]['rate'] / alone[False]['rate']:.2f}x. Target: the loop >= 70% of alone.",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    flags.DEFINE_string("warm_start", "", "The main job's SFT warm start (a run folder).")
+    flags.DEFINE_integer("groups", 16, "Groups the engine plays alone (of the RL prompts).")
+    flags.DEFINE_integer("steps", 24, "RL steps of the traced loop.")
+    flags.DEFINE_string("out", "runs/bench_main_job_sampler", "Output folder (must not exist).")
+    app.run(main)
