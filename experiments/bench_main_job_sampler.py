@@ -11,7 +11,7 @@ the same slots and lengths. Here both play the main job's own workload from one 
    tokens over the loop's wall time, for the whole loop and for steps 2+ (after step 1's
    compiles).
 
-  python -m experiments.bench_main_job_sampler --warm_start=RUN [--groups=16] [--steps=24]
+  python -m experiments.bench_main_job_sampler [--warm_start=RUN] [--groups=16] [--steps=24]
 """
 
 import dataclasses
@@ -73,26 +73,36 @@ def main(argv):
 
     from composer_jax import config as config_lib
     from composer_jax.actor.run import run_rl
-    from composer_jax.actor.setup import rl_task_source, warm_start
+    from composer_jax.actor.setup import rl_task_source, warm_start, warm_start_config
     from composer_jax.trace import SAMPLER, summarize
+    from composer_jax.train.loop import run_pretraining
     from composer_jax.train.runs import resolve_tokenizer
     from experiments.bench_throughput import steady_summary
 
-    if not FLAGS.warm_start:
-        sys.exit("--warm_start: a finished SFT run (e.g. runs/rl_tiny/warm_start)")
     base = config_lib.rl_tiny()
     rl = dataclasses.replace(
         base.rl,
-        warm_start=FLAGS.warm_start,
         heldout_num_tasks=1,  # the loop's own held-out passes are not what is measured
         heldout_samples=1,
         trace=os.path.join(FLAGS.out, "loop", "trace.json"),
+        warm_start_steps=FLAGS.warm_start_steps,
+        **{
+            name: FLAGS[name].value
+            for name in ("group_size", "num_slots", "max_new_tokens", "skip_uniform_groups")
+        },
     )
     cfg = dataclasses.replace(
         base, rl=rl, steps=FLAGS.steps, workdir=os.path.join(FLAGS.out, "loop")
     )
     if os.path.exists(cfg.workdir):
         sys.exit(f"{cfg.workdir} exists: pick another --out")
+    warm = FLAGS.warm_start
+    if not warm:  # the main job's own warm start, made here
+        warm_cfg = warm_start_config(dataclasses.replace(cfg, workdir=FLAGS.out))
+        run_pretraining(warm_cfg)
+        warm = warm_cfg.workdir
+    rl = dataclasses.replace(rl, warm_start=warm)
+    cfg = dataclasses.replace(cfg, rl=rl)
     model = warm_start(cfg, False)
     tokenizer = resolve_tokenizer(cfg)
     num_prompts = rl.num_prompts or cfg.steps * rl.groups_per_step
@@ -135,7 +145,12 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    flags.DEFINE_string("warm_start", "", "The main job's SFT warm start (a run folder).")
+    flags.DEFINE_string("warm_start", "", "The main job's SFT warm start (default: made here).")
+    flags.DEFINE_integer("warm_start_steps", 500, "SFT steps of the warm start made here.")
+    flags.DEFINE_integer("group_size", 16, "Samples per group (rl.group_size).")
+    flags.DEFINE_integer("num_slots", 32, "Sampler slots (rl.num_slots).")
+    flags.DEFINE_integer("max_new_tokens", 192, "Tokens per turn (rl.max_new_tokens).")
+    flags.DEFINE_bool("skip_uniform_groups", True, "Dynamic sampling (off for untrained toys).")
     flags.DEFINE_integer("groups", 16, "Groups the engine plays alone (of the RL prompts).")
     flags.DEFINE_integer("steps", 24, "RL steps of the traced loop.")
     flags.DEFINE_string("out", "runs/bench_main_job_sampler", "Output folder (must not exist).")
