@@ -28,19 +28,11 @@ FLAGS = flags.FLAGS
 def standalone_rate(cfg, model, tokenizer, tasks, share: bool) -> dict:
     """Tokens/s of the engine alone playing `tasks` in groups (every shape compiled first)."""
     from composer_jax import envs
-    from composer_jax.actor.rollout import play_groups
-    from composer_jax.infer import InferenceEngine, SamplingParams
+    from composer_jax.actor.rollout import play_groups, sampler_engine
+    from composer_jax.infer import SamplingParams
 
     rl = cfg.rl
-    engine = InferenceEngine(
-        model,
-        num_slots=rl.num_slots,
-        max_len=rl.context_len,
-        prefill_buckets=tuple(sorted({*rl.prefill_buckets, rl.context_len})),
-        decode_chunk=rl.decode_chunk,
-        tokenizer=tokenizer,
-        share_prefixes=share,
-    )
+    engine = sampler_engine(model, rl, tokenizer, share_prefixes=share)
     engine.compile_all()
     sampling = SamplingParams(
         temperature=rl.temperature,

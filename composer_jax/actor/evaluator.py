@@ -13,11 +13,11 @@ import math
 
 import numpy as np
 
-from composer_jax.actor.rollout import episode_stats, play_groups
+from composer_jax.actor.rollout import episode_stats, play_groups, sampler_engine
 from composer_jax.config import RLConfig
 from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.envs import EnvConfig, Task
-from composer_jax.infer import InferenceEngine, SamplingParams
+from composer_jax.infer import SamplingParams
 from composer_jax.model.transformer import Transformer
 
 
@@ -77,14 +77,7 @@ class Evaluator:
 
     def evaluate(self, model: Transformer) -> HeldoutResult:
         cfg = self.cfg
-        engine = InferenceEngine(
-            model,
-            num_slots=cfg.num_slots,
-            max_len=cfg.context_len,
-            prefill_buckets=tuple(sorted({*cfg.prefill_buckets, cfg.context_len})),
-            tokenizer=self.tokenizer,
-            decode_chunk=cfg.decode_chunk,
-        )
+        engine = sampler_engine(model, cfg, self.tokenizer)
         sampling = SamplingParams(
             temperature=self.temperature,
             top_p=cfg.top_p,

@@ -39,6 +39,19 @@ _SPANS = (
 )
 
 
+def sampler_engine(model, rl, tokenizer: Tokenizer, **overrides) -> InferenceEngine:
+    """An InferenceEngine with the RL sampler's settings (`rl`: an RLConfig): its slots, context,
+    prefill buckets and decode steps per call; `overrides` go to the engine."""
+    settings = dict(
+        num_slots=rl.num_slots,
+        max_len=rl.context_len,
+        prefill_buckets=tuple(sorted({*rl.prefill_buckets, rl.context_len})),
+        decode_chunk=rl.decode_chunk,
+        tokenizer=tokenizer,
+    )
+    return InferenceEngine(model, **{**settings, **overrides})
+
+
 def turn_sampling(
     params: SamplingParams, chat: ChatFormat, markers: tuple[str, ...] = TURN_END_MARKERS
 ) -> SamplingParams:
