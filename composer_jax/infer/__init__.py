@@ -6,7 +6,8 @@ from composer_jax.infer.cache import (
     full_kv_bytes_per_token,
     init_cache,
 )
-from composer_jax.infer.engine import Completion, InferenceEngine
+from composer_jax.infer.completion import Completion
+from composer_jax.infer.engine import InferenceEngine
 from composer_jax.infer.reference import recompute_generate
 from composer_jax.infer.sampling import SamplingParams, sampling_log_probs
 from composer_jax.infer.speculative import SpeculativeStats, speculative_generate

@@ -27,7 +27,7 @@ from flax import nnx
 
 from composer_jax.infer import sampling
 from composer_jax.infer.cache import LatentCache, init_cache
-from composer_jax.infer.engine import Completion, finish_reason
+from composer_jax.infer.completion import Completion, finish_reason
 from composer_jax.infer.forward import forward_chunk, mtp_chunk
 from composer_jax.infer.sampling import Sampled, SamplingParams
 from composer_jax.model.transformer import Transformer

@@ -10,8 +10,8 @@ import pytest
 
 from composer_jax.data.tokenizer import ByteTokenizer
 from composer_jax.infer import Completion, InferenceEngine, SamplingParams
+from composer_jax.infer.completion import ends_with_stop_string
 from composer_jax.infer.decode import decode_chunk
-from composer_jax.infer.engine import ends_with_stop_string
 from composer_jax.model.transformer import init_model
 from tests.infer.test_engine import _engine as engine_for_tests
 
