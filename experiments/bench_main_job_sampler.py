@@ -11,7 +11,7 @@ the same slots and lengths. Here both play the main job's own workload from one 
    tokens over the loop's wall time, for the whole loop and for steps 2+ (after step 1's
    compiles).
 
-  python -m experiments.bench_main_job_sampler [--warm_start=RUN] [--groups=16] [--steps=24]
+  python -m experiments.bench_main_job_sampler [--warm_start=RUN] [--groups=64] [--steps=24]
 """
 
 import dataclasses
@@ -81,6 +81,7 @@ def main(argv):
         **{
             name: FLAGS[name].value
             for name in ("group_size", "num_slots", "max_new_tokens", "skip_uniform_groups")
+            if FLAGS[name].value is not None
         },
     )
     cfg = dataclasses.replace(
@@ -98,7 +99,8 @@ def main(argv):
     model = warm_start(cfg, False)
     tokenizer = resolve_tokenizer(cfg)
     num_prompts = rl.num_prompts or cfg.steps * rl.groups_per_step
-    tasks = rl_task_source(cfg).take(num_prompts, "train", seed=cfg.seed + 1)[: FLAGS.groups]
+    groups = FLAGS.groups or 256 // rl.group_size
+    tasks = rl_task_source(cfg).take(max(num_prompts, groups), "train", seed=cfg.seed + 1)[:groups]
 
     print(f"== 1. The engine alone: {len(tasks)} of the main job's groups x {rl.group_size} ==")
     alone = {share: standalone_rate(cfg, model, tokenizer, tasks, share) for share in (False, True)}
@@ -139,11 +141,13 @@ def main(argv):
 if __name__ == "__main__":
     flags.DEFINE_string("warm_start", "", "The main job's SFT warm start (default: made here).")
     flags.DEFINE_integer("warm_start_steps", 500, "SFT steps of the warm start made here.")
-    flags.DEFINE_integer("group_size", 16, "Samples per group (rl.group_size).")
-    flags.DEFINE_integer("num_slots", 32, "Sampler slots (rl.num_slots).")
-    flags.DEFINE_integer("max_new_tokens", 192, "Tokens per turn (rl.max_new_tokens).")
-    flags.DEFINE_bool("skip_uniform_groups", True, "Dynamic sampling (off for untrained toys).")
-    flags.DEFINE_integer("groups", 16, "Groups the engine plays alone (of the RL prompts).")
+    flags.DEFINE_integer("group_size", None, "Samples per group (default: the main job's).")
+    flags.DEFINE_integer("num_slots", None, "Sampler slots (default: the main job's).")
+    flags.DEFINE_integer("max_new_tokens", None, "Tokens per turn (default: the main job's).")
+    flags.DEFINE_bool("skip_uniform_groups", None, "Dynamic sampling (off for untrained toys).")
+    flags.DEFINE_integer(
+        "groups", None, "Groups the engine plays alone (of the RL prompts; default: 256 samples)."
+    )
     flags.DEFINE_integer("steps", 24, "RL steps of the traced loop.")
     flags.DEFINE_string("out", "runs/bench_main_job_sampler", "Output folder (must not exist).")
     app.run(main)

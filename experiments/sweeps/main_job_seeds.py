@@ -1,5 +1,5 @@
 """The main job (`python -m launch.rl`, preset rl_tiny: 500 SFT steps, then 24 asynchronous RL
-steps of 2 groups x 16 with dynamic sampling) with three seeds. About 10 minutes a run alone on 2
+steps of 8 groups x 4 with dynamic sampling) with three seeds. About 10 minutes a run alone on 2
 CPU cores. experiments/rl_best_of_k.py evaluates pass@1..16 before and after its RL.
 
   python -m launch.sweep --sweep=experiments/sweeps/main_job_seeds.py --root=runs/claims/main_job \
