@@ -98,9 +98,8 @@ def main(argv):
     cfg = dataclasses.replace(cfg, rl=rl)
     model = warm_start(cfg, False)
     tokenizer = resolve_tokenizer(cfg)
-    num_prompts = rl.num_prompts or cfg.steps * rl.groups_per_step
     groups = FLAGS.groups or 256 // rl.group_size
-    tasks = rl_task_source(cfg).take(max(num_prompts, groups), "train", seed=cfg.seed + 1)[:groups]
+    tasks = rl_task_source(cfg).take(groups, "train", seed=cfg.seed + 1)  # the loop's first prompts
 
     print(f"== 1. The engine alone: {len(tasks)} of the main job's groups x {rl.group_size} ==")
     alone = {share: standalone_rate(cfg, model, tokenizer, tasks, share) for share in (False, True)}

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
 from composer_jax import config as config_lib
 from composer_jax.model import init_model
 from experiments import bench_throughput
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.experiments.bench_runner import run_bench
 
 
 def test_ideal_speedup():
@@ -34,9 +29,7 @@ def test_rollout_batch_trains_only_generated_tokens():
 @pytest.mark.slow
 def test_bench_runs_end_to_end(tmp_path):
     """The whole bench at toy sizes (about 3 minutes on 2 shared cores): every table and the ratios."""
-    cmd = [
-        sys.executable,
-        "-m",
+    stdout = run_bench(
         "experiments.bench_throughput",
         "--steps=3",
         "--warm_start_steps=2",
@@ -47,13 +40,9 @@ def test_bench_runs_end_to_end(tmp_path):
         "--prompt_len=100",
         "--train_steps=1",
         f"--out={tmp_path}",
-    ]
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one CPU device, as the bench is run (not the tests' 8)
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
+    )
     for line in ("== 1. Train step", "== 2. Sampler", "== 3. Async vs sync", "Ratios: RL step"):
-        assert line in out.stdout
+        assert line in stdout
 
 
 def test_steady_summary_clips_the_trace_after_the_first_train_step():
