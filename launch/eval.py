@@ -11,7 +11,7 @@ import sys
 
 from absl import flags
 
-from launch import cli
+from launch import cli, malloc
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A pretraining run's folder.", required=True)
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
@@ -59,4 +59,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    malloc.exec_with_tunables()
     cli.run(main)

@@ -18,7 +18,7 @@ import sys
 from absl import flags
 from etils import epath
 
-from launch import cli
+from launch import cli, malloc
 
 _WORKDIR = flags.DEFINE_string("workdir", "", "A run's folder (pretraining, SFT or RL).")
 _HF_DIR = flags.DEFINE_string("hf_dir", "", "Or a Hugging Face folder (model + tokenizer).")
@@ -152,4 +152,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    malloc.exec_with_tunables()
     cli.run(main)

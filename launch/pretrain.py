@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 
-from launch import cli, plain_log
+from launch import cli, malloc, plain_log
 
 _CONFIG = cli.define_config("tiny")
 _PROGRESS, _LOG_EVERY_S = plain_log.define_flags()
@@ -43,4 +43,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    malloc.exec_with_tunables()
     cli.run(main)

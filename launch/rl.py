@@ -13,7 +13,7 @@ the resolved config and exits; `--noprogress` prints a plain line every `--log_e
 import os
 import sys
 
-from launch import cli, plain_log
+from launch import cli, malloc, plain_log
 
 _CONFIG = cli.define_config("rl_tiny")
 _PROGRESS, _LOG_EVERY_S = plain_log.define_flags()
@@ -59,4 +59,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    malloc.exec_with_tunables()
     cli.run(main)
