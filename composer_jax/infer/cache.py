@@ -65,8 +65,11 @@ def absorbed_attend(
         "bthr,bsr->bhts", q_latent_BTHR, c_kv_BSR, preferred_element_type=jnp.float32
     ) + jnp.einsum("bthk,bsk->bhts", q_rope_BTHK, k_rope_BSK, preferred_element_type=jnp.float32)
     probs = attention_probs(scores, mask_BTS, cfg, dt)
-    out_latent_BTHR = jnp.einsum("bhts,bsr->bthr", probs, c_kv_BSR)
-    out_BTHV = jnp.einsum("bthr,rhv->bthv", out_latent_BTHR, w_uv_RHV)
+    # The weighted sum as [B, H*T, S] @ [B, S, R]: XLA:CPU lowers the same einsum written over
+    # (b, h, t, s) to a slow bf16 dot (2.6 ms against 0.09 ms at 32 slots x 512 positions).
+    B, H, T, S = probs.shape
+    out_latent_BHTR = jnp.matmul(probs.reshape(B, H * T, S), c_kv_BSR).reshape(B, H, T, -1)
+    out_BTHV = jnp.einsum("bhtr,rhv->bthv", out_latent_BHTR, w_uv_RHV)
     return jnp.einsum("bthv,hvd->btd", out_BTHV, attn.o_proj[...].astype(dt))
 
 

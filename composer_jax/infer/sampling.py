@@ -47,15 +47,26 @@ def sampling_log_probs(
     greedy_B1 = (temperature_B <= 0)[:, None]
     scaled = logits_BV / jnp.where(greedy_B1, 1.0, temperature_B[:, None])
     logp_BV = jax.nn.log_softmax(scaled, axis=-1)
-    sorted_BV = -jnp.sort(-logp_BV, axis=-1)
-    mass_before_BV = jnp.cumsum(jnp.exp(sorted_BV), axis=-1) - jnp.exp(sorted_BV)
-    in_nucleus_BV = mass_before_BV < top_p_B[:, None]  # the top token always qualifies
-    cutoff_B1 = jnp.min(jnp.where(in_nucleus_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
-    kept_BV = logp_BV >= cutoff_B1
+    # Without a nucleus (every top_p 1, the RL default) the sort is skipped: on XLA:CPU it is
+    # the largest single op of a decode step.
+    kept_BV = jax.lax.cond(
+        jnp.all(top_p_B >= 1.0),
+        lambda: jnp.ones(logp_BV.shape, bool),
+        lambda: _nucleus(logp_BV, top_p_B),
+    )
     argmax_BV = jax.nn.one_hot(jnp.argmax(logits_BV, axis=-1), logits_BV.shape[-1], dtype=bool)
     kept_BV = jnp.where(greedy_B1, argmax_BV, kept_BV)
     masked_BV = jnp.where(kept_BV, logp_BV, -jnp.inf)
     return masked_BV - jax.nn.logsumexp(masked_BV, axis=-1, keepdims=True)
+
+
+def _nucleus(logp_BV: jax.Array, top_p_B: jax.Array) -> jax.Array:
+    """The smallest set of most likely tokens whose mass reaches top_p, per row."""
+    sorted_BV = -jnp.sort(-logp_BV, axis=-1)
+    mass_before_BV = jnp.cumsum(jnp.exp(sorted_BV), axis=-1) - jnp.exp(sorted_BV)
+    in_nucleus_BV = mass_before_BV < top_p_B[:, None]  # the top token always qualifies
+    cutoff_B1 = jnp.min(jnp.where(in_nucleus_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+    return logp_BV >= cutoff_B1
 
 
 def token_keys(seeds_B: jax.Array, positions_B: jax.Array) -> jax.Array:
