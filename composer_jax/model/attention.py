@@ -85,9 +85,16 @@ class MLA(nnx.Module):
         cfg, dt = self.cfg, q_nope.dtype
         kv = jnp.einsum("bsr,rhk->bshk", c_kv_BSR, self.kv_b_proj[...].astype(dt))
         k_nope, v = jnp.split(kv, [cfg.qk_nope_head_dim], axis=-1)
+        # One product over [nope | rope] dims, the rotary key shared by every head: XLA:CPU runs
+        # it 3x faster than the two products summed (the rotary one alone was the slowest).
+        B, S, H, _ = k_nope.shape
+        k_rope_BSHK = jnp.broadcast_to(k_rope_BSK[:, :, None], (B, S, H, k_rope_BSK.shape[-1]))
         scores = jnp.einsum(
-            "bthk,bshk->bhts", q_nope, k_nope, preferred_element_type=jnp.float32
-        ) + jnp.einsum("bthk,bsk->bhts", q_rope, k_rope_BSK, preferred_element_type=jnp.float32)
+            "bthk,bshk->bhts",
+            jnp.concatenate([q_nope, q_rope], axis=-1),
+            jnp.concatenate([k_nope, k_rope_BSHK], axis=-1),
+            preferred_element_type=jnp.float32,
+        )
         probs = attention_probs(scores, mask_BTS, cfg, dt)
         out = jnp.einsum("bhts,bshk->bthk", probs, v)
         return jnp.einsum("bthk,hkd->btd", out, self.o_proj[...].astype(dt))
