@@ -61,12 +61,13 @@ def sampling_log_probs(
 
 
 def _nucleus(logp_BV: jax.Array, top_p_B: jax.Array) -> jax.Array:
-    """The smallest set of most likely tokens whose mass reaches top_p, per row."""
+    """The smallest set of most likely tokens whose mass reaches top_p, per row; a row with top_p
+    1 keeps every token (as the sort-free branch does, whatever its batch-mates ask for)."""
     sorted_BV = -jnp.sort(-logp_BV, axis=-1)
     mass_before_BV = jnp.cumsum(jnp.exp(sorted_BV), axis=-1) - jnp.exp(sorted_BV)
     in_nucleus_BV = mass_before_BV < top_p_B[:, None]  # the top token always qualifies
     cutoff_B1 = jnp.min(jnp.where(in_nucleus_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
-    return logp_BV >= cutoff_B1
+    return (logp_BV >= cutoff_B1) | (top_p_B >= 1.0)[:, None]
 
 
 def token_keys(seeds_B: jax.Array, positions_B: jax.Array) -> jax.Array:

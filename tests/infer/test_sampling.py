@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from composer_jax.infer import InferenceEngine, SamplingParams, recompute_generate
+from composer_jax.infer.sampling import sampling_log_probs
 from tests.infer.conftest import (
     DRAWS,
     PROMPT,
@@ -48,3 +51,18 @@ def test_chi_square_rejects_a_wrong_distribution():
     assert chi_square_p_value(counts, probs) > 1e-3
     skewed = probs * np.linspace(0.5, 1.5, VOCAB)
     assert chi_square_p_value(counts, skewed / skewed.sum()) < 1e-3
+
+
+def test_a_row_without_nucleus_keeps_every_token_whatever_its_batch_mates():
+    """top_p 1 means no truncation, in the sort-free branch (all rows at 1) and in the nucleus
+    branch (a batch-mate below 1) alike: the row's distribution does not depend on the batch."""
+    # A wide spread of logits, so the tail's cumulative mass rounds to 1 in float32.
+    logits = jax.random.normal(jax.random.key(3), (2, 259)) * 12.0
+    temperature = jnp.array([1.0, 1.0])
+    alone = sampling_log_probs(logits[:1], temperature[:1], jnp.array([1.0]))
+    mixed = sampling_log_probs(logits, temperature, jnp.array([1.0, 0.5]))
+    np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(mixed[0]))
+    np.testing.assert_allclose(
+        np.asarray(alone[0]), np.asarray(jax.nn.log_softmax(logits[0])), rtol=1e-5, atol=1e-5
+    )
+    assert np.isinf(np.asarray(mixed[1])).any()  # the batch-mate is truncated
