@@ -12,6 +12,7 @@ once (`--env_workers`); the sampling settings default to the run's RL settings.
 """
 
 import dataclasses
+import itertools
 import re
 import sys
 
@@ -83,8 +84,14 @@ def _tasks(config_lib, run_cfg):
         raise config_lib.ConfigError(f"--split: {source.name} has splits {source.splits}")
     size = source.size(split)
     count = _NUM_TASKS.value or (size if size is not None else _ENDLESS_DEFAULT)
-    seed = _SEED.value if _TASKS.value or run_cfg is None else run_cfg.seed + 2
-    return source, split, source.take(count, split, seed)
+    if _TASKS.value or run_cfg is None:
+        return source, split, source.take(count, split, _SEED.value)
+    # The run's own held-out tasks, as its held-out check draws them: none it trained on.
+    from composer_jax.actor.setup import trained_prompts
+
+    trained = trained_prompts(run_cfg)
+    fresh = (t for t in source.tasks(split, run_cfg.seed + 2) if t.prompt not in trained)
+    return source, split, list(itertools.islice(fresh, count))
 
 
 def main(argv):

@@ -50,6 +50,7 @@ from composer_jax.actor.setup import (
     check_model,
     env_timeout,
     heldout_task_set,
+    rl_prompt_tasks,
     rl_task_source,
     store_dir,
     warm_start,
@@ -143,7 +144,7 @@ def _lead(cfg, tokenizer, model, warm_params, warm_buffers, channel, progress) -
     record_launch(cfg.workdir, cfg, trainer.restored_step, "rl")
     num_prompts = rl.num_prompts or cfg.steps * rl.groups_per_step
     source = rl_task_source(cfg)
-    tasks = source.take(num_prompts, "train", seed=cfg.seed + 1)
+    tasks = rl_prompt_tasks(cfg)
     if len(tasks) < num_prompts:
         log.warning(
             "the RL task source has %d training tasks, fewer than the %d prompts of the epoch",
