@@ -6,7 +6,7 @@ hands freed heap back to the kernel, so each step page-faults all of its buffers
 150,000 faults per SFT step of `rl_tiny`, a fifth of the job's CPU time spent in the kernel.
 Transparent huge pages for malloc's mappings (`glibc.malloc.hugetlb=1`, glibc >= 2.35), a 32 MiB
 mmap threshold and a trim threshold that keeps freed memory cut this to about 2,000 faults per
-step (experiments/RESULTS.md, "Allocator").
+step (experiments/RESULTS.md, "XLA:CPU time").
 
 glibc reads tunables only when a process starts, so an entry point run as a program executes
 itself again, once, with them set. A `GLIBC_TUNABLES` already in the environment (even empty) is
