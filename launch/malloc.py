@@ -29,8 +29,8 @@ TUNABLES = ":".join(
 
 def _glibc() -> bool:
     try:
-        return os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
-    except (ValueError, OSError):  # not a GNU C library
+        return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
+    except (AttributeError, ValueError, OSError):  # no confstr, or not a GNU C library
         return False
 
 
