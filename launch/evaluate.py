@@ -12,7 +12,6 @@ once (`--env_workers`); the sampling settings default to the run's RL settings.
 """
 
 import dataclasses
-import itertools
 import re
 import sys
 
@@ -87,11 +86,9 @@ def _tasks(config_lib, run_cfg):
     if _TASKS.value or run_cfg is None:
         return source, split, source.take(count, split, _SEED.value)
     # The run's own held-out tasks, as its held-out check draws them: none it trained on.
-    from composer_jax.actor.setup import trained_prompts
+    from composer_jax.actor.setup import untrained_tasks
 
-    trained = trained_prompts(run_cfg)
-    fresh = (t for t in source.tasks(split, run_cfg.seed + 2) if t.prompt not in trained)
-    return source, split, list(itertools.islice(fresh, count))
+    return source, split, untrained_tasks(run_cfg, source, split, count)
 
 
 def main(argv):

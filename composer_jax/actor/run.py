@@ -50,6 +50,7 @@ from composer_jax.actor.setup import (
     check_model,
     env_timeout,
     heldout_task_set,
+    rl_num_prompts,
     rl_prompt_tasks,
     rl_task_source,
     store_dir,
@@ -142,7 +143,7 @@ def _lead(cfg, tokenizer, model, warm_params, warm_buffers, channel, progress) -
     trainer = RLTrainer(cfg, warm_params, warm_buffers, store, tracer=tracer, channel=channel)
     write_config(cfg.workdir, cfg)  # only now: a refused resume leaves the old config as it was
     record_launch(cfg.workdir, cfg, trainer.restored_step, "rl")
-    num_prompts = rl.num_prompts or cfg.steps * rl.groups_per_step
+    num_prompts = rl_num_prompts(cfg)
     source = rl_task_source(cfg)
     tasks = rl_prompt_tasks(cfg)
     if len(tasks) < num_prompts:

@@ -47,11 +47,15 @@ def rl_task_source(cfg: config_lib.ExperimentConfig) -> envs.TaskSource:
     return task_source(cfg.rl.tasks or cfg.data.tasks, field)
 
 
+def rl_num_prompts(cfg: config_lib.ExperimentConfig) -> int:
+    """Prompts of the RL epoch: `rl.num_prompts`, else steps x groups per step."""
+    return cfg.rl.num_prompts or cfg.steps * cfg.rl.groups_per_step
+
+
 def rl_prompt_tasks(cfg: config_lib.ExperimentConfig) -> list[envs.Task]:
-    """The RL epoch's prompts: `rl.num_prompts` (else steps x groups per step) training tasks of
-    the RL source, seed cfg.seed + 1."""
-    num_prompts = cfg.rl.num_prompts or cfg.steps * cfg.rl.groups_per_step
-    return rl_task_source(cfg).take(num_prompts, "train", seed=cfg.seed + 1)
+    """The RL epoch's prompts: `rl_num_prompts` training tasks of the RL source, seed
+    cfg.seed + 1."""
+    return rl_task_source(cfg).take(rl_num_prompts(cfg), "train", seed=cfg.seed + 1)
 
 
 def trained_prompts(cfg: config_lib.ExperimentConfig) -> set[str]:
@@ -62,6 +66,16 @@ def trained_prompts(cfg: config_lib.ExperimentConfig) -> set[str]:
         sft = task_source(cfg.data.tasks, "data.tasks").take(SFT_EXAMPLES, "train", cfg.seed)
         prompts.update(task.prompt for task in sft if task.oracle_files)
     return prompts
+
+
+def untrained_tasks(
+    cfg: config_lib.ExperimentConfig, source: envs.TaskSource, split: str, count: int
+) -> list[envs.Task]:
+    """The first `count` tasks of `source`'s `split` drawn with the held-out seed (cfg.seed + 2)
+    whose prompts the run never trains on (fewer where the split runs out)."""
+    trained = trained_prompts(cfg)
+    fresh = (t for t in source.tasks(split, seed=cfg.seed + 2) if t.prompt not in trained)
+    return list(itertools.islice(fresh, count))
 
 
 def heldout_task_set(cfg: config_lib.ExperimentConfig) -> list[envs.Task]:
@@ -79,11 +93,7 @@ def heldout_task_set(cfg: config_lib.ExperimentConfig) -> list[envs.Task]:
         raise config_lib.ConfigError(
             f"rl.heldout_split: {source.name} has splits {source.splits}, not {rl.heldout_split!r}"
         )
-    trained = trained_prompts(cfg)
-    fresh = (
-        t for t in source.tasks(rl.heldout_split, seed=cfg.seed + 2) if t.prompt not in trained
-    )
-    tasks = list(itertools.islice(fresh, rl.heldout_num_tasks))
+    tasks = untrained_tasks(cfg, source, rl.heldout_split, rl.heldout_num_tasks)
     if not tasks:
         raise config_lib.ConfigError(
             f"rl.heldout_split: {source.name} has no {rl.heldout_split!r} tasks the run does not "
