@@ -1,7 +1,9 @@
 """Process start-up shared by every entry point: log level and multi-host initialisation."""
 
+import faulthandler
 import logging as std_logging
 import os
+import signal
 
 from absl import flags, logging
 
@@ -12,7 +14,11 @@ EXPLICIT_VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCE
 
 def initialize() -> None:
     """Quiets library INFO logs (unless --verbosity is given), joins a multi-process job when the
-    environment describes one, and logs this process's place in it."""
+    environment describes one, and logs this process's place in it. `kill -USR1 PID` then prints
+    every thread's Python stack to stderr: the first question about a job that stopped making
+    progress (a collective one process never joined, a save that never ended)."""
+    if hasattr(signal, "SIGUSR1"):  # not on Windows
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO.
     _show_project_logs()

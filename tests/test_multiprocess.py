@@ -207,6 +207,46 @@ def test_distributed_arguments(monkeypatch):
     assert runtime.distributed_arguments() == {}
 
 
+def test_sigusr1_prints_every_threads_stack():
+    """What a hung job's processes are doing, without a debugger: `kill -USR1` after
+    `runtime.initialize`."""
+    program = textwrap.dedent("""
+        import threading, time
+        from absl import app
+        from launch import runtime
+
+        def waiting_in_a_worker_thread():
+            time.sleep(60)
+
+        def main(argv):
+            runtime.initialize()
+            threading.Thread(target=waiting_in_a_worker_thread, daemon=True).start()
+            print("ready", flush=True)
+            time.sleep(60)
+
+        app.run(main)
+    """)
+    process = subprocess.Popen(
+        [sys.executable, "-c", program],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for line in process.stdout:  # after runtime's own log line
+            if line == "ready\n":
+                break
+        process.send_signal(signal.SIGUSR1)
+        time.sleep(1)
+        assert process.poll() is None  # the dump does not stop the job
+    finally:
+        process.kill()
+    stderr = process.communicate()[1]
+    assert "in waiting_in_a_worker_thread" in stderr and "in main" in stderr, stderr[-3000:]
+
+
 # ----------------------------------------------------------------------------- data sharding
 
 
@@ -325,6 +365,21 @@ def test_one_process_checkpoint_resumes_on_two(tmp_path, corpus, reference_runs)
     assert glob.glob(str(on_two / "checkpoints" / "5"))
 
 
+def _stacks_and_kill(process) -> str:
+    """The output of a hung launcher with every child's Python stacks (`runtime.initialize`
+    prints them on SIGUSR1), after which the whole job is killed."""
+    import psutil
+
+    for child in psutil.Process(process.pid).children():
+        child.send_signal(signal.SIGUSR1)
+    time.sleep(3)
+    for child in psutil.Process(process.pid).children(recursive=True):
+        child.kill()
+    process.kill()
+    output, _ = process.communicate()
+    return output
+
+
 def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path, corpus):
     """A scheduler's SIGTERM reaches hosts at different steps: the processes agree on the stop
     (without that, the signalled one waits in the checkpoint's collectives and the other in the
@@ -355,7 +410,10 @@ def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path, corpus):
             if child.environ().get("JAX_PROCESS_ID") == "1"
         ]
         second.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=180)
+        try:
+            output, _ = process.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the job did not stop within 180 s:\n" + _stacks_and_kill(process)[-12000:])
     finally:
         if process.poll() is None:
             for child in psutil.Process(process.pid).children(recursive=True):
