@@ -12,6 +12,7 @@ the same slots and lengths. Here both play the main job's own workload from one 
    compiles).
 
   python -m experiments.bench_main_job_sampler [--warm_start=RUN] [--groups=64] [--steps=24]
+      [--max_staleness=N] [--groups_per_step=N] [--schedule_ahead_groups=N] [--num_env_workers=N]
 """
 
 import dataclasses
@@ -80,7 +81,16 @@ def main(argv):
         warm_start_steps=FLAGS.warm_start_steps,
         **{
             name: FLAGS[name].value
-            for name in ("group_size", "num_slots", "max_new_tokens", "skip_uniform_groups")
+            for name in (
+                "group_size",
+                "groups_per_step",
+                "num_slots",
+                "max_new_tokens",
+                "max_staleness",
+                "schedule_ahead_groups",
+                "num_env_workers",
+                "skip_uniform_groups",
+            )
             if FLAGS[name].value is not None
         },
     )
@@ -141,8 +151,16 @@ if __name__ == "__main__":
     flags.DEFINE_string("warm_start", "", "The main job's SFT warm start (default: made here).")
     flags.DEFINE_integer("warm_start_steps", 500, "SFT steps of the warm start made here.")
     flags.DEFINE_integer("group_size", None, "Samples per group (default: the main job's).")
+    flags.DEFINE_integer("groups_per_step", None, "Groups a step (default: the main job's).")
     flags.DEFINE_integer("num_slots", None, "Sampler slots (default: the main job's).")
     flags.DEFINE_integer("max_new_tokens", None, "Tokens per turn (default: the main job's).")
+    flags.DEFINE_integer(
+        "max_staleness", None, "Versions a group may lag (default: the main job's)."
+    )
+    flags.DEFINE_integer(
+        "schedule_ahead_groups", None, "Groups started beyond the slots (default: the main job's)."
+    )
+    flags.DEFINE_integer("num_env_workers", None, "Environment workers (default: the main job's).")
     flags.DEFINE_bool("skip_uniform_groups", None, "Dynamic sampling (off for untrained toys).")
     flags.DEFINE_integer(
         "groups", None, "Groups the engine plays alone (of the RL prompts; default: 256 samples)."

@@ -276,12 +276,13 @@ class Coordinator:
 
     def _schedule(self) -> None:
         cfg, state = self.cfg, self.state
-        # Samples not yet scored count against the slots plus the lookahead (a scored sample's
-        # slot is free again, even while the rest of its group still generates).
+        # Samples that hold or await a slot count against the slots plus the lookahead (a
+        # sample's slot is free again once its last turn leaves the sampler, even while the
+        # turn is graded and the rest of its group still generates).
         capacity = cfg.num_slots * cfg.num_samplers + cfg.group_size * cfg.schedule_ahead_groups
         with state.lock:
             while True:
-                if len(state.active) + cfg.group_size > capacity:
+                if state.needing_slots() + cfg.group_size > capacity:
                     return
                 version = self.sampler.version or 0
                 if not self.scheduler.admits(self.trainer_version, self._untrained, version):

@@ -52,6 +52,15 @@ class RolloutState:
     counters: Counters = dataclasses.field(default_factory=Counters)
     lock: threading.Condition = dataclasses.field(default_factory=threading.Condition)
 
+    def needing_slots(self) -> int:
+        """Samples that hold a sampler slot or will: all not yet scored but those whose last
+        turn is in the environment (their slot was released, see `EpisodeDriver.on_completion`)."""
+        return sum(
+            1
+            for s in self.active
+            if s.state is not SampleState.IN_ENV or s.request_id in self.by_request
+        )
+
 
 class EpisodeDriver:
     """Moves samples through SCHEDULED -> GENERATING <-> IN_ENV -> SCORED (rollout thread only);
@@ -203,6 +212,11 @@ class EpisodeDriver:
         sample.state = SampleState.IN_ENV
         sample.pending = self.env_pool.step(sample.episode_id, sample.turn_text)
         sample.finish_reason = c.finish_reason
+        if sample.counts.get("turns", 0) + 1 >= self.env_config.max_turns:
+            # The environment ends the episode at this step (its turn limit), so nothing will
+            # continue the request: its cache slot takes the next sample while the turn runs and
+            # is graded (about 100 ms on 2 cores, a third of a one-turn sample's time).
+            self._release(sample)
 
     def on_step(self, sample: Sample, result) -> None:
         cfg = self.cfg

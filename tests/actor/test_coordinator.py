@@ -1,6 +1,7 @@
 """The coordinator's rollout mechanics: text feedback, self-summarisation, worker failures,
 scheduling against the sampler's slots."""
 
+import concurrent.futures
 import os
 import signal
 import time
@@ -357,7 +358,14 @@ class _SelectiveSampler(ScriptedSampler):
         return done
 
 
-def _scheduled_groups(finishes, ready, ledger_dir, num_slots, ahead):
+class _UngradedPool(ThreadEnvironmentPool):
+    """Episodes start, but a turn never comes back from the environment (an endless grading)."""
+
+    def step(self, episode_id, model_output):
+        return concurrent.futures.Future()
+
+
+def _scheduled_groups(finishes, ready, ledger_dir, num_slots, ahead, pool=ThreadEnvironmentPool):
     """Groups of 2 one-turn samples under a sampler that finishes only the requests `finishes`
     accepts: once `ready(state)` holds (within 60 s) and the loop ran on a while, the groups the
     coordinator started and its samples queued for a slot."""
@@ -382,8 +390,8 @@ def _scheduled_groups(finishes, ready, ledger_dir, num_slots, ahead):
     )
     prompts = [(f"p{i}", task) for i, task in enumerate(tasks)]
     args = (TOKENIZER, MODEL_CFG.num_moe_layers, MODEL_CFG.num_experts_per_tok)
-    with ThreadEnvironmentPool(4, timeout_s=60) as pool:
-        coordinator = Coordinator(cfg, sampler, pool, GroupLedger(ledger_dir), prompts, *args)
+    with pool(4, timeout_s=60) as env_pool:
+        coordinator = Coordinator(cfg, sampler, env_pool, GroupLedger(ledger_dir), prompts, *args)
         state = coordinator.state
         coordinator.start()
         try:
@@ -423,3 +431,15 @@ def test_a_scored_sample_frees_its_slot_for_the_next_group(tmp_path):
 
     groups, _ = _scheduled_groups(lambda rid: rid == 0, ready, tmp_path, 3, 0)
     assert groups == ["p0", "p1"]
+
+
+def test_a_sample_graded_after_its_last_turn_holds_no_slot(tmp_path):
+    """One-turn samples whose grading never ends: each sample's slot is released when its turn
+    goes to the environment, so with 2 slots and nothing scheduled ahead every group starts, not
+    only the first, while none is ever scored."""
+
+    def ready(state):
+        return len(state.groups) == 4 and not state.by_request and not state.waiting
+
+    groups, _ = _scheduled_groups(lambda rid: True, ready, tmp_path, 2, 0, pool=_UngradedPool)
+    assert groups == ["p0", "p1", "p2", "p3"]
