@@ -9,10 +9,13 @@ All ratios compare configurations measured in the same run on the same machine:
 4. MTP speculative decoding: acceptance rate and tokens per main-model pass;
 5. decode steps per jitted call (`decode_chunk`): tokens/s at each chunk against one step per
    call, with every slot decoding to the same length and with requests of mixed lengths joining
-   as others finish (a slot freed mid-chunk idles until the chunk ends).
+   as others finish (a slot freed mid-chunk idles until the chunk ends);
+6. two ops of a decode step written two ways, at the RL sampler's shapes (`--tables=forms`, not
+   in the default set): the absorbed attention's weighted sum as the einsum it was against the
+   batched matmul it is, and drawing a token with the nucleus sort against without it (top_p 1).
 
   python experiments/bench_decode.py [--contexts=256,1024] [--decode_steps=32] [--requests=32]
-      [--tables=cache,decode,batching,speculative,chunks] [--chunks=1,4,8,16]
+      [--tables=cache,decode,batching,speculative,chunks,forms] [--chunks=1,4,8,16]
 """
 
 import dataclasses
@@ -29,6 +32,7 @@ _TABLES = flags.DEFINE_list(
     "tables", ["cache", "decode", "batching", "speculative", "chunks"], "Tables to print."
 )
 _CHUNKS = flags.DEFINE_list("chunks", ["1", "4", "8", "16"], "decode_chunk values, baseline first.")
+_FORM_CALLS = flags.DEFINE_integer("form_calls", 50, "Calls per timed repeat in the forms table.")
 
 
 def _best_seconds(run) -> float:
@@ -217,6 +221,94 @@ def chunk_table(model, requests: int, slots: int, chunks: list[int]) -> None:
             print(f"{label:<22}{chunk:>13}{seconds:>9.3f}{total / seconds:>10.1f}{ratio:>9.2f}x")
 
 
+def _ms_per_call(fn, *args) -> float:
+    """Milliseconds per call of a jitted `fn`, compiled first; the best of `--repeats`."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+
+    def calls():
+        for _ in range(_FORM_CALLS.value):
+            out = fn(*args)
+        jax.block_until_ready(out)
+
+    return 1e3 * _best_seconds(calls) / _FORM_CALLS.value
+
+
+def forms_table() -> None:
+    """Same op, two spellings, at `rl_tiny`'s sampler shapes (its slots and context, bf16): what
+    XLA:CPU makes of each. The baseline row of each pair is the spelling the engine used before."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from composer_jax import config
+    from composer_jax.infer.sampling import sample, token_keys
+
+    preset = config.rl_tiny()
+    model, slots, positions = preset.model, preset.rl.num_slots, preset.rl.context_len
+    dtype = jnp.dtype(model.dtype)
+    k_probs, k_cache, k_logits = jax.random.split(jax.random.key(0), 3)
+    scores = jax.random.normal(k_probs, (slots, model.num_heads, 1, positions))
+    probs_BHTS = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    c_kv_BSR = jax.random.normal(k_cache, (slots, positions, model.kv_lora_rank)).astype(dtype)
+
+    @jax.jit
+    def weighted_sum_einsum(probs, c_kv):
+        return jnp.einsum("bhts,bsr->bthr", probs, c_kv)
+
+    @jax.jit
+    def weighted_sum_matmul(probs, c_kv):
+        B, H, T, S = probs.shape
+        out_BHTR = jnp.matmul(probs.reshape(B, H * T, S), c_kv).reshape(B, H, T, -1)
+        return out_BHTR.transpose(0, 2, 1, 3)
+
+    reference = np.einsum(  # float32 products of the same bf16 inputs
+        "bhts,bsr->bthr", np.asarray(probs_BHTS, np.float32), np.asarray(c_kv_BSR, np.float32)
+    )
+    errors = {
+        name: np.max(np.abs(np.asarray(form(probs_BHTS, c_kv_BSR), np.float32) - reference))
+        for name, form in (("einsum", weighted_sum_einsum), ("matmul", weighted_sum_matmul))
+    }
+    logits_BV = jax.random.normal(k_logits, (slots, model.vocab_size)) * 3
+    temperature_B = jnp.ones(slots)
+    keys_B = token_keys(jnp.arange(slots), jnp.zeros(slots, jnp.int32))
+    draw = jax.jit(sample)
+    rows = [
+        (
+            "weighted sum: einsum bhts,bsr->bthr",
+            _ms_per_call(weighted_sum_einsum, probs_BHTS, c_kv_BSR),
+        ),
+        (
+            "weighted sum: [B, H*T, S] @ [B, S, R]",
+            _ms_per_call(weighted_sum_matmul, probs_BHTS, c_kv_BSR),
+        ),
+        (
+            "draw, top_p 0.95 (nucleus sort)",
+            _ms_per_call(draw, logits_BV, temperature_B, jnp.full(slots, 0.95), keys_B),
+        ),
+        (
+            "draw, top_p 1 (sort skipped)",
+            _ms_per_call(draw, logits_BV, temperature_B, jnp.ones(slots), keys_B),
+        ),
+    ]
+    print(
+        f"\n== Decode-step ops, two spellings ({slots} slots x {positions} positions, "
+        f"{model.num_heads} heads, latent {model.kv_lora_rank}, vocab {model.vocab_size}, "
+        f"{dtype.name}; ms per call, best of {_REPEATS.value} x {_FORM_CALLS.value}) =="
+    )
+    print("| op | ms per call | baseline / this |")
+    print("| --- | ---: | ---: |")
+    for index, (label, ms) in enumerate(rows):
+        baseline = rows[index - index % 2][1]
+        print(f"| {label} | {ms:.3f} | {baseline / ms:.2f}x |")
+    print(
+        f"Largest error of the weighted sums against float32 products of the same inputs: "
+        f"einsum {errors['einsum']:.3g}, matmul {errors['matmul']:.3g} (outputs about "
+        f"{np.abs(reference).mean():.3g} in size)"
+    )
+
+
 def main(argv):
     del argv
     from composer_jax.model import init_model
@@ -233,6 +325,8 @@ def main(argv):
         speculative_table(model)
     if "chunks" in tables:
         chunk_table(model, _REQUESTS.value, _SLOTS.value, [int(c) for c in _CHUNKS.value])
+    if "forms" in tables:
+        forms_table()
 
 
 if __name__ == "__main__":
