@@ -21,6 +21,7 @@ import hashlib
 import logging
 import re
 import sys
+import warnings
 
 from composer_jax.envs.protocol import ToolCall
 from composer_jax.envs.task import Task
@@ -191,7 +192,9 @@ class RewardHackMonitor:
 def _hardcoded(source: str, literals: set[str]) -> set[str]:
     """Which of the literal reprs occur as constants in `source` (tolerates broken code)."""
     try:
-        tree = ast.parse(source)
+        # Model-written code: its SyntaxWarnings (`1if x`) are not the run's to print.
+        with warnings.catch_warnings(action="ignore", category=SyntaxWarning):
+            tree = ast.parse(source)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         # Broken or pathologically nested code (the parser gives up on deep nesting).
         return {lit for lit in literals if len(lit) >= 3 and lit in source}

@@ -3,11 +3,13 @@ never flagged."""
 
 import logging
 import sys
+import warnings
 
 import pytest
 
 from composer_jax.envs.builtin_tasks import make_task
 from composer_jax.envs.environment import oracle_turns, run_episode
+from composer_jax.envs.monitors import _hardcoded
 from composer_jax.envs.protocol import render_turn
 
 TASK = make_task(5)
@@ -65,3 +67,14 @@ def test_oracle_and_honest_tool_use_are_not_flagged():
         ],
     )
     assert honest.reward == 1.0 and honest.flags == ()
+
+
+def test_reading_model_code_prints_no_syntax_warnings():
+    """`1if x` parses with a SyntaxWarning; the monitor reads such code silently."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = _hardcoded(
+            "def f(x):\n    return 1if x == 'abc' else [4, 5]\n", {"'abc'", "[4, 5]"}
+        )
+    assert found == {"'abc'", "[4, 5]"}
+    assert not [w for w in caught if issubclass(w.category, SyntaxWarning)]
