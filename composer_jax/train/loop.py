@@ -109,9 +109,14 @@ class StopRequest:
             return self.signal
         mine = signal.Signals[self.signal].value if self.signal else 0
         seen = int(np.max(multihost_utils.process_allgather(np.int32(mine))))
-        if seen and self.signal is None:
+        if not seen:
+            # Not `self.signal`: a signal that arrives while this process waits in the exchange
+            # (its handler runs as the exchange returns) was not sent to the others, who go on.
+            # It is shared at the next boundary.
+            return None
+        if self.signal is None:
             self.signal = signal.Signals(seen).name
-        return self.signal
+        return signal.Signals(seen).name
 
 
 # Distinct tasks behind an SFT phase (taken once per run; the built-in ones in under a second).

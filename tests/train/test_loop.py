@@ -163,3 +163,40 @@ def test_muon_run_trains_and_resumes(tmp_path, corpus):
     resumed = run_pretraining(dataclasses.replace(cfg, steps=4, resume="must"), progress=False)
     assert resumed.final_step == 4
     assert sorted(_losses(tmp_path / "muon")) == [1, 2, 3, 4]
+
+
+def _two_process_exchange(monkeypatch, answers):
+    """`StopRequest.agreed` as on 2 processes, the exchange answering from `answers` (a function
+    of this process's value and the call number); returns the values this process sent."""
+    sent = []
+
+    def allgather(mine):
+        sent.append(int(mine))
+        return np.asarray(answers(int(mine), len(sent)), np.int32)
+
+    monkeypatch.setattr(loop.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(loop.multihost_utils, "process_allgather", allgather)
+    return sent
+
+
+def test_a_signal_during_the_stop_exchange_counts_at_the_next_boundary(monkeypatch):
+    """A signal handler runs as the exchange returns, after every process sent "no signal": the
+    others go on to the next step, so this process must too (stopping alone, it would wait in the
+    checkpoint's collectives and they in the step's, forever), and all stop one step later."""
+    stop = loop.StopRequest()
+
+    def answers(mine, call):
+        if call == 1:
+            stop(signal.SIGTERM, None)  # the handler, run as the exchange returns
+        return [mine, 0]
+
+    sent = _two_process_exchange(monkeypatch, answers)
+    assert stop.agreed() is None
+    assert stop.agreed() == "SIGTERM"
+    assert sent == [0, signal.SIGTERM.value]
+
+
+def test_a_signal_to_another_process_stops_this_one(monkeypatch):
+    stop = loop.StopRequest()
+    _two_process_exchange(monkeypatch, lambda mine, call: [mine, signal.SIGINT.value])
+    assert stop.agreed() == "SIGINT" and stop.signal == "SIGINT"
