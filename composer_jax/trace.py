@@ -144,6 +144,10 @@ class Tracer:
                 }
             )
         for track, category, name, start, end, args in sorted(recorded, key=lambda e: e[3]):
+            # The duration as a difference of the two offsets, so that a span that ends where
+            # the next one starts (one clock reading) also ends there in the trace, not a
+            # rounding error later: the viewer would nest the next span inside it.
+            begin_us = (start - self.origin) * 1e6
             out.append(
                 {
                     "ph": "X",
@@ -151,8 +155,8 @@ class Tracer:
                     "tid": tracks[track],
                     "cat": category,
                     "name": name,
-                    "ts": (start - self.origin) * 1e6,
-                    "dur": (end - start) * 1e6,
+                    "ts": begin_us,
+                    "dur": (end - self.origin) * 1e6 - begin_us,
                     "args": args,
                 }
             )

@@ -109,7 +109,7 @@ def test_a_traced_rollout_and_step_give_role_tracks_and_a_consistent_summary(tmp
     for tid in tracks:
         open_ends = []
         for e in sorted((e for e in spans if e["tid"] == tid), key=lambda e: (e["ts"], -e["dur"])):
-            while open_ends and open_ends[-1] <= e["ts"]:
+            while open_ends and open_ends[-1] <= e["ts"] + 1e-3:  # a ns: float microseconds
                 open_ends.pop()
             assert not open_ends or e["ts"] + e["dur"] <= open_ends[-1] + 1e3, e
             open_ends.append(e["ts"] + e["dur"])
