@@ -13,6 +13,7 @@ from composer_jax import config as config_lib
 from composer_jax import envs, interop
 from composer_jax.train.loop import (
     SFT_EXAMPLES,
+    drawn_tasks,
     load_trained_model,
     run_pretraining,
     task_source,
@@ -41,10 +42,14 @@ def warm_start_config(cfg: config_lib.ExperimentConfig) -> config_lib.Experiment
     )
 
 
+def _rl_tasks_field(cfg: config_lib.ExperimentConfig) -> tuple[str, str]:
+    """(spec, config field) of the RL prompts' source: rl.tasks, else data.tasks."""
+    return (cfg.rl.tasks, "rl.tasks") if cfg.rl.tasks else (cfg.data.tasks, "data.tasks")
+
+
 def rl_task_source(cfg: config_lib.ExperimentConfig) -> envs.TaskSource:
     """The RL prompts' source: rl.tasks, else data.tasks."""
-    field = "rl.tasks" if cfg.rl.tasks else "data.tasks"
-    return task_source(cfg.rl.tasks or cfg.data.tasks, field)
+    return task_source(*_rl_tasks_field(cfg))
 
 
 def rl_num_prompts(cfg: config_lib.ExperimentConfig) -> int:
@@ -55,7 +60,8 @@ def rl_num_prompts(cfg: config_lib.ExperimentConfig) -> int:
 def rl_prompt_tasks(cfg: config_lib.ExperimentConfig) -> list[envs.Task]:
     """The RL epoch's prompts: `rl_num_prompts` training tasks of the RL source, seed
     cfg.seed + 1."""
-    return rl_task_source(cfg).take(rl_num_prompts(cfg), "train", seed=cfg.seed + 1)
+    spec, field = _rl_tasks_field(cfg)
+    return list(drawn_tasks(spec, field, rl_num_prompts(cfg), "train", cfg.seed + 1))
 
 
 def trained_prompts(cfg: config_lib.ExperimentConfig) -> set[str]:
@@ -63,7 +69,7 @@ def trained_prompts(cfg: config_lib.ExperimentConfig) -> set[str]:
     `data.tasks`, the SFT examples' tasks (seed cfg.seed, as `train.loop` draws them)."""
     prompts = {task.prompt for task in rl_prompt_tasks(cfg)}
     if cfg.data.tasks and any(phase.data == "tasks" for phase in cfg.train.phases):
-        sft = task_source(cfg.data.tasks, "data.tasks").take(SFT_EXAMPLES, "train", cfg.seed)
+        sft = drawn_tasks(cfg.data.tasks, "data.tasks", SFT_EXAMPLES, "train", cfg.seed)
         prompts.update(task.prompt for task in sft if task.oracle_files)
     return prompts
 

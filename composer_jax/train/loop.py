@@ -145,7 +145,7 @@ class _Corpora:
         """The SFT tasks (`data.tasks`, split "train", seed cfg.seed) as (first observation,
         oracle turn), made on first use; tasks without an oracle solution are skipped."""
         if self._sft_examples is None:
-            tasks = task_source(self._tasks, "data.tasks").take(SFT_EXAMPLES, "train", self._seed)
+            tasks = drawn_tasks(self._tasks, "data.tasks", SFT_EXAMPLES, "train", self._seed)
             examples = [envs.sft_example(t) for t in tasks if t.oracle_files]
             if not examples:
                 raise config_lib.ConfigError(
@@ -161,6 +161,14 @@ def task_source(spec: str, field: str) -> envs.TaskSource:
         return envs.load_task_source(spec)
     except envs.TaskSourceError as error:
         raise config_lib.ConfigError(f"{field}: {error}") from None
+
+
+@functools.lru_cache(maxsize=4)
+def drawn_tasks(spec: str, field: str, count: int, split: str, seed: int) -> tuple[envs.Task, ...]:
+    """`task_source(spec, field).take(count, split, seed)`, drawn once per process: the warm
+    start's SFT examples and the RL prompts are drawn again to keep them out of the held-out
+    check, and some sources build each task at a cost (feature deletion: about 0.7 s a task)."""
+    return tuple(task_source(spec, field).take(count, split, seed))
 
 
 def _phase_of(step: int, bounds) -> int:
