@@ -1,9 +1,9 @@
 """What a task is and how it is graded.
 
 Grading runs `harness.py` in a fresh command of the episode's sandbox: the harness receives the
-task's grader spec (expected answers, or the check or test code) and a random nonce as program
-text on stdin, runs the code under test in child processes, and prints one verdict line prefixed
-by the nonce. The reward is the fraction of the task's graded tests (always named by the task)
+task's grader spec (expected answers, or the check or test code) and a random nonce on stdin,
+runs the code under test in child processes, and prints one verdict line prefixed by the nonce.
+The reward is the fraction of the task's graded tests (always named by the task)
 that passed. No file of the hidden tests is ever written: neither this sample nor a sibling can
 read them, and nothing the code under test prints can stand in for the verdict.
 """
@@ -11,6 +11,7 @@ read them, and nothing the code under test prints can stand in for the verdict.
 import dataclasses
 import json
 import secrets
+import shlex
 from pathlib import Path
 
 from composer_jax.envs import harness
@@ -21,7 +22,11 @@ GRADER_KINDS = ("cases", "check", "unittest", "file")
 GRADING_LIMITS = SandboxLimits(
     cpu_seconds=30, wall_seconds=60, memory_bytes=2 << 30, output_bytes=4 << 20
 )
-_HARNESS_SOURCE = Path(harness.__file__).read_text(encoding="utf-8")
+# The harness's program travels on the command line and its input on stdin, so that it can fork
+# a child for the code under test before the answers reach it (see `harness`).
+_HARNESS_COMMAND = "exec python3 -I -B -c " + shlex.quote(
+    Path(harness.__file__).read_text(encoding="utf-8") + "\nmain()\n"
+)
 _REQUIRED = {
     "cases": ("module", "function", "cases"),
     "check": ("module", "function", "check"),
@@ -136,10 +141,9 @@ def parse_verdict(output: str, nonce: str) -> tuple[dict[str, str], dict[str, fl
     return None
 
 
-def harness_program(grader: dict, nonce: str) -> str:
-    """The program text `python3 -I -B -` reads: the harness and its call."""
-    payload = json.dumps({**grader, "nonce": nonce})
-    return f"{_HARNESS_SOURCE}\nmain({payload!r})\n"
+def harness_input(grader: dict, nonce: str) -> str:
+    """What the harness reads on stdin: the grader spec and the nonce."""
+    return json.dumps({**grader, "nonce": nonce})
 
 
 def run_grader(
@@ -152,8 +156,8 @@ def run_grader(
     workspace."""
     nonce = secrets.token_hex(16)
     result = sandbox.run(
-        "exec python3 -I -B -",
-        stdin=harness_program(grader, nonce),
+        _HARNESS_COMMAND,
+        stdin=harness_input(grader, nonce),
         limits=limits,
         hidden_paths=hidden_paths,
     )

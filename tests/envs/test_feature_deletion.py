@@ -9,6 +9,7 @@ import pytest
 
 from composer_jax.envs.environment import Episode, oracle_turns, run_episode
 from composer_jax.envs.feature_deletion import (
+    CACHE_FORMAT,
     _deletable_functions,
     delete_body,
     synthesize_stdlib_tasks,
@@ -83,4 +84,4 @@ def test_fifty_tasks_in_a_few_minutes(tmp_path):
     assert len({t.task_id for t in tasks}) == len(tasks)
     rewards = {t.task_id: run_episode(t, oracle_turns(t)) for t in tasks}
     assert {k: r.reward for k, r in rewards.items() if r.reward != 1.0 or r.flags} == {}
-    assert os.path.exists(tmp_path / "seed0.json")
+    assert os.path.exists(tmp_path / f"stdlib-v{CACHE_FORMAT}-seed0.json")

@@ -103,6 +103,34 @@ def test_the_oracle_passes_and_a_wrong_type_fails():
     assert grade_solution(TASK, {"solution.py": wrong}).reward == 0.0
 
 
+def test_code_under_test_holds_only_its_own_pipes_in_the_spare_and_in_a_fresh_child():
+    """The candidate's process has descriptors 0-2 (its pipes to the harness) and nothing else:
+    not the harness's input (the answers) nor its verdict channel, whether it runs in the child
+    forked before the input was read or, after that child died, in a fresh interpreter."""
+    source = (
+        "import os\n"
+        "def f(crash):\n"
+        "    if crash:\n"
+        "        os._exit(3)\n"
+        "    return sorted(os.listdir('/proc/self/fd'))\n"
+    )
+    # 3: the child's reply channel (a copy of its stdout); 4: the listing's own directory
+    own_pipes = envs.task.encode_value(["0", "1", "2", "3", "4"])
+    cases = [
+        [[envs.task.encode_value(crash)], own_pipes if not crash else envs.task.encode_value(0)]
+        for crash in (False, True, False)
+    ]
+    task = envs.Task(
+        task_id="descriptors",
+        prompt="",
+        files={"solution.py": source},
+        grader={"kind": "cases", "module": "solution", "function": "f", "cases": cases},
+        graded_tests=envs.task.case_tests(3),
+    )
+    outcomes = grade_solution(task, {}).outcomes
+    assert outcomes == {"case_0": "pass", "case_1": "error", "case_2": "pass"}
+
+
 @pytest.mark.skipif(not isolation.usable("bwrap"), reason="needs a second backend to compare")
 @pytest.mark.parametrize("backend", ["bwrap", "rlimit"])
 def test_a_sibling_cannot_read_hidden_answers_while_a_sample_is_graded(backend):
