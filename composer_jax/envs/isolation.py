@@ -16,6 +16,7 @@ dies with its parent (`setpriv --pdeathsig`) and sets per-process rlimits (`prli
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import os
@@ -103,6 +104,13 @@ def _system_entries() -> list[tuple[str, str | None]]:
     return entries
 
 
+def _process_temp_dir(prefix: str) -> str:
+    """A temporary host folder that lives as long as this process (removed at exit)."""
+    directory = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return directory
+
+
 _synthetic_dir: str | None = None
 
 
@@ -111,7 +119,7 @@ def _synthetic_etc() -> str:
     global _synthetic_dir
     with _lock:
         if _synthetic_dir is None or not os.path.isdir(_synthetic_dir):
-            directory = tempfile.mkdtemp(prefix="cj_etc_")
+            directory = _process_temp_dir("cj_etc_")
             for name, text in _SYNTHETIC_ETC.items():
                 with open(os.path.join(directory, name), "w") as f:
                     f.write(text)
@@ -168,7 +176,7 @@ def _new_root_mountpoint() -> str:
     global _new_root
     with _lock:
         if _new_root is None or not os.path.isdir(_new_root):
-            _new_root = tempfile.mkdtemp(prefix="cj_root_")
+            _new_root = _process_temp_dir("cj_root_")
     return _new_root
 
 

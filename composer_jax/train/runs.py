@@ -10,9 +10,11 @@ The copy in a bucket workdir is read through a local copy (the tokenizer librari
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
+import shutil
 import tempfile
 
 from etils import epath
@@ -40,10 +42,11 @@ def has_tokenizer_files(folder: str) -> bool:
 
 def _load_saved(folder: epath.Path) -> Tokenizer:
     """The tokenizer in a run's folder; a bucket's files are copied to a local folder first, kept
-    for the process's life (the tokenizer's `files()` point there)."""
+    for the process's life (the tokenizer's `files()` point there) and removed at its exit."""
     if not is_remote(folder):
         return load_tokenizer(str(folder))
     local = tempfile.mkdtemp(prefix="run-tokenizer-")
+    atexit.register(shutil.rmtree, local, ignore_errors=True)
     for file in folder.iterdir():
         file.copy(epath.Path(local) / file.name)
     return load_tokenizer(local)

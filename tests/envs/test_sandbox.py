@@ -4,6 +4,7 @@ unisolated rlimit fallback); the escape probes are in test_escapes.py."""
 import logging
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -135,3 +136,18 @@ def test_unknown_backend_is_refused():
         Sandbox.from_files({}, backend="docker")
     with pytest.raises(IsolationUnavailable, match="does not isolate"):
         Sandbox.from_files({}, backend="rlimit")
+
+
+@pytest.mark.parametrize("backend", ISOLATING)
+def test_a_process_leaves_no_temporary_folders_behind(backend, tmp_path):
+    """The host folders a backend needs for the process's life (bwrap's made-up /etc, unshare's
+    root mount point) are removed when the process exits."""
+    program = (
+        "import sys\n"
+        "from composer_jax.envs.sandbox import Sandbox\n"
+        "with Sandbox.from_files({'a.txt': 'x'}, backend=sys.argv[1]) as box:\n"
+        "    assert box.run('cat a.txt').output == 'x'\n"
+    )
+    env = dict(os.environ, TMPDIR=str(tmp_path))  # the workspace goes there too (removed)
+    subprocess.run([sys.executable, "-c", program, backend], env=env, check=True)
+    assert os.listdir(tmp_path) == []
