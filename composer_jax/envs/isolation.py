@@ -4,9 +4,9 @@ Backends, strongest first:
 - `bwrap` (bubblewrap): user, PID, mount, network, IPC and UTS namespaces; the command sees a
   read-only system (/usr and the interpreter), a few harmless /etc files, a private /proc, /dev and
   size-capped /tmp, and the workspace; nothing else of the host.
-- `unshare` (util-linux, on every Linux): the same namespaces and the same view, built by a short
-  mount script run as root of a fresh user namespace, then `pivot_root` into it and every
-  capability dropped (no_new_privs). Needs unprivileged user namespaces (or root).
+- `unshare` (util-linux, on every Linux): the same namespaces and the same view, built by
+  `mount_root` (one interpreter making the mount calls) as root of a fresh user namespace, then
+  `pivot_root` into it and every capability dropped (no_new_privs). Needs unprivileged user namespaces (or root).
 - `rlimit`: no isolation, only limits. Model-written code can read and write whatever the host user
   can; for quick local experiments only, and refused where isolation is required.
 
@@ -20,12 +20,14 @@ import atexit
 import dataclasses
 import functools
 import os
-import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+from pathlib import Path
+
+from composer_jax.envs import mount_root
 
 BACKENDS = ("bwrap", "unshare", "rlimit")
 WORKSPACE_MOUNT = "/workspace"
@@ -180,78 +182,69 @@ def _new_root_mountpoint() -> str:
     return _new_root
 
 
-def unshare_script(view: View) -> str:
-    """The POSIX shell script that builds the sandbox's root inside fresh namespaces and execs
-    the command (passed as its arguments) there."""
+def unshare_steps(view: View) -> list[str]:
+    """The steps `mount_root` takes to build the sandbox's root (see its docstring)."""
     root = _new_root_mountpoint()
-    q = shlex.quote
-    lines = [
-        "set -e",
-        f"R={q(root)}",
-        # Absolute paths: the command's PATH (set by the caller) need not hold /sbin.
-        *(
-            f'{name}() {{ {q(executable(name) or name)} "$@"; }}'
-            for name in ("mount", "umount", "pivot_root")
-        ),
-        'mount -t tmpfs -o size=1m,mode=0755 cj_root "$R"',
-        # A bind keeps the source's locked flags (nosuid, nodev) in a user namespace; ask for
-        # them too if the plain read-only remount is refused.
-        'robind() { mkdir -p "$R$2"; mount --rbind "$1" "$R$2"; '
-        'mount -o remount,bind,ro "$R$2" 2>/dev/null || '
-        'mount -o remount,bind,ro,nosuid,nodev "$R$2"; }',
-        'robindfile() { mkdir -p "$(dirname "$R$2")"; : > "$R$2"; mount --bind "$1" "$R$2"; '
-        'mount -o remount,bind,ro "$R$2" 2>/dev/null || '
-        'mount -o remount,bind,ro,nosuid,nodev "$R$2"; }',
-    ]
+    steps = ["mount", "cj_root", root, "tmpfs", "-", "size=1m,mode=0755"]
+
+    def read_only_bind(host: str, inside: str) -> None:
+        target = root + inside
+        if os.path.isdir(host):
+            steps.extend(["mkdir", target, "mount", host, target, "-", "bind,rec", "-"])
+        else:
+            steps.extend(["mkdir", os.path.dirname(target), "file", target, "644", ""])
+            steps.extend(["mount", host, target, "-", "bind", "-"])
+        steps.extend(["readonly", target])
+
     for path, link in _system_entries():
         if link is not None:
-            lines.append(f'mkdir -p "$R"{q(os.path.dirname(path))}; ln -s {q(link)} "$R"{q(path)}')
-        elif os.path.isdir(path):
-            lines.append(f"robind {q(path)} {q(path)}")
+            steps.extend(["mkdir", root + os.path.dirname(path), "symlink", link, root + path])
         else:
-            lines.append(f"robindfile {q(path)} {q(path)}")
-    lines.append('mkdir -p "$R/etc" "$R/proc" "$R/dev" "$R/tmp" "$R/workspace" "$R/.old"')
-    lines.append(': > "$R/.empty"; chmod 0444 "$R/.empty"')
+            read_only_bind(path, path)
+    for folder in ("etc", "proc", "dev", "tmp", WORKSPACE_MOUNT.strip("/"), ".old"):
+        steps.extend(["mkdir", f"{root}/{folder}"])
+    steps.extend(["file", f"{root}/.empty", "444", ""])
     for name, text in _SYNTHETIC_ETC.items():
-        lines.append(f'printf %s {q(text)} > "$R/etc/{name}"')
-    lines.append('mount -t proc -o nosuid,nodev,noexec proc "$R/proc"')
+        steps.extend(["file", f"{root}/etc/{name}", "644", text])
+    steps.extend(["mount", "proc", f"{root}/proc", "proc", "nosuid,nodev,noexec", "-"])
     for device in ("null", "zero", "full", "random", "urandom"):
-        lines.append(
-            f'if [ -e /dev/{device} ]; then : > "$R/dev/{device}"; '
-            f'mount --bind /dev/{device} "$R/dev/{device}"; fi'
-        )
-    lines += [
-        'ln -s /proc/self/fd "$R/dev/fd"',
-        'ln -s /proc/self/fd/0 "$R/dev/stdin"; ln -s /proc/self/fd/1 "$R/dev/stdout"',
-        'ln -s /proc/self/fd/2 "$R/dev/stderr"',
-        f'mount -t tmpfs -o size={int(view.tmp_bytes)},mode=1777,nosuid,nodev cj_tmp "$R/tmp"',
-        f'mount --bind {q(view.workspace)} "$R{WORKSPACE_MOUNT}"',
-    ]
+        if os.path.exists(f"/dev/{device}"):
+            target = f"{root}/dev/{device}"
+            steps.extend(["file", target, "644", ""])
+            steps.extend(["mount", f"/dev/{device}", target, "-", "bind", "-"])
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0")):
+        steps.extend(["symlink", target, f"{root}/dev/{name}"])
+    for name, target in (("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        steps.extend(["symlink", target, f"{root}/dev/{name}"])
+    tmp_options = f"size={int(view.tmp_bytes)},mode=1777"
+    steps.extend(["mount", "cj_tmp", f"{root}/tmp", "tmpfs", "nosuid,nodev", tmp_options])
+    steps.extend(["mount", view.workspace, root + WORKSPACE_MOUNT, "-", "bind", "-"])
     for path in view.hidden:
         if not os.path.exists(path) or not visible(path):
             continue
         if os.path.isdir(path):
-            lines.append(f'mount -t tmpfs -o size=4k,mode=0555,ro cj_hidden "$R"{q(path)}')
+            steps.extend(
+                ["mount", "cj_hidden", root + path, "tmpfs", "rdonly", "size=4k,mode=0555"]
+            )
         else:
-            lines.append(f'mount --bind "$R/.empty" "$R"{q(path)}')
+            steps.extend(["mount", f"{root}/.empty", root + path, "-", "bind", "-"])
     for host, inside in view.ro_binds:
-        kind = "robind" if os.path.isdir(host) else "robindfile"
-        lines.append(f"{kind} {q(host)} {q(inside)}")
-    lines += [
-        'mount -o remount,bind,ro "$R"',
-        'cd "$R"',
-        "pivot_root . .old",
-        "umount -l /.old",
-        f"cd {WORKSPACE_MOUNT}",
-        # A session of its own: a signal to "process group 0" cannot reach the launcher.
-        f"exec {q(executable('setsid') or 'setsid')} "
-        f"{q(executable('setpriv') or 'setpriv')} --no-new-privs --inh-caps=-all "
-        '--bounding-set=-all -- "$@"',
-    ]
-    return "\n".join(lines)
+        read_only_bind(host, inside)
+    return steps
+
+
+_MOUNT_ROOT_SOURCE = Path(mount_root.__file__).read_text(encoding="utf-8")
+
+
+def base_interpreter() -> str:
+    """The base interpreter (not a virtualenv's): sandboxed code sees only the stdlib."""
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    candidate = os.path.join(sys.base_prefix, "bin", version)
+    return candidate if os.path.exists(candidate) else sys.executable
 
 
 def unshare_argv(view: View) -> list[str]:
+    python = base_interpreter()
     return [
         executable("unshare") or "unshare",
         "--user",
@@ -265,10 +258,23 @@ def unshare_argv(view: View) -> list[str]:
         "--uts",
         "--propagation",
         "private",
-        "/bin/sh",
+        python,
+        "-I",
+        "-S",
+        "-B",
         "-c",
-        unshare_script(view),
-        "cj_sandbox",
+        _MOUNT_ROOT_SOURCE + "\nmain(sys.argv[1:])\n",
+        _new_root_mountpoint(),
+        executable("pivot_root") or "pivot_root",
+        *unshare_steps(view),
+        "--",
+        # A session of its own: a signal to "process group 0" cannot reach the launcher.
+        executable("setsid") or "setsid",
+        executable("setpriv") or "setpriv",
+        "--no-new-privs",
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+        "--",
     ]
 
 
@@ -291,7 +297,7 @@ def usable(backend: str) -> bool:
         return True
     needed = {
         "bwrap": ("bwrap",),
-        "unshare": ("unshare", "setpriv", "setsid", "mount", "umount", "pivot_root"),
+        "unshare": ("unshare", "setpriv", "setsid", "pivot_root"),
     }
     if backend not in needed or not all(executable(n) for n in needed[backend]):
         return False

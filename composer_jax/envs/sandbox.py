@@ -20,7 +20,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -92,9 +91,7 @@ def bwrap_available() -> bool:
 
 def python_executable() -> str:
     """The base interpreter (not a virtualenv's), so sandboxed code sees only the stdlib."""
-    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    candidate = Path(sys.base_prefix) / "bin" / version
-    return str(candidate) if candidate.exists() else sys.executable
+    return isolation.base_interpreter()
 
 
 class Sandbox:

@@ -75,6 +75,31 @@ def test_hidden_paths_are_masked(backend):
     assert result.output.split() == ["0", "0"]
 
 
+@pytest.mark.parametrize("backend", ISOLATING)
+def test_extra_binds_are_seen_read_only(backend, tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "x.txt").write_text("folder ")
+    single = tmp_path / "one.txt"
+    single.write_text("file")
+    binds = {str(folder): "/data", str(single): "/opt/cj/one.txt"}
+    with make_sandbox(backend) as box:
+        result = box.run(
+            "cat /data/x.txt /opt/cj/one.txt; echo w > /data/y || echo refused",
+            extra_ro_binds=binds,
+        )
+    assert result.output.startswith("folder file") and "refused" in result.output
+    assert not (folder / "y").exists()
+
+
+@pytest.mark.skipif(not isolation.usable("unshare"), reason="unshare not usable")
+def test_unshare_reports_a_root_it_cannot_build():
+    with make_sandbox("unshare") as box:
+        result = box.run("echo ran", extra_ro_binds={"/nonexistent/cj": "/x"})
+    assert result.returncode == 125 and "ran" not in result.output
+    assert "sandbox setup failed" in result.output and "/nonexistent/cj" in result.output
+
+
 def test_killed_at_cpu_limit(sandbox):
     limits = SandboxLimits(cpu_seconds=1, wall_seconds=30)
     result = sandbox.run("python3 -c 'while True: pass'", limits=limits)
