@@ -276,8 +276,8 @@ def _spawn(name: str) -> _ChildProcess:
 def _fork_spare() -> _ChildProcess:
     """A child forked before this process has read its input, so it holds no answer, no nonce
     and none of the harness's descriptors but its own pipes. It waits for the name of the
-    program to run; it saves the interpreter start and imports of a fresh child (about half of
-    a grading's CPU)."""
+    program to run, and saves the interpreter start and imports that a fresh child would pay
+    in every grading."""
     theirs, ours = _pipes()
     pid = os.fork()
     if pid == 0:
