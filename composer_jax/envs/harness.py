@@ -219,7 +219,11 @@ class CandidateError(Exception):
     """The code under test raised, crashed, timed out or answered something that is not data."""
 
 
-_PROGRAMS = {"call": _CALL_CHILD, "unittest": _UNITTEST_CHILD}
+# The child programs by name, codec included (a spawned child gets the text, the spare the name).
+_PROGRAMS = {
+    name: program.replace("CODEC", _CODEC)
+    for name, program in (("call", _CALL_CHILD), ("unittest", _UNITTEST_CHILD))
+}
 
 
 class _ChildProcess:
@@ -265,8 +269,7 @@ def _spawn(name: str) -> _ChildProcess:
     0, 1, 2; every other descriptor is close-on-exec)."""
     theirs, ours = _pipes()
     actions = [(os.POSIX_SPAWN_DUP2, fd, target) for target, fd in enumerate(theirs)]
-    source = _PROGRAMS[name].replace("CODEC", _CODEC)
-    argv = [sys.executable, "-I", "-B", "-c", source]
+    argv = [sys.executable, "-I", "-B", "-c", _PROGRAMS[name]]
     pid = os.posix_spawn(sys.executable, argv, dict(os.environ), file_actions=actions)
     for fd in theirs:
         os.close(fd)
@@ -301,7 +304,7 @@ def _run_spare() -> None:
     main_module = type(sys)("__main__")
     sys.modules["__main__"] = main_module
     try:
-        exec(compile(program.replace("CODEC", _CODEC), "<child>", "exec"), main_module.__dict__)  # noqa: S102
+        exec(compile(program, "<child>", "exec"), main_module.__dict__)  # noqa: S102
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:

@@ -6,7 +6,8 @@ Backends, strongest first:
   size-capped /tmp, and the workspace; nothing else of the host.
 - `unshare` (util-linux, on every Linux): the same namespaces and the same view, built by
   `mount_root` (one interpreter making the mount calls) as root of a fresh user namespace, then
-  `pivot_root` into it and every capability dropped (no_new_privs). Needs unprivileged user namespaces (or root).
+  `pivot_root` into it and every capability dropped (no_new_privs). Needs unprivileged user
+  namespaces (or root).
 - `rlimit`: no isolation, only limits. Model-written code can read and write whatever the host user
   can; for quick local experiments only, and refused where isolation is required.
 
@@ -182,9 +183,8 @@ def _new_root_mountpoint() -> str:
     return _new_root
 
 
-def unshare_steps(view: View) -> list[str]:
-    """The steps `mount_root` takes to build the sandbox's root (see its docstring)."""
-    root = _new_root_mountpoint()
+def unshare_steps(view: View, root: str) -> list[str]:
+    """The steps `mount_root` takes to build the sandbox's root at `root` (see its docstring)."""
     steps = ["mount", "cj_root", root, "tmpfs", "-", "size=1m,mode=0755"]
 
     def read_only_bind(host: str, inside: str) -> None:
@@ -212,10 +212,8 @@ def unshare_steps(view: View) -> list[str]:
             target = f"{root}/dev/{device}"
             steps.extend(["file", target, "644", ""])
             steps.extend(["mount", f"/dev/{device}", target, "-", "bind", "-"])
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0")):
-        steps.extend(["symlink", target, f"{root}/dev/{name}"])
-    for name, target in (("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
-        steps.extend(["symlink", target, f"{root}/dev/{name}"])
+    for name, fd in (("fd", ""), ("stdin", "/0"), ("stdout", "/1"), ("stderr", "/2")):
+        steps.extend(["symlink", f"/proc/self/fd{fd}", f"{root}/dev/{name}"])
     tmp_options = f"size={int(view.tmp_bytes)},mode=1777"
     steps.extend(["mount", "cj_tmp", f"{root}/tmp", "tmpfs", "nosuid,nodev", tmp_options])
     steps.extend(["mount", view.workspace, root + WORKSPACE_MOUNT, "-", "bind", "-"])
@@ -236,7 +234,7 @@ def unshare_steps(view: View) -> list[str]:
 _MOUNT_ROOT_SOURCE = Path(mount_root.__file__).read_text(encoding="utf-8")
 
 
-def base_interpreter() -> str:
+def python_executable() -> str:
     """The base interpreter (not a virtualenv's): sandboxed code sees only the stdlib."""
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
     candidate = os.path.join(sys.base_prefix, "bin", version)
@@ -244,7 +242,7 @@ def base_interpreter() -> str:
 
 
 def unshare_argv(view: View) -> list[str]:
-    python = base_interpreter()
+    root = _new_root_mountpoint()
     return [
         executable("unshare") or "unshare",
         "--user",
@@ -258,15 +256,15 @@ def unshare_argv(view: View) -> list[str]:
         "--uts",
         "--propagation",
         "private",
-        python,
+        python_executable(),
         "-I",
         "-S",
         "-B",
         "-c",
         _MOUNT_ROOT_SOURCE + "\nmain(sys.argv[1:])\n",
-        _new_root_mountpoint(),
+        root,
         executable("pivot_root") or "pivot_root",
-        *unshare_steps(view),
+        *unshare_steps(view, root),
         "--",
         # A session of its own: a signal to "process group 0" cannot reach the launcher.
         executable("setsid") or "setsid",

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from composer_jax.envs import cgroups, isolation
-from composer_jax.envs.isolation import WORKSPACE_MOUNT, IsolationUnavailable
+from composer_jax.envs.isolation import WORKSPACE_MOUNT, IsolationUnavailable, python_executable
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +87,6 @@ class WorkspaceLimitError(RuntimeError):
 def bwrap_available() -> bool:
     """True when bubblewrap exists and can build the sandbox here."""
     return isolation.usable("bwrap")
-
-
-def python_executable() -> str:
-    """The base interpreter (not a virtualenv's), so sandboxed code sees only the stdlib."""
-    return isolation.base_interpreter()
 
 
 class Sandbox:

@@ -3,9 +3,9 @@
 Grading runs `harness.py` in a fresh command of the episode's sandbox: the harness receives the
 task's grader spec (expected answers, or the check or test code) and a random nonce on stdin,
 runs the code under test in child processes, and prints one verdict line prefixed by the nonce.
-The reward is the fraction of the task's graded tests (always named by the task)
-that passed. No file of the hidden tests is ever written: neither this sample nor a sibling can
-read them, and nothing the code under test prints can stand in for the verdict.
+The reward is the fraction of the task's graded tests (always named by the task) that passed.
+No file of the hidden tests is ever written: neither this sample nor a sibling can read them,
+and nothing the code under test prints can stand in for the verdict.
 """
 
 import dataclasses
