@@ -32,12 +32,15 @@ class WorkerProcess:
         self.workspace_root = tempfile.mkdtemp(prefix="cj_envworker_")
         # exec, never fork: the parent holds JAX threads. Its own session keeps terminal
         # signals away; at EOF on stdin (the parent gone) it frees its episodes and exits.
+        # Its temporary folders (the sandbox's made-up /etc, unshare's mount point) go under
+        # the workspace root too, so a killed worker's are removed with it by `_release`.
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "composer_jax.envs.worker", self.workspace_root],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 start_new_session=True,
+                env=dict(os.environ, TMPDIR=self.workspace_root),
             )
         except OSError:
             shutil.rmtree(self.workspace_root, ignore_errors=True)

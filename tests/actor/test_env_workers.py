@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -152,6 +153,22 @@ def test_process_worker_killed_mid_call(tasks):
             survivor = pool.step("e1", turn).result(timeout=60)
         assert survivor.done and survivor.reward == 1.0
         assert play(pool, {"new": oracle(tasks[3])})["new"].reward == 1.0
+
+
+def test_a_killed_worker_leaves_no_temporary_folders(tasks, tmp_path, monkeypatch):
+    """What a worker keeps for its life (workspaces, the sandbox's made-up /etc) lies under the
+    folder the pool removes when the worker is gone, so kill -9 leaks nothing."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with ProcessEnvironmentPool(num_workers=1, timeout_s=30.0) as pool:
+        assert play(pool, {"graded": oracle(tasks[0])})["graded"].reward == 1.0
+        pool.start("open", tasks[1]).result(timeout=60)
+        os.kill(pool.worker_pids()[0], signal.SIGKILL)
+        with pytest.raises(EnvWorkerError, match="SIGKILL"):
+            pool.step("open", envs.oracle_turns(tasks[1])[0]).result(timeout=30)
+        pool.close("open")
+        assert play(pool, {"after": oracle(tasks[2])})["after"].reward == 1.0
+    assert os.listdir(tmp_path) == []
 
 
 def test_process_worker_hang_times_out(tasks):
