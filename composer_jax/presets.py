@@ -151,7 +151,7 @@ def rl_tiny() -> ExperimentConfig:
     learning rate degrades the policy instead. On prompts it never trains on (the held-out
     check), RL gains only where the warm start already reads descriptions: from 500 SFT steps at
     lr 3e-3 (held-out 0.19) 24 RL steps gained nothing measurable; from 600 steps at lr 6e-3
-    (0.52) they gain about +0.02, and 36 steps more. Measured trade-offs:
+    (0.52) they gain about +0.02 and 36 steps about +0.026. Measured trade-offs:
     experiments/RESULTS.md."""
     base = tiny()
     return dataclasses.replace(

@@ -78,7 +78,7 @@ def main(argv):
         heldout_num_tasks=1,  # the loop's own held-out passes are not what is measured
         heldout_samples=1,
         trace=os.path.join(FLAGS.out, "loop", "trace.json"),
-        warm_start_steps=FLAGS.warm_start_steps,
+        warm_start_steps=FLAGS.warm_start_steps or base.rl.warm_start_steps,
         **{
             name: FLAGS[name].value
             for name in (
@@ -149,7 +149,9 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.DEFINE_string("warm_start", "", "The main job's SFT warm start (default: made here).")
-    flags.DEFINE_integer("warm_start_steps", 500, "SFT steps of the warm start made here.")
+    flags.DEFINE_integer(
+        "warm_start_steps", None, "SFT steps of the warm start made here (default: the main job's)."
+    )
     flags.DEFINE_integer("group_size", None, "Samples per group (default: the main job's).")
     flags.DEFINE_integer("groups_per_step", None, "Groups a step (default: the main job's).")
     flags.DEFINE_integer("num_slots", None, "Sampler slots (default: the main job's).")
