@@ -11,7 +11,7 @@ the same slots and lengths. Here both play the main job's own workload from one 
    tokens over the loop's wall time, for the whole loop and for steps 2+ (after step 1's
    compiles).
 
-  python -m experiments.bench_main_job_sampler [--warm_start=RUN] [--groups=64] [--steps=24]
+  python -m experiments.bench_main_job_sampler [--warm_start=RUN] [--groups=64] [--steps=N]
       [--max_staleness=N] [--groups_per_step=N] [--schedule_ahead_groups=N] [--num_env_workers=N]
 """
 
@@ -95,7 +95,7 @@ def main(argv):
         },
     )
     cfg = dataclasses.replace(
-        base, rl=rl, steps=FLAGS.steps, workdir=os.path.join(FLAGS.out, "loop")
+        base, rl=rl, steps=FLAGS.steps or base.steps, workdir=os.path.join(FLAGS.out, "loop")
     )
     if os.path.exists(cfg.workdir):
         sys.exit(f"{cfg.workdir} exists: pick another --out")
@@ -167,6 +167,6 @@ if __name__ == "__main__":
     flags.DEFINE_integer(
         "groups", None, "Groups the engine plays alone (of the RL prompts; default: 256 samples)."
     )
-    flags.DEFINE_integer("steps", 24, "RL steps of the traced loop.")
+    flags.DEFINE_integer("steps", None, "RL steps of the traced loop (default: the main job's).")
     flags.DEFINE_string("out", "runs/bench_main_job_sampler", "Output folder (must not exist).")
     app.run(main)
