@@ -47,7 +47,9 @@ from composer_jax.envs.sources import (
     MixtureSource,
     TaskSource,
     TaskSourceError,
+    drawn_tasks,
     load_task_source,
+    task_source,
 )
 from composer_jax.envs.task import GradeResult, Task, TaskError, grade, grade_solution
 from composer_jax.envs.tools import TOOL_SPECS, ToolBox, ToolCallRecord, ToolSpec, check_args
@@ -75,6 +77,8 @@ __all__ = [
     "TaskError",
     "TaskSource",
     "TaskSourceError",
+    "drawn_tasks",
+    "task_source",
     "ToolBox",
     "ToolCall",
     "ToolCallRecord",

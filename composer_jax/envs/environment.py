@@ -15,17 +15,15 @@ from composer_jax.envs import protocol
 from composer_jax.envs.monitors import MonitorFlag, RewardHackMonitor
 from composer_jax.envs.sandbox import Sandbox, SandboxLimits, WorkspaceLimitError
 from composer_jax.envs.task import GRADING_LIMITS, GradeResult, Task, grade
-from composer_jax.envs.tools import TOOL_SPECS, ToolBox, ToolCallRecord, describe_tools
-
-DEFAULT_TOOLS = (
-    "read_file",
-    "write_file",
-    "edit_file",
-    "list_dir",
-    "grep",
-    "run_shell",
-    "run_tests",
+from composer_jax.envs.todo import TodoList
+from composer_jax.envs.tools import (
+    DEFAULT_TOOLS,
+    TOOL_SPECS,
+    ToolBox,
+    ToolCallRecord,
+    describe_tools,
 )
+
 # Start-up and teardown time allowed per sandboxed command, on top of its own wall limit.
 _COMMAND_SLACK_SECONDS = 5.0
 
@@ -57,7 +55,9 @@ class EnvConfig:
         return commands + self.grading_limits.wall_seconds + 2 * slack
 
 
-SNAPSHOT_FORMAT = 1
+SNAPSHOT_FORMAT = 2  # 2: the todo list
+# A changed file's texts reach the end-of-episode record (`info["changes"]`) up to this size.
+_MAX_CHANGE_BYTES = 64 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +131,9 @@ class Episode:
             self.counts.tool_output_tokens += self.count_tokens(observation)
             info = {"parse_errors": list(turn.errors), "calls": self.tools.log[first_call:]}
             if turn.final is not None or self.counts.turns >= self.config.max_turns:
-                self._finish()
+                info["changes"] = self._finish()
                 info["grade"] = dataclasses.asdict(self.grade_result)
+                info["todo"] = self.tools.todo.as_json()
             return self._result(observation, info)
 
     def snapshot(self) -> dict:
@@ -149,6 +150,7 @@ class Episode:
                 "counts": self.counts.as_dict(),
                 "calls": [dataclasses.asdict(record) for record in self.tools.log],
                 "flags": [dataclasses.asdict(flag) for flag in self.monitor.flags],
+                "todo": self.tools.todo.as_json(),
             }
 
     def restore(self, snapshot: dict) -> None:
@@ -167,12 +169,15 @@ class Episode:
                 calls = [ToolCallRecord(**record) for record in snapshot["calls"]]
                 flags = [MonitorFlag(**flag) for flag in snapshot["flags"]]
                 files = dict(snapshot["files"])
+                todo = TodoList.from_json(snapshot["todo"])
             except (KeyError, TypeError) as error:
                 raise ValueError(f"malformed episode snapshot: {error!r}") from None
             self.sandbox.restore(files)
             self.counts, self.tools.log, self.monitor.flags = counts, calls, flags
+            self.tools.todo = todo
 
-    def _finish(self) -> None:
+    def _finish(self) -> dict[str, dict]:
+        """Grades the workspace; returns the files the episode changed (`changed_files`)."""
         self.done = True
         try:
             files = self.sandbox.snapshot()
@@ -182,6 +187,7 @@ class Episode:
         self.monitor.check_workspace(files, self.counts.turns)
         self.grade_result = grade(self.sandbox, self.task, self.config.grading_limits)
         self.reward = 0.0 if self.monitor.flags else self.grade_result.reward
+        return changed_files(self.task.files, files)
 
     def _result(self, observation: str, info: dict) -> StepResult:
         return StepResult(
@@ -226,6 +232,28 @@ class EpisodePool:
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+def changed_files(original: dict[str, str], final: dict[str, bytes]) -> dict[str, dict]:
+    """{path: {"before": text or None, "after": text or None}} of every file the episode
+    created, changed or deleted (texts over _MAX_CHANGE_BYTES, or not UTF-8, as None): what a
+    behaviour reward reads as the episode's diff."""
+
+    def text(data: bytes | None) -> str | None:
+        if data is None or len(data) > _MAX_CHANGE_BYTES:
+            return None
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+
+    changes = {}
+    for path in sorted(set(original) | set(final)):
+        before = original.get(path)
+        before_bytes = None if before is None else before.encode("utf-8", "surrogateescape")
+        if before_bytes != final.get(path):
+            changes[path] = {"before": text(before_bytes), "after": text(final.get(path))}
+    return changes
 
 
 def episode_prompt(task: Task, config: EnvConfig = EnvConfig()) -> str:

@@ -202,7 +202,7 @@ class EpisodeCounts:
     a tokenizer's `count_tokens`; an `Episode` counts UTF-8 bytes unless given one). Untagged text
     counts as thinking (free-form reasoning). The trainer's length penalty does not read these:
     it counts the policy's own tokens by kind in the rollout's token buffers, whatever the
-    tokenizer (`composer_jax.actor.rollout.token_kinds`)."""
+    tokenizer (`composer_jax.agent.kinds.token_kinds`)."""
 
     thinking_tokens: int = 0
     tool_call_tokens: int = 0

@@ -4,6 +4,8 @@ A source yields `Task`s of a split, the same ones for the same seed, and knows i
 is finite. Specs (the same in config flags and in notebooks):
 
     builtin                       generated function tasks (infinite); builtin:max_ops=2
+    builtin_repo                  those functions in a small repository, found, read, edited
+                                  and tested by a multi-turn agent; builtin_repo:neighbours=3
     feature_deletion              stdlib feature deletion; feature_deletion:simplejson for a
                                   third-party package graded by its own tests
     humaneval                     the 164 HumanEval problems (splits test / train / held_out)
@@ -20,75 +22,17 @@ evaluation all go through `load_task_source`.
 
 from __future__ import annotations
 
-import abc
+import functools
 import importlib
-import itertools
 import random
 import re
 from collections.abc import Callable, Iterable, Iterator
 
-from composer_jax.envs import feature_deletion, humaneval, jsonl_tasks
+from composer_jax.config.base import ConfigError
+from composer_jax.envs import builtin_repo, feature_deletion, humaneval, jsonl_tasks, state_tracking
 from composer_jax.envs.builtin_tasks import MAX_OPS, iter_builtin_tasks, task_variant
 from composer_jax.envs.task import Task
-
-
-class TaskSourceError(ValueError):
-    """A spec that names no source, or a source that cannot be built from its arguments."""
-
-
-class TaskSource(abc.ABC):
-    """Tasks of a split, deterministic in the seed."""
-
-    name: str = ""
-    splits: tuple[str, ...] = ("train", "held_out")
-
-    @abc.abstractmethod
-    def tasks(self, split: str = "train", seed: int = 0) -> Iterator[Task]:
-        """The split's tasks in a fixed order for `seed` (possibly endless)."""
-
-    def size(self, split: str = "train") -> int | None:
-        """How many tasks the split has, or None when it is endless."""
-        return None
-
-    def variant(self, task: Task, seed: int) -> Task | None:
-        """A fresh instance of `task` (the same problem, new inputs, a new id), or None when
-        this source cannot make one. RL's hard-prompt emphasis revisits hard prompts this way,
-        so no prompt is trained twice."""
-        return None
-
-    @property
-    def eval_split(self) -> str:
-        """The split an evaluation uses by default: "test", else "held_out", else "train"."""
-        return next(s for s in ("test", "held_out", "train", *self.splits) if s in self.splits)
-
-    def take(self, count: int, split: str = "train", seed: int = 0) -> list[Task]:
-        """The first `count` tasks (fewer when the split has fewer)."""
-        return list(itertools.islice(self.tasks(split, seed), count))
-
-    def _check_split(self, split: str) -> None:
-        if split not in self.splits:
-            raise TaskSourceError(f"{self.name}: split must be one of {self.splits}, got {split!r}")
-
-
-class ListSource(TaskSource):
-    """A finite list of tasks, each in the split its `split` field names; shuffled by seed."""
-
-    def __init__(self, name: str, tasks: Iterable[Task], splits: tuple[str, ...] | None = None):
-        self.name = name
-        self._tasks = list(tasks)
-        self.splits = splits or tuple(sorted({t.split for t in self._tasks} | {"train"}))
-
-    def _of(self, split: str) -> list[Task]:
-        self._check_split(split)
-        return [t for t in self._tasks if t.split == split]
-
-    def tasks(self, split: str = "train", seed: int = 0) -> Iterator[Task]:
-        chosen = self._of(split)
-        random.Random(seed).shuffle(chosen)
-        return iter(chosen)
-
-    def size(self, split: str = "train") -> int | None:
-        return len(self._of(split))
+from composer_jax.envs.task_source import ListSource, TaskSource, TaskSourceError
 
 
 class BuiltinSource(TaskSource):
@@ -107,6 +51,27 @@ class BuiltinSource(TaskSource):
 
     def variant(self, task: Task, seed: int) -> Task | None:
         return task_variant(task, seed) if task.family == "builtin" else None
+
+
+class BuiltinRepoSource(TaskSource):
+    """The built-in functions inside a small repository (`builtin_repo`): endless, split by
+    function; `neighbours` documented functions beside the one to implement."""
+
+    name = "builtin_repo"
+
+    def __init__(self, max_ops: int | str = 1, neighbours: int | str = 2):
+        self.max_ops, self.neighbours = int(max_ops), int(neighbours)
+        if not 1 <= self.max_ops <= MAX_OPS:
+            raise TaskSourceError(f"builtin_repo: max_ops must lie in [1, {MAX_OPS}]")
+        if not 0 <= self.neighbours <= 6:
+            raise TaskSourceError("builtin_repo: neighbours must lie in [0, 6]")
+
+    def tasks(self, split: str = "train", seed: int = 0) -> Iterator[Task]:
+        self._check_split(split)
+        return builtin_repo.iter_repo_tasks(split, seed, self.max_ops, self.neighbours)
+
+    def variant(self, task: Task, seed: int) -> Task | None:
+        return builtin_repo.repo_task_variant(task, seed) if task.family == "builtin_repo" else None
 
 
 class FeatureDeletionSource(TaskSource):
@@ -186,21 +151,16 @@ class MixtureSource(TaskSource):
         return next((v for s, _ in self.parts if (v := s.variant(task, seed)) is not None), None)
 
 
-def _state_tracking(*args, **options) -> TaskSource:
-    from composer_jax.envs import state_tracking
-
-    return state_tracking.StateTrackingSource(*args, **options)
-
-
 def _jsonl(path: str, *args, **options) -> TaskSource:
     return ListSource(f"jsonl:{path}", jsonl_tasks.load_jsonl_tasks(path, *args, **options))
 
 
 SOURCES: dict[str, Callable[..., TaskSource]] = {
     "builtin": BuiltinSource,
+    "builtin_repo": BuiltinRepoSource,
     "feature_deletion": FeatureDeletionSource,
     "humaneval": HumanEvalSource,
-    "state_tracking": _state_tracking,
+    "state_tracking": state_tracking.StateTrackingSource,
     "jsonl": _jsonl,
 }
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -253,3 +213,19 @@ def load_task_source(spec: str) -> TaskSource:
             raise TaskSourceError(f"mixture part {part!r} needs a weight: name:0.5")
         weighted.append((_one(body), float(weight)))
     return MixtureSource(weighted)
+
+
+def task_source(spec: str, field: str) -> TaskSource:
+    """The task source `spec` names, or a ConfigError naming the config field."""
+    try:
+        return load_task_source(spec)
+    except TaskSourceError as error:
+        raise ConfigError(f"{field}: {error}") from None
+
+
+@functools.lru_cache(maxsize=8)
+def drawn_tasks(spec: str, field: str, count: int, split: str, seed: int) -> tuple[Task, ...]:
+    """`task_source(spec, field).take(count, split, seed)`, drawn once per process: a run's SFT
+    examples and RL prompts are drawn again to keep them out of its held-out check, and some
+    sources build each task at a cost (feature deletion: about 0.7 s a task)."""
+    return tuple(task_source(spec, field).take(count, split, seed))

@@ -18,8 +18,8 @@ import random
 import sysconfig
 from collections.abc import Iterator
 
-from composer_jax.envs.sources import TaskSource, TaskSourceError
 from composer_jax.envs.task import Task
+from composer_jax.envs.task_source import TaskSource, TaskSourceError
 
 DEFAULT_LENGTHS = (1, 2, 4, 8, 16)
 

@@ -68,8 +68,9 @@ def test_isolation_is_required_by_default(monkeypatch):
 
 def test_rl_config_passes_the_requirement_to_every_environment():
     from composer_jax import config as config_lib
+    from composer_jax import presets
 
-    assert config_lib.rl_tiny().rl.require_sandbox
+    assert presets.rl_tiny().rl.require_sandbox
     assert config_lib.RLConfig().require_sandbox
 
 

@@ -2,8 +2,19 @@
 
 import pytest
 
+from composer_jax.envs import EnvConfig, Episode, builtin_tasks, render_call, render_turn
 from composer_jax.envs.sandbox import Sandbox
-from composer_jax.envs.tools import TOOL_SPECS, ToolBox, ToolError, check_args
+from composer_jax.envs.tools import (
+    TOOL_PROFILES,
+    TOOL_SPECS,
+    Param,
+    Tool,
+    ToolBox,
+    ToolError,
+    ToolSpec,
+    check_args,
+    tool_profile,
+)
 
 ALL = tuple(TOOL_SPECS)
 
@@ -64,10 +75,100 @@ def test_output_is_truncated_and_calls_logged(tmp_path):
         text, _ = tools.call("run_shell", {"command": "seq 1 1000"})
         assert "output truncated" in text
         assert [r.tool for r in tools.log] == ["run_shell"]
-        assert "unknown tool" in tools.call("read_file", {"path": "x"})[0]
+        assert "tool not available: read_file" in tools.call("read_file", {"path": "x"})[0]
+        assert "unknown tool 'nope'" in tools.call("nope", {})[0]
 
 
 def test_schema_is_json_schema_like():
     schema = TOOL_SPECS["edit_file"].schema()
     assert schema["parameters"]["required"] == ["path", "old", "new"]
     assert schema["parameters"]["additionalProperties"] is False
+
+
+def test_todo_keeps_a_plan_with_strictly_checked_actions(tools):
+    assert tools.call("todo", {"action": "list"})[0] == "(no items)"
+    text, record = tools.call("todo", {"action": "create", "text": "read the module"})
+    assert record.ok and text.endswith("1. [ ] read the module")
+    tools.call("todo", {"action": "create", "text": "implement f"})
+    assert tools.call("todo", {"action": "update", "id": "2", "text": "implement f(x)"})[1].ok
+    text, _ = tools.call("todo", {"action": "complete", "id": "1"})
+    assert text.splitlines()[1:] == ["1. [x] read the module", "2. [ ] implement f(x)"]
+    assert tools.todo.unfinished == 1
+    for args, message in (
+        ({"action": "finish"}, "must be one of create, update, complete, list"),
+        ({"action": "complete", "id": "3"}, "no item 3 (the list has 2)"),
+        ({"action": "complete"}, "give the item's `id`"),
+        ({"action": "create", "text": "  "}, "give the item's `text`"),
+        ({"action": "create", "text": "x", "priority": "1"}, "unknown argument"),
+    ):
+        text, record = tools.call("todo", args)
+        assert not record.ok and message in text, (args, text)
+
+
+def test_search_code_ranks_the_definition_before_its_uses(tmp_path):
+    files = {
+        "pkg/core.py": 'import os\n\n\ndef parse_header(text):\n    """Parse one header."""\n'
+        "    return text.split(':')\n\n\nclass Reader:\n    def parse_header(self, line):\n"
+        "        return parse_header(line)\n",
+        "pkg/cli.py": "from pkg.core import parse_header\n\nprint(parse_header('a:b'))\n"
+        "print(parse_header('c:d'))\n",
+        "README.md": "Use parse_header to split a header.\n",
+        "broken.py": "def oops(:\n    parse_header\n",
+    }
+    with Sandbox.from_files(files, root=str(tmp_path)) as box:
+        tools = ToolBox(box, ("search_code",))
+        lines = tools.call("search_code", {"query": "parse_header"})[0].splitlines()
+        assert lines[0] == "pkg/core.py:4: def parse_header(text):  [function parse_header]"
+        assert (
+            lines[1].startswith("pkg/core.py:10: ") and "[method Reader.parse_header]" in lines[1]
+        )
+        assert any(line.startswith("pkg/cli.py:3:") for line in lines[2:])
+        assert any(line.startswith("README.md:1:") for line in lines)
+        assert any(line.startswith("broken.py:2:") for line in lines)  # text search still works
+        words = tools.call("search_code", {"query": "header reader"})[0].splitlines()
+        assert "[method Reader.parse_header]" in words[0]  # its qualified name has both words
+        assert {"[function parse_header]", "[class Reader]"} <= {
+            w[w.rfind("[") :] for w in words[1:3]
+        }
+        scoped = tools.call("search_code", {"query": "parse_header", "path": "pkg/cli.py"})[0]
+        assert all(line.startswith("pkg/cli.py:") for line in scoped.splitlines())
+        assert tools.call("search_code", {"query": "zzz_nothing"})[0] == "(no matches)"
+        for args, message in (
+            ({"query": "()"}, "holds no name or word"),
+            ({"query": "x", "path": "../"}, "outside the workspace"),
+            ({"query": "x", "path": "missing"}, "no such file or directory"),
+        ):
+            text, record = tools.call("search_code", args)
+            assert not record.ok and message in text
+
+
+def test_profiles_offer_their_tools_and_name_every_unknown_one():
+    assert tool_profile("default") == TOOL_PROFILES["default"]
+    assert "todo" in tool_profile("agent") and "run_shell" not in tool_profile("agent_no_shell")
+    assert tool_profile("read_file, todo") == ("read_file", "todo")
+    with pytest.raises(ValueError, match="'shel'.*'launch'"):
+        tool_profile("read_file,shel,launch")
+    with pytest.raises(ValueError, match="twice"):
+        tool_profile("todo,todo")
+    with pytest.raises(ValueError, match="cannot be imported"):
+        tool_profile("no_such_module.tools:x")
+
+
+WORD_COUNT = Tool(
+    ToolSpec("word_count", "Count the words of a file.", {"path": Param("string", "file")}),
+    lambda box, path: str(len(box.resolve(path).read_text().split())),
+)
+
+
+def test_a_tool_named_by_import_path_runs_in_an_episode():
+    """A researcher's tool joins a profile by import path; the episode offers and runs it."""
+    task = builtin_tasks(1, seed=3, max_ops=1)[0]
+    name = f"{__name__}:WORD_COUNT"
+    config = EnvConfig(tools=tool_profile(f"read_file,{name}"), require_isolation=False)
+    with Episode(task, config) as episode:
+        assert "word_count(path)" in episode.prompt
+        call = render_call(name, {"path": "solution.py"})
+        result = episode.step(call)
+        assert "<output" in result.observation and ">4</output>" in result.observation
+        done = episode.step(render_turn(final="done"))
+        assert done.done and done.info["todo"] == []
