@@ -14,7 +14,6 @@ sampler picks up between two decode steps. At each checkpoint the groups in flig
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import threading
 import time
@@ -28,11 +27,10 @@ from composer_jax.actor.ledger import GroupLedger
 from composer_jax.actor.lifecycle import GroupSlot, Sample, SampleState
 from composer_jax.actor.ray_backend import SamplerLostError
 from composer_jax.actor.sampler import Sampler
-from composer_jax.actor.samples import SampleResult, make_group
+from composer_jax.actor.samples import make_group
 from composer_jax.actor.scheduler import Scheduler, Variant
+from composer_jax.agent import Workflow
 from composer_jax.config import RLConfig
-from composer_jax.data.chat import chat_format_for
-from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.envs import EnvConfig, Task
 from composer_jax.trace import NULL_TRACER, SAMPLER
 
@@ -55,10 +53,8 @@ class Coordinator:
         env_pool: EnvironmentPool,
         ledger: GroupLedger,
         prompts: list[tuple[str, Task]],
-        tokenizer: Tokenizer,
-        num_moe_layers: int,
-        experts_per_token: int,
-        env_config: EnvConfig = EnvConfig(),
+        workflow: Workflow,
+        env_config: EnvConfig,
         seed: int = 0,
         resume: list[inflight.GroupState] = (),
         inflight_store: inflight.InFlightStore | None = None,
@@ -67,23 +63,12 @@ class Coordinator:
     ):
         self.tracer = tracer  # the rollout thread's track is the sampler's
         self.cfg, self.sampler, self.env_pool, self.ledger = cfg, sampler, env_pool, ledger
-        self.tokenizer = tokenizer
         self.state = RolloutState()
         self.scheduler = Scheduler(cfg, prompts, ledger, seed, variant)
         self.driver = EpisodeDriver(
-            cfg,
-            sampler,
-            env_pool,
-            tokenizer,
-            chat_format_for(tokenizer),
-            dataclasses.replace(env_config, max_turns=cfg.max_turns),
-            self.state,
-            num_moe_layers,
-            experts_per_token,
-            seed,
-            on_scored=self._on_scored,
+            sampler, env_pool, workflow, env_config, self.state, on_scored=self._on_scored
         )
-        self.saver = inflight.InFlightSaver(inflight_store, env_pool)
+        self.saver = inflight.InFlightSaver(inflight_store, env_pool, self.driver.resumable)
         self._resume = []
         for saved in resume:
             group = GroupId.parse(saved.group_id)
@@ -304,20 +289,7 @@ class Coordinator:
             self._finish_group(sample.group)
 
     def _finish_group(self, group: GroupSlot) -> None:
-        results = [
-            SampleResult(
-                sequences=s.sequences,
-                reward=float(s.reward),
-                num_tool_calls=int(s.counts.get("tool_calls", 0)),
-                num_turns=int(s.counts.get("turns", 0)),
-                summaries=s.summaries,
-                truncated=s.truncated,
-                feedback=dict(s.feedback_counts),
-                answered=int(s.counts.get("final_tokens", 0)) > 0,
-                flagged=s.flagged,
-            )
-            for s in group.samples
-        ]
+        results = [s.outcome for s in group.samples]
         self.ledger.add(make_group(str(group.group_id), group.task.task_id, results))
         with self.state.lock:
             del self.state.groups[group.group_id]

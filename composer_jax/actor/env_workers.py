@@ -339,18 +339,3 @@ class ProcessEnvironmentPool(WorkerPool):
         """Worker index -> pid of its current process."""
         workers = [(slot.index, slot.worker) for slot in self._slots]
         return {index: worker.pid for index, worker in workers if worker is not None}
-
-
-def make_environment_pool(kind: str, num_workers: int, timeout_s: float) -> EnvironmentPool:
-    """A pool of `kind` ("process", "thread" or "ray")."""
-    if kind == "process":
-        return ProcessEnvironmentPool(num_workers, timeout_s)
-    if kind == "thread":
-        from composer_jax.actor.thread_pool import ThreadEnvironmentPool
-
-        return ThreadEnvironmentPool(num_workers, timeout_s)
-    if kind == "ray":
-        from composer_jax.actor.ray_backend import RayEnvironmentPool
-
-        return RayEnvironmentPool(num_workers, timeout_s)
-    raise ValueError(f"environment pool kind must be one of {POOL_KINDS}, got {kind!r}")

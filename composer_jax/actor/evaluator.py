@@ -1,9 +1,11 @@
-"""The evaluator role: mean reward on held-out tasks, with a confidence interval.
+"""The evaluator role: held-out tasks played through the run's workflow, with confidence intervals.
 
 Held-out tasks come from a task source (`rl.heldout_tasks`, split `rl.heldout_split`, seeds the
-warm start and the RL prompts never use: `setup.heldout_task_set`). Each task is sampled `samples` times with the RL sampling settings; the task is
-the unit of the interval (samples of one task are not independent), and a before/after comparison
-is paired by task.
+warm start and the RL prompts never use: `setup.heldout_task_set`). Each task is sampled `samples`
+times through `agent.play` with the run's workflow (the episode training plays: turns, summaries,
+feedback, behaviour rewards) in the evaluation tool profile. The task is the unit of every
+interval (samples of one task are not independent), and a before/after comparison is paired by
+task; sample j of task i draws the same random numbers before and after.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import math
 
 import numpy as np
 
-from composer_jax.actor.rollout import episode_stats, play_groups, sampler_engine
+from composer_jax.agent import episode_stats, group_jobs, make_workflow, play, sampler_engine
 from composer_jax.config import RLConfig
 from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.envs import EnvConfig, Task
+from composer_jax.eval.passk import best_of_k
 from composer_jax.infer import SamplingParams
 from composer_jax.model.transformer import Transformer
 
@@ -37,6 +40,9 @@ def t_half_width(values: np.ndarray, confidence: float = 0.95) -> float:
 class HeldoutResult:
     per_task: np.ndarray  # mean reward of each task's samples
     pass_rate: float  # share of samples with reward 1
+    # Per-task means of what the episodes did (pass@1, best_of_<K>, turns, tool_calls,
+    # summaries, feedback_turns, reward/<behaviour>), each [tasks].
+    metrics: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     @property
     def mean(self) -> float:
@@ -50,10 +56,33 @@ class HeldoutResult:
     def __str__(self) -> str:
         return f"{self.mean:.3f} +- {self.half_width:.3f} (95% CI, pass rate {self.pass_rate:.2f})"
 
-    def improvement_over(self, before: "HeldoutResult") -> tuple[float, float]:
-        """Mean paired difference (self - before) over tasks and its 95% Student-t half-width."""
-        diff = self.per_task - before.per_task
+    def improvement_over(self, before: "HeldoutResult", metric: str = "") -> tuple[float, float]:
+        """Mean paired difference (self - before) over tasks of the reward (or of `metric`) and
+        its 95% Student-t half-width."""
+        mine = self.metrics[metric] if metric else self.per_task
+        theirs = before.metrics[metric] if metric else before.per_task
+        diff = np.asarray(mine) - np.asarray(theirs)
         return float(diff.mean()), t_half_width(diff)
+
+
+def per_task_metrics(outcomes, num_tasks: int, samples: int) -> dict[str, np.ndarray]:
+    """The per-task means of `HeldoutResult.metrics` from `samples` outcomes per task, in task
+    order."""
+    stats = episode_stats(outcomes)
+    per_sample = {
+        "pass@1": (stats["reward"] >= 1.0).astype(np.float32),
+        "turns": stats["num_turns"],
+        "tool_calls": stats["num_tool_calls"],
+        "summaries": stats["summaries"],
+        "feedback_turns": stats["feedback_turns"],
+    }
+    for name in sorted({name for o in outcomes for name in o.behaviour}):
+        per_sample[f"reward/{name}"] = np.array([o.behaviour.get(name, 0.0) for o in outcomes])
+    metrics = {k: v.reshape(num_tasks, samples).mean(axis=1) for k, v in per_sample.items()}
+    if samples > 1:
+        rewards = stats["reward"].reshape(num_tasks, samples)
+        metrics[f"best_of_{samples}"] = np.array([best_of_k(list(r), samples) for r in rewards])
+    return metrics
 
 
 class Evaluator:
@@ -68,7 +97,7 @@ class Evaluator:
         tokenizer: Tokenizer,
         samples: int,
         temperature: float,
-        env_config: EnvConfig = EnvConfig(),
+        env_config: EnvConfig,
         seed: int = 0,
     ):
         self.cfg, self.tasks, self.tokenizer = cfg, tasks, tokenizer
@@ -84,18 +113,14 @@ class Evaluator:
             max_new_tokens=cfg.max_new_tokens,
             seed=self.seed,
         )
-        # Rewards only: no sequences are built, so a prompt that leaves no room to answer
-        # scores 0 (with a warning) instead of failing the evaluation.
-        traces = play_groups(
+        workflow = make_workflow(cfg, self.tokenizer, model.cfg, self.env_config, sampling=sampling)
+        outcomes = play(
             engine,
-            self.tasks,
-            self.samples,
-            sampling,
-            cfg.max_turns,
-            self.tokenizer,
-            env_config=self.env_config,
+            group_jobs(self.tasks, self.samples),
+            workflow,
+            self.env_config,
             env_threads=cfg.num_env_workers,
         )
-        stats = episode_stats(traces)
-        rewards = stats["reward"].reshape(len(self.tasks), self.samples)
-        return HeldoutResult(rewards.mean(axis=1), float((rewards >= 1.0).mean()))
+        rewards = episode_stats(outcomes)["reward"].reshape(len(self.tasks), self.samples)
+        metrics = per_task_metrics(outcomes, len(self.tasks), self.samples)
+        return HeldoutResult(rewards.mean(axis=1), float((rewards >= 1.0).mean()), metrics)

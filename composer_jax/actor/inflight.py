@@ -1,10 +1,11 @@
 """Rollouts in flight, saved with each checkpoint so that a restart resumes them mid-episode.
 
-At a checkpoint the coordinator records every group still in flight: its scored samples whole, and
-each sample that waits on the policy between two turns as its token buffers plus a snapshot of its
-environment (`Episode.snapshot`: workspace files, counts, call log). A restart from that checkpoint
-rebuilds those samples: the environment is restored, the buffers are prefilled again (the routes
-the sampler used for them are kept) and generation goes on with the next turn. Samples caught
+At a checkpoint the coordinator records every group still in flight: its scored samples' outcomes,
+and each sample that waits on the policy between two turns as its workflow episode (token buffers,
+turns, feedback: plain data) plus a snapshot of its environment (`Episode.snapshot`: workspace
+files, counts, call log, todo list). A restart from that checkpoint rebuilds those samples: the
+environment is restored, the workflow resumes the episode (its buffer is prefilled again, keeping
+the routes the sampler used for it) and generation goes on with the next turn. Samples caught
 anywhere else (on their first turn, inside the environment, summarising) start over, as do samples
 whose tokens come from a policy version the restored trainer never had.
 """
@@ -23,29 +24,7 @@ from composer_jax.actor import durable
 from composer_jax.actor.ids import GroupId
 from composer_jax.actor.lifecycle import GroupSlot, SampleState
 
-FORMAT = 2  # 2: typed sample states; hinted turns and the monitor flag kept apart
-# The per-sample state a resumed sample needs (`lifecycle.Sample` fields).
-SAMPLE_FIELDS = (
-    "tokens",
-    "kinds",
-    "policy",
-    "logprobs",
-    "versions",
-    "routes",
-    "prompt_tokens",
-    "hinted",
-    "flagged",
-    "sequences",
-    "turns",
-    "feedback_counts",
-    "turn_span",
-    "turn_text",
-    "finish_reason",
-    "summaries",
-    "truncated",
-    "reward",
-    "counts",
-)
+FORMAT = 3  # 3: the workflow's episode state, or the scored sample's outcome
 
 
 class InFlightError(RuntimeError):
@@ -57,13 +36,14 @@ class SavedSample:
     index: int
     attempt: int
     scored: bool
-    fields: dict
+    state: object  # an EpisodeOutcome once scored, else the workflow's episode state
     env_snapshot: dict | None = None  # None once scored
 
     @property
     def newest_version(self) -> int:
-        versions = list(self.fields["versions"])
-        versions += [int(seq.policy_versions.max(initial=0)) for seq in self.fields["sequences"]]
+        sequences = self.state.sequences
+        versions = [] if self.scored else list(self.state.versions)
+        versions += [int(seq.policy_versions.max(initial=0)) for seq in sequences]
         return max(versions, default=0)
 
 
@@ -75,23 +55,17 @@ class GroupState:
 
 
 def capture(sample, scored: bool) -> SavedSample:
-    """A copy of `sample`'s resumable fields (the live sample goes on changing)."""
-    fields = {name: copy.deepcopy(getattr(sample, name)) for name in SAMPLE_FIELDS}
-    return SavedSample(sample.index, sample.attempt, scored, fields)
-
-
-def apply(state: SavedSample, sample) -> None:
-    for name, value in state.fields.items():
-        setattr(sample, name, value)
-    sample.attempt = state.attempt
+    """A copy of `sample`'s outcome or episode state (the live sample goes on changing)."""
+    state = sample.outcome if scored else copy.deepcopy(sample.episode)
+    return SavedSample(sample.index, sample.attempt, scored, state)
 
 
 def restore_group(
     saved: GroupState, task, group_size: int, trainer_version: int
 ) -> tuple[GroupSlot, list[tuple[object, dict | None]]]:
     """A group rebuilt from its record, and the samples whose episodes must start: (sample,
-    environment snapshot) to resume between two turns, (sample, None) to start over. Samples with
-    tokens of a version the restored trainer never had start over."""
+    environment snapshot) to resume between two turns (its `episode` restored), (sample, None)
+    to start over. Samples with tokens of a version the restored trainer never had start over."""
     group = GroupSlot.fresh(
         GroupId.parse(saved.group_id), task, group_size, saved.scheduled_at_version
     )
@@ -102,11 +76,11 @@ def restore_group(
         if state is None:
             to_start.append((sample, None))
             continue
-        apply(state, sample)
+        sample.attempt = state.attempt
         if state.scored:
-            sample.state = SampleState.SCORED
+            sample.outcome, sample.state = state.state, SampleState.SCORED
             continue
-        sample.resume_from = len(sample.routes)
+        sample.episode = state.state
         to_start.append((sample, state.env_snapshot))
     return group, to_start
 
@@ -122,8 +96,9 @@ class InFlightSaver:
     copies of the groups in flight go to the store once the environment snapshots of the
     samples waiting between two turns have arrived."""
 
-    def __init__(self, store: InFlightStore | None, env_pool):
+    def __init__(self, store: InFlightStore | None, env_pool, resumable):
         self.store, self.env_pool = store, env_pool
+        self.resumable = resumable  # sample -> whether it waits on the policy between turns
         self._lock = threading.Lock()
         self._requests: list[tuple[int, Future]] = []
         self._pending = None  # (step, future, groups, [(saved sample, snapshot future)])
@@ -174,10 +149,11 @@ class InFlightSaver:
         for group in groups:
             kept = []
             for sample in group.samples:
-                if sample.scored or sample.between_turns:
+                between_turns = not sample.scored and self.resumable(sample)
+                if sample.scored or between_turns:
                     state = capture(sample, scored=sample.scored)
                     kept.append(state)
-                    if sample.between_turns:
+                    if between_turns:
                         waits.append((state, self.env_pool.snapshot(sample.episode_id)))
             states.append(GroupState(str(group.group_id), group.scheduled_at_version, kept))
         return states, waits

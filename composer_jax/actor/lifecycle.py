@@ -1,5 +1,6 @@
 """The records the coordinator moves through the sample lifecycle: a `Sample` (one rollout's
-buffers and state), the `GroupSlot` of one prompt's samples, and the health `Counters`.
+scheduling state around its workflow episode), the `GroupSlot` of one prompt's samples, and the
+health `Counters`.
 
     SCHEDULED -> GENERATING <-> IN_ENV -> SCORED
 """
@@ -11,14 +12,9 @@ import dataclasses
 import enum
 from concurrent.futures import Future
 
-import numpy as np
-
-from composer_jax.actor import feedback
 from composer_jax.actor.ids import GroupId, SampleId
-from composer_jax.actor.rollout import Generation
+from composer_jax.agent import EpisodeOutcome
 from composer_jax.envs import Task
-from composer_jax.infer import Completion
-from composer_jax.rl.batch import Sequence
 
 
 class SampleState(enum.Enum):
@@ -29,32 +25,19 @@ class SampleState(enum.Enum):
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)
-class Sample(Generation):
-    """One sample in flight: the current generation's buffers and the finished ones."""
+class Sample:
+    """One sample in flight: where it is, and the workflow's episode (`composer_jax.agent`) that
+    decides its contexts."""
 
     group: "GroupSlot"
     index: int
     attempt: int = 0
     state: SampleState = SampleState.SCHEDULED
     request_id: int = -1
-    prompt_tokens: list[int] = dataclasses.field(default_factory=list)
-    # Turns (start, end, hint tokens) a feedback detector flagged: their teacher context has the
-    # hint (text-feedback distillation).
-    hinted: list[tuple[int, int, np.ndarray]] = dataclasses.field(default_factory=list)
-    flagged: bool = False  # a reward-hack monitor flagged the episode
-    sequences: list[Sequence] = dataclasses.field(default_factory=list)
-    turns: list[feedback.TurnRecord] = dataclasses.field(default_factory=list)
-    feedback_counts: dict[str, int] = dataclasses.field(default_factory=dict)
-    turn_span: tuple[int, int] = (0, 0)
-    turn_text: str = ""
-    finish_reason: str | None = None  # of the last turn
-    summarising: bool = False
-    summaries: int = 0
-    truncated: bool = False
-    reward: float = 0.0
-    counts: dict = dataclasses.field(default_factory=dict)
-    pending: Future | None = None
-    resume_from: int | None = None  # resumed from a snapshot: routes already known
+    pending: Future | None = None  # its environment's start or step
+    episode: object | None = None  # the workflow's state (a restored one before it resumes)
+    next_request: object | None = None  # the request waiting for a sampler slot
+    outcome: EpisodeOutcome | None = None  # once scored
 
     @property
     def sample_id(self) -> SampleId:
@@ -68,33 +51,6 @@ class Sample(Generation):
     @property
     def scored(self) -> bool:
         return self.state is SampleState.SCORED
-
-    @property
-    def between_turns(self) -> bool:
-        """Waiting on the policy after at least one environment step (not summarising): the
-        state an in-flight record can resume."""
-        return (
-            self.state is SampleState.GENERATING
-            and not self.summarising
-            and self.counts.get("turns", 0) > 0
-        )
-
-    def add_turn(self, completion: Completion, kinds) -> None:
-        self.turn_span = (len(self.tokens), len(self.tokens) + len(completion.tokens))
-        super().add_turn(completion, kinds)
-
-    def close_generation(self, num_moe_layers: int, k: int) -> None:
-        """Turns the current buffers into a Sequence (with its teacher context if flagged)."""
-        try:
-            seq = self.to_sequence(self.index, num_moe_layers, k, self.hinted)
-        except RuntimeError as e:
-            raise RuntimeError(f"{self.episode_id}: {e}") from None
-        self.sequences.append(seq)
-
-    def clear_generation(self) -> None:
-        """Empties the current generation's buffers (a summary closed it)."""
-        self.tokens, self.kinds, self.policy, self.logprobs = [], [], [], []
-        self.versions, self.routes, self.hinted = [], [], []
 
     def reset(self) -> None:
         """Forgets everything of a failed attempt (the sample starts over)."""

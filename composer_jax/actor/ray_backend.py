@@ -20,6 +20,7 @@ from composer_jax.actor.sampler import LocalSampler, Sampler
 from composer_jax.actor.worker_process import WorkerCrash, WorkerTimeout
 from composer_jax.config import ModelConfig
 from composer_jax.envs.worker import EpisodeHost
+from composer_jax.model import init_model
 
 
 class RayPlacementError(RuntimeError):
@@ -57,8 +58,6 @@ class _SamplerActor:
         publishers,
         decode_chunk,
     ):
-        from composer_jax.model import init_model
-
         model = init_model(model_cfg)  # placeholder values, replaced by the store's weights
         self.sampler = LocalSampler(
             model,

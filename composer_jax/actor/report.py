@@ -4,6 +4,7 @@ run's folder may be a bucket."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -26,16 +27,43 @@ def heldout_once(cfg, evaluator, model, path, key, progress) -> HeldoutResult:
     stored = json.loads(path.read_text()) if path.exists() else {}
     if key in stored:
         r = stored[key]
-        return HeldoutResult(np.asarray(r["per_task"]), r["pass_rate"])
+        metrics = {name: np.asarray(v) for name, v in r.get("metrics", {}).items()}
+        return HeldoutResult(np.asarray(r["per_task"]), r["pass_rate"], metrics)
     start = time.perf_counter()
     result = evaluator.evaluate(model)
     log.info(
         f"Held-out reward ({cfg.rl.heldout_split} split) {key.split('-')[0]} RL: {result} "
         f"[{time.perf_counter() - start:.0f} s]"
     )
-    stored[key] = {"per_task": result.per_task.tolist(), "pass_rate": result.pass_rate}
+    stored[key] = {
+        "per_task": result.per_task.tolist(),
+        "pass_rate": result.pass_rate,
+        "metrics": {name: values.tolist() for name, values in result.metrics.items()},
+    }
     path.write_text(json.dumps(stored))
     return result
+
+
+def heldout_table(before: HeldoutResult, after: HeldoutResult) -> str:
+    """Every held-out metric before and after RL with the paired difference and its 95%
+    interval over tasks (the report's fig. 5 question: does best-of-K rise with pass@1?)."""
+    names = ["reward", *sorted(set(before.metrics) & set(after.metrics), key=_metric_order)]
+    rows = ["| metric | before | after | change (95% CI, paired over tasks) |", "|---|---|---|---|"]
+    for name in names:
+        first = before.per_task if name == "reward" else before.metrics[name]
+        last = after.per_task if name == "reward" else after.metrics[name]
+        diff, half = after.improvement_over(before, "" if name == "reward" else name)
+        rows.append(
+            f"| {name} | {np.mean(first):.3f} | {np.mean(last):.3f} | {diff:+.3f} "
+            f"({diff - half:+.3f} to {diff + half:+.3f}) |"
+        )
+    return "\n".join(rows)
+
+
+def _metric_order(name: str) -> tuple:
+    fixed = ("pass@1", "best_of", "turns", "tool_calls", "summaries", "feedback_turns")
+    rank = next((i for i, prefix in enumerate(fixed) if name.startswith(prefix)), len(fixed))
+    return rank, name
 
 
 def closing_summary(cfg, before: HeldoutResult, after: HeldoutResult, steps: int) -> str:
@@ -59,6 +87,8 @@ def closing_summary(cfg, before: HeldoutResult, after: HeldoutResult, steps: int
         f"{diff:+.3f} (95% CI {low:+.3f} to {high:+.3f}, paired over {len(after.per_task)} "
         f"tasks): {verdict}. Pass rate {before.pass_rate:.2f} -> {after.pass_rate:.2f}."
     )
+    if before.metrics and after.metrics:
+        lines.append(heldout_table(before, after))
     return "\n".join(lines)
 
 
@@ -91,6 +121,7 @@ def group_metrics(groups, version: int, cfg) -> dict[str, float]:
         for i in range(len(g.rewards))
     ]
     summaries = [s for g in groups for s in g.metadata["summaries"]]
+    feedback = [sum(f.values()) for g in groups for f in g.metadata["feedback"]]
     return {
         "reward_mean": float(rewards.mean()),
         "pass_rate": float((rewards >= 1.0).mean()),
@@ -98,6 +129,9 @@ def group_metrics(groups, version: int, cfg) -> dict[str, float]:
         "staleness_max": float(np.max(lags)),
         "summaries_per_sample": float(np.mean(summaries)),
         "tokens_per_chain": float(np.mean(tokens)),
+        "turns_per_sample": float(np.mean([g.arrays["num_turns"] for g in groups])),
+        "tool_calls_per_sample": float(np.mean([g.arrays["num_tool_calls"] for g in groups])),
+        "feedback_turns_per_sample": float(np.mean(feedback)),
     }
 
 
@@ -143,3 +177,41 @@ def plot_curves(metrics_path: str, out_path: str) -> None:
     fig.savefig(image, format="png", dpi=100)
     plt.close(fig)
     epath.Path(out_path).write_bytes(image.getvalue())
+
+
+@dataclasses.dataclass
+class StepRates:
+    """The loop's counters at the last step: `record` turns them into one step's metrics line."""
+
+    time: float = dataclasses.field(default_factory=time.perf_counter)
+    tokens: float = 0.0
+    finished: float = 0.0
+    reward_sum: float = 0.0
+
+    def record(self, coordinator, ledger, trainer, groups, version, rl, metrics, extra) -> dict:
+        """The trainer's metrics, the trained groups', the loop's counters and rates since the
+        last step."""
+        now = time.perf_counter()
+        generated = coordinator.sampler_stats.get("generated_tokens", 0)
+        snapshot = coordinator.snapshot()
+        finished = snapshot["rollout_reward_samples"] - self.finished
+        reward_sum = snapshot["rollout_reward_sum"] - self.reward_sum
+        record = {
+            **metrics,
+            **group_metrics(groups, version, rl),
+            **snapshot,
+            # Every sample of the groups finished since the last step, trained or not: the
+            # policy's reward (reward_mean is over the trained groups only).
+            "rollout_reward": reward_sum / max(finished, 1),
+            **{f"ledger/{k}": v for k, v in ledger.stats().items()},
+            **extra,
+            "tokens_per_second": (generated - self.tokens) / max(now - self.time, 1e-9),
+            "seconds_per_step": now - self.time,
+        }
+        self.time, self.tokens = now, generated
+        self.finished = snapshot["rollout_reward_samples"]
+        self.reward_sum = snapshot["rollout_reward_sum"]
+        last = trainer.last_publish
+        if last is not None and last.done() and not last.result().skipped:
+            record["weight_sync_ratio"] = last.result().ratio
+        return record

@@ -36,14 +36,12 @@ from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from composer_jax import config as config_lib
-from composer_jax import envs
 from composer_jax.actor.coordinator import Coordinator
-from composer_jax.actor.env_workers import make_environment_pool
 from composer_jax.actor.evaluator import Evaluator, HeldoutResult
-from composer_jax.actor.inflight import InFlightError, InFlightStore
+from composer_jax.actor.inflight import InFlightStore
 from composer_jax.actor.ledger import GroupLedger
-from composer_jax.actor.report import closing_summary, group_metrics, heldout_once, plot_curves
-from composer_jax.actor.sampler import LocalSampler
+from composer_jax.actor.report import StepRates, closing_summary, heldout_once, plot_curves
+from composer_jax.actor.roles import in_flight_groups, make_roles
 from composer_jax.actor.samples import groups_to_batch
 from composer_jax.actor.scheduler import next_groups
 from composer_jax.actor.setup import (
@@ -57,9 +55,9 @@ from composer_jax.actor.setup import (
     warm_start,
 )
 from composer_jax.actor.trainer import ProcessZeroFailed, RLTrainer
-from composer_jax.config.rl import parse_resources
+from composer_jax.agent import check_agent_config, make_workflow, reward_weights
+from composer_jax.agent import env_config as agent_env_config
 from composer_jax.parallel.multihost import LeaderChannel, host_model, is_leader
-from composer_jax.rl.rewards import reward_weights
 from composer_jax.trace import TRAINER, format_summary, make_tracer, summary_path
 from composer_jax.train.loop import StopRequest
 from composer_jax.train.metrics import MetricsWriter
@@ -97,6 +95,7 @@ def _interrupted(stop, trainer) -> bool:
 def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
     """Trains (or resumes) the asynchronous RL run described by `cfg` in `cfg.workdir`."""
     config_lib.validate(cfg, jax.device_count())
+    check_agent_config(cfg.rl)  # a plug-in that does not resolve stops before any work
     rl = cfg.rl
     if rl.warm_start:  # before the workdir exists: a typo must not leave an empty run behind
         check_run_folder(rl.warm_start, "rl.warm_start")
@@ -122,18 +121,47 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
         raise
 
 
+@dataclasses.dataclass
+class _Loop:
+    """The actor loop's parts, built once per start."""
+
+    evaluator: Evaluator
+    before: HeldoutResult
+    ledger: GroupLedger
+    trainer: RLTrainer
+    writer: MetricsWriter
+    sampler: object
+    pool: object
+    coordinator: Coordinator
+    tracer: object
+    histogram: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
 def _lead(cfg, tokenizer, model, warm_params, warm_buffers, channel, progress) -> RLResult:
     """Process 0 (the only one with one process): the actor loop around the trainer."""
-    rl = cfg.rl
-    env_config = envs.EnvConfig(max_turns=rl.max_turns, require_isolation=rl.require_sandbox)
-    env_timeout_s = env_timeout(rl, env_config)
-    heldout_tasks = heldout_task_set(cfg)
-    evaluator = Evaluator(
-        rl, heldout_tasks, tokenizer, rl.heldout_samples, rl.heldout_temperature, env_config
-    )
-    heldout_path = os.path.join(cfg.workdir, "heldout.json")
-    before = heldout_once(cfg, evaluator, model, heldout_path, "before", progress)
+    loop = _build(cfg, tokenizer, model, warm_params, warm_buffers, channel, progress)
+    interrupted = None
+    try:
+        interrupted = _train(cfg, loop, progress)
+    finally:
+        _stop_roles(cfg.rl, loop)
+    return _close(cfg, loop, interrupted, progress)
 
+
+def _build(cfg, tokenizer, model, warm_params, warm_buffers, channel, progress) -> _Loop:
+    """The held-out check before RL, the trainer (restored), the ledger (rewound), the sampler,
+    the environments and the coordinator with the groups that were in flight."""
+    rl = cfg.rl
+    heldout_env = agent_env_config(rl, evaluation=True)
+    evaluator = Evaluator(
+        rl,
+        heldout_task_set(cfg),
+        tokenizer,
+        rl.heldout_samples,
+        rl.heldout_temperature,
+        heldout_env,
+    )
+    before = heldout_once(cfg, evaluator, model, _heldout_path(cfg), "before", progress)
     ledger = GroupLedger(os.path.join(cfg.workdir, "ledger"))
     store = store_dir(cfg)
     tracer = make_tracer(rl.trace)  # no-op unless rl.trace names a file
@@ -143,16 +171,7 @@ def _lead(cfg, tokenizer, model, warm_params, warm_buffers, channel, progress) -
     trainer = RLTrainer(cfg, warm_params, warm_buffers, store, tracer=tracer, channel=channel)
     write_config(cfg.workdir, cfg)  # only now: a refused resume leaves the old config as it was
     record_launch(cfg.workdir, cfg, trainer.restored_step, "rl")
-    num_prompts = rl_num_prompts(cfg)
-    source = rl_task_source(cfg)
-    tasks = rl_prompt_tasks(cfg)
-    if len(tasks) < num_prompts:
-        log.warning(
-            "the RL task source has %d training tasks, fewer than the %d prompts of the epoch",
-            len(tasks),
-            num_prompts,
-        )
-    prompts = [(f"p{i:05d}", task) for i, task in enumerate(tasks)]
+    prompts = _prompts(cfg)
     # Steps the restored state never saw (all of them without a checkpoint) give back their groups.
     returned = ledger.rewind(trainer.version)
     if trainer.restored_step is not None or returned:
@@ -168,87 +187,54 @@ def _lead(cfg, tokenizer, model, warm_params, warm_buffers, channel, progress) -
     writer = MetricsWriter(cfg.workdir, trainer.restored_step)
     if trainer.restored_step is None:
         writer.write(0, {"heldout_reward": before.mean, "heldout_pass_rate": before.pass_rate})
-
-    if rl.backend == "ray":
-        from composer_jax.actor.ray_backend import RayEnvironmentPool, RaySampler
-        from composer_jax.actor.sampler_group import SamplerGroup
-
-        samplers = [
-            RaySampler(
-                cfg.model,
-                store,
-                rl.num_slots,
-                rl.context_len,
-                rl.recompute_cache_on_update,
-                prefill_buckets=rl.prefill_buckets,
-                num_gpus=rl.ray_sampler_gpus,
-                resources=parse_resources(rl.ray_sampler_resources, "rl.ray_sampler_resources"),
-                placement_timeout_s=rl.ray_placement_timeout_s,
-                publishers=jax.process_count(),
-                decode_chunk=rl.decode_chunk,
-            )
-            for _ in range(rl.num_samplers)
-        ]
-        sampler = samplers[0] if len(samplers) == 1 else SamplerGroup(samplers)
-        pool = RayEnvironmentPool(
-            rl.num_env_workers,
-            env_timeout_s,
-            resources=parse_resources(rl.ray_env_resources, "rl.ray_env_resources"),
-            placement_timeout_s=rl.ray_placement_timeout_s,
-        )
-    else:
-        pool = make_environment_pool(rl.env_workers, rl.num_env_workers, env_timeout_s)
-        pool.tracer = tracer
-        sampler = LocalSampler(
-            model,
-            store,
-            num_slots=rl.num_slots,
-            max_len=rl.context_len,
-            prefill_buckets=rl.prefill_buckets,
-            recompute_cache=rl.recompute_cache_on_update,
-            tracer=tracer,
-            publishers=jax.process_count(),
-            decode_chunk=rl.decode_chunk,
-        )
+    env = agent_env_config(rl)
+    sampler, pool = make_roles(cfg, model, store, env_timeout(rl, env), tracer)
     tracer.start()  # the timeline: from the first publication to the rollout thread's end
     trainer.publish().result()
     sampler.sync_weights(wait_for=trainer.version)
     inflight_store = InFlightStore(os.path.join(cfg.workdir, "inflight"))
-    resume = []
-    if trainer.restored_step is not None:
-        try:
-            resume = inflight_store.load(trainer.version)
-        except InFlightError as error:  # those groups start over; nothing else is lost
-            log.warning("%s; the groups in flight start over", error)
-        if resume:
-            mid = sum(not s.scored for g in resume for s in g.samples)
-            log.info(
-                f"In flight at step {trainer.version}: {len(resume)} groups ({mid} samples "
-                "between turns resume from their environment snapshots)"
-            )
     coordinator = Coordinator(
         rl,
         sampler,
         pool,
         ledger,
         prompts,
-        tokenizer,
-        cfg.model.num_moe_layers,
-        cfg.model.num_experts_per_tok,
-        env_config,
+        make_workflow(rl, tokenizer, cfg.model, env, seed=cfg.seed),
+        env,
         seed=cfg.seed,
-        resume=resume,
+        resume=in_flight_groups(trainer, inflight_store),
         inflight_store=inflight_store,
-        variant=source.variant,
+        variant=rl_task_source(cfg).variant,
         tracer=tracer,
     )
     coordinator.trainer_version = trainer.version
-    histogram: collections.Counter = collections.Counter()
-    interrupted = None
+    return _Loop(evaluator, before, ledger, trainer, writer, sampler, pool, coordinator, tracer)
+
+
+def _heldout_path(cfg) -> str:
+    return os.path.join(cfg.workdir, "heldout.json")
+
+
+def _prompts(cfg) -> list[tuple[str, object]]:
+    """The epoch's prompts, named p00000, p00001, ..."""
+    num_prompts = rl_num_prompts(cfg)
+    tasks = rl_prompt_tasks(cfg)
+    if len(tasks) < num_prompts:
+        log.warning(
+            "the RL task source has %d training tasks, fewer than the %d prompts of the epoch",
+            len(tasks),
+            num_prompts,
+        )
+    return [(f"p{i:05d}", task) for i, task in enumerate(tasks)]
+
+
+def _train(cfg, loop: _Loop, progress: bool) -> str | None:
+    """Trains until cfg.steps, the end of the prompt epoch or a signal (returned)."""
+    rl, trainer, coordinator, tracer = cfg.rl, loop.trainer, loop.coordinator, loop.tracer
     bar = tqdm(
         total=cfg.steps, initial=trainer.version, desc="rl", disable=not progress, unit="step"
     )
-    last_time, last_tokens, last_finished, last_reward_sum = time.perf_counter(), 0, 0, 0.0
+    rates, interrupted = StepRates(), None
     try:
         with StopRequest() as stop:
             coordinator.start()
@@ -261,7 +247,7 @@ def _lead(cfg, tokenizer, model, warm_params, warm_buffers, channel, progress) -
                 with tracer.span("wait", "for groups"):
                     groups, weights, dropped = next_groups(
                         coordinator,
-                        ledger,
+                        loop.ledger,
                         rl,
                         version,
                         interrupted=lambda: _interrupted(stop, trainer),
@@ -273,8 +259,7 @@ def _lead(cfg, tokenizer, model, warm_params, warm_buffers, channel, progress) -
                 if not groups:
                     log.warning("the prompt epoch is exhausted before cfg.steps")
                     break
-                ids = [g.group_id for g in groups]
-                histogram.update(version - g.min_version for g in groups)
+                loop.histogram.update(version - g.min_version for g in groups)
                 with tracer.span("pack", groups=len(groups)):
                     batch = groups_to_batch(
                         groups,
@@ -282,7 +267,7 @@ def _lead(cfg, tokenizer, model, warm_params, warm_buffers, channel, progress) -
                         row_multiple=trainer.data_parallel,
                         weights=weights,
                         min_rows=rl.groups_per_step * rl.group_size,  # one shape for most steps
-                        reward_weights=reward_weights(rl),
+                        reward_weights=reward_weights(rl.behaviour_rewards),
                     )
                 trained = time.perf_counter()
                 metrics = trainer.step(batch, stop)
@@ -290,40 +275,19 @@ def _lead(cfg, tokenizer, model, warm_params, warm_buffers, channel, progress) -
                 if metrics is None:  # another process has a signal: nobody trained
                     interrupted = stop.signal
                     break
-                ledger.mark_trained(ids, trainer.version)
+                ids = [g.group_id for g in groups]
+                loop.ledger.mark_trained(ids, trainer.version)
                 coordinator.groups_trained(len(ids), trainer.version)
-                now = time.perf_counter()
-                generated = coordinator.sampler_stats.get("generated_tokens", 0)
-                snapshot = coordinator.snapshot()
-                finished = snapshot["rollout_reward_samples"] - last_finished
-                rollout_reward = (snapshot["rollout_reward_sum"] - last_reward_sum) / max(
-                    finished, 1
+                # wait_seconds: the trainer idle, waiting for finished groups.
+                extra = {"groups_dropped_stale": dropped, "wait_seconds": waited}
+                extra["train_seconds"] = trained
+                record = rates.record(
+                    coordinator, loop.ledger, trainer, groups, version, rl, metrics, extra
                 )
-                last_finished = snapshot["rollout_reward_samples"]
-                last_reward_sum = snapshot["rollout_reward_sum"]
-                record = {
-                    **metrics,
-                    **group_metrics(groups, version, rl),
-                    **snapshot,
-                    # Every sample of the groups finished since the last step, trained or
-                    # not: the policy's reward (reward_mean is over the trained groups only).
-                    "rollout_reward": rollout_reward,
-                    **{f"ledger/{k}": v for k, v in ledger.stats().items()},
-                    "groups_dropped_stale": dropped,
-                    "tokens_per_second": (generated - last_tokens) / max(now - last_time, 1e-9),
-                    "seconds_per_step": now - last_time,
-                    "wait_seconds": waited,  # the trainer idle, waiting for finished groups
-                    "train_seconds": trained,
-                }
-                last_time, last_tokens = now, generated
-                if trainer.last_publish is not None and trainer.last_publish.done():
-                    info = trainer.last_publish.result()
-                    if not info.skipped:
-                        record["weight_sync_ratio"] = info.ratio
-                writer.write(trainer.version, record)
+                loop.writer.write(trainer.version, record)
                 bar.update(1)
                 bar.set_postfix(
-                    reward=f"{rollout_reward:.2f}",
+                    reward=f"{record['rollout_reward']:.2f}",
                     passed=f"{record['pass_rate']:.2f}",
                     stale=f"{record['staleness_mean']:.1f}",
                     tok_s=f"{record['tokens_per_second']:.0f}",
@@ -338,36 +302,45 @@ def _lead(cfg, tokenizer, model, warm_params, warm_buffers, channel, progress) -
                     _checkpoint(trainer, coordinator)
     finally:
         bar.close()
-        try:
-            coordinator.stop()
-        finally:
-            tracer.close()  # the loop's timeline ends with the rollout thread
-            pool.shutdown()
-            if rl.trace:
-                summary = tracer.write(rl.trace)
-                log.info(
-                    "Actor loop trace: %s (summary: %s)\n%s",
-                    rl.trace,
-                    summary_path(rl.trace),
-                    format_summary(summary),
-                )
+    return interrupted
+
+
+def _stop_roles(rl, loop: _Loop) -> None:
+    try:
+        loop.coordinator.stop()
+    finally:
+        loop.tracer.close()  # the loop's timeline ends with the rollout thread
+        loop.pool.shutdown()
+        if rl.trace:
+            summary = loop.tracer.write(rl.trace)
+            log.info(
+                "Actor loop trace: %s (summary: %s)\n%s",
+                rl.trace,
+                summary_path(rl.trace),
+                format_summary(summary),
+            )
+
+
+def _close(cfg, loop: _Loop, interrupted: str | None, progress: bool) -> RLResult:
+    """The held-out check after RL (unless interrupted), the curves and the closing summary."""
+    trainer = loop.trainer
     after = None
     final = trainer.host_model() if interrupted is None else None
     trainer.close(interrupted)  # the other processes return now
     if final is not None:
-        after = heldout_once(
-            cfg, evaluator, final, heldout_path, f"after-{trainer.version}", progress
-        )
-        writer.write(
+        key = f"after-{trainer.version}"
+        after = heldout_once(cfg, loop.evaluator, final, _heldout_path(cfg), key, progress)
+        loop.writer.write(
             trainer.version, {"heldout_reward": after.mean, "heldout_pass_rate": after.pass_rate}
         )
-    writer.close()
-    plot_curves(writer.path, os.path.join(cfg.workdir, "rl_curves.png"))
-    log.info("Staleness of trained groups (versions: groups): %s", dict(sorted(histogram.items())))
+    loop.writer.close()
+    plot_curves(loop.writer.path, os.path.join(cfg.workdir, "rl_curves.png"))
+    histogram = dict(sorted(loop.histogram.items()))
+    log.info("Staleness of trained groups (versions: groups): %s", histogram)
     if after is not None:
-        log.info(closing_summary(cfg, before, after, trainer.version))
+        log.info(closing_summary(cfg, loop.before, after, trainer.version))
     return RLResult(
-        trainer.version, before, after, cfg.workdir, dict(histogram), interrupted=interrupted
+        trainer.version, loop.before, after, cfg.workdir, histogram, interrupted=interrupted
     )
 
 

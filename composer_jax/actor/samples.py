@@ -12,59 +12,11 @@ import dataclasses
 import numpy as np
 
 from composer_jax.actor.ledger import Group
+from composer_jax.agent import EpisodeOutcome, reward_weights
 from composer_jax.config import RLObjectiveConfig
 from composer_jax.parallel.packing import balanced_row_order
-from composer_jax.rl.batch import (
-    SegmentKind,
-    Sequence,
-    TrajectoryBatch,
-    first_fit,
-    pack_trajectories,
-)
+from composer_jax.rl.batch import Sequence, TrajectoryBatch, first_fit, pack_trajectories
 from composer_jax.rl.length_penalty import sample_rewards
-from composer_jax.rl.rewards import (
-    BEHAVIOUR_REWARDS,
-    EpisodeBehaviour,
-    behaviour_rewards,
-    reward_weights,
-)
-
-
-@dataclasses.dataclass
-class SampleResult:
-    """One finished rollout: its generations and what the environment and detectors said."""
-
-    sequences: list[Sequence]
-    reward: float
-    num_tool_calls: int = 0
-    num_turns: int = 0
-    summaries: int = 0
-    truncated: bool = False
-    feedback: dict[str, int] = dataclasses.field(default_factory=dict)  # detector -> turns flagged
-    answered: bool = False  # ended with a final message
-    flagged: bool = False  # a reward-hack monitor flagged it
-
-    def behaviour(self) -> dict[str, float]:
-        """The unweighted behaviour reward components (`composer_jax.rl.rewards`)."""
-        return behaviour_rewards(
-            EpisodeBehaviour(
-                turns=self.num_turns,
-                tool_calls=self.num_tool_calls,
-                feedback=self.feedback,
-                answered=self.answered,
-                flagged=self.flagged,
-            )
-        )
-
-    @property
-    def policy_tokens(self) -> int:
-        return int(sum(s.policy_mask.sum() for s in self.sequences))
-
-    @property
-    def thinking_tokens(self) -> int:
-        return int(
-            sum(((s.kinds == SegmentKind.THINKING) & s.policy_mask).sum() for s in self.sequences)
-        )
 
 
 def host_advantages(rewards: np.ndarray) -> np.ndarray:
@@ -73,9 +25,10 @@ def host_advantages(rewards: np.ndarray) -> np.ndarray:
     return rewards - rewards.mean()
 
 
-def make_group(group_id: str, prompt_id: str, samples: list[SampleResult]) -> Group:
+def make_group(group_id: str, prompt_id: str, samples: list[EpisodeOutcome]) -> Group:
     """A ledger record of one finished group; sequence i of the flat arrays belongs to
-    sample `sequence_sample[i]` (0..G-1)."""
+    sample `sequence_sample[i]` (0..G-1). Each behaviour reward the episodes computed is kept
+    (`arrays["behaviour"][name]`), weighted only when a batch is packed."""
     sequences, owner = [], []
     for index, sample in enumerate(samples):
         for seq in sample.sequences:
@@ -92,8 +45,8 @@ def make_group(group_id: str, prompt_id: str, samples: list[SampleResult]) -> Gr
         "num_tool_calls": np.array([s.num_tool_calls for s in samples], np.float32),
         "num_turns": np.array([s.num_turns for s in samples], np.float32),
         "behaviour": {
-            name: np.array([s.behaviour()[name] for s in samples], np.float32)
-            for name in BEHAVIOUR_REWARDS
+            name: np.array([s.behaviour.get(name, 0.0) for s in samples], np.float32)
+            for name in sorted({name for s in samples for name in s.behaviour})
         },
     }
     if sequences[0].router_indices is not None:
@@ -188,7 +141,7 @@ def groups_to_batch(
     Rows are ordered so that every data-parallel rank gets equal attention work.
     `weights`: per group advantage scale (stale groups), None for all ones (always attached, so
     the batch's structure never changes). `reward_weights`: weight of each behaviour reward
-    component (`rl.rewards.reward_weights`); the batch's rewards are "task" plus the weighted
+    component (`agent.reward_weights`); the batch's rewards are "task" plus the weighted
     components with a nonzero weight."""
     reward_weights = {k: w for k, w in (reward_weights or {}).items() if w}
     sequences, group_id, rewards, tool_calls, turns, sample_weight = [], [], [], [], [], []
@@ -240,7 +193,8 @@ def total_rewards(group: Group, cfg: RLObjectiveConfig) -> np.ndarray:
     ops compile for a few lengths instead of every group's longest sequence."""
     longest = int(np.max(group.arrays["sequence_lengths"]))
     seq_len = 1 << (longest - 1).bit_length()
-    batch = groups_to_batch([group], seq_len=seq_len, reward_weights=reward_weights(cfg))
+    weights = reward_weights(cfg.behaviour_rewards)
+    batch = groups_to_batch([group], seq_len=seq_len, reward_weights=weights)
     totals, _ = sample_rewards(batch, cfg)
     return np.asarray(totals)[: len(group.rewards)]
 

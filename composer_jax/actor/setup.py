@@ -9,15 +9,10 @@ import logging
 import os
 import time
 
+from composer_jax import agent, envs, interop
 from composer_jax import config as config_lib
-from composer_jax import envs, interop
-from composer_jax.train.loop import (
-    SFT_EXAMPLES,
-    drawn_tasks,
-    load_trained_model,
-    run_pretraining,
-    task_source,
-)
+from composer_jax.envs import drawn_tasks, task_source
+from composer_jax.train.loop import load_trained_model, run_pretraining
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +64,7 @@ def trained_prompts(cfg: config_lib.ExperimentConfig) -> set[str]:
     `data.tasks`, the SFT examples' tasks (seed cfg.seed, as `train.loop` draws them)."""
     prompts = {task.prompt for task in rl_prompt_tasks(cfg)}
     if cfg.data.tasks and any(phase.data == "tasks" for phase in cfg.train.phases):
-        sft = drawn_tasks(cfg.data.tasks, "data.tasks", SFT_EXAMPLES, "train", cfg.seed)
+        sft = drawn_tasks(cfg.data.tasks, "data.tasks", cfg.data.sft_tasks, "train", cfg.seed)
         prompts.update(task.prompt for task in sft if task.oracle_files)
     return prompts
 
@@ -124,7 +119,12 @@ def warm_start(cfg, progress: bool):
     sft = warm_start_config(cfg)
     names = ", ".join(p.name for p in sft.train.phases)
     log.info("Warm start: %d steps of %s in %s", sft.steps, names, sft.workdir)
-    run_pretraining(sft, progress=progress, pretrained=lambda: interop.load_pretrained(sft))
+    run_pretraining(
+        sft,
+        progress=progress,
+        pretrained=lambda: interop.load_pretrained(sft),
+        sft_examples=agent.sft_examples(sft),
+    )
     model, _ = load_trained_model(sft.workdir)
     return model
 

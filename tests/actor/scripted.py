@@ -2,7 +2,9 @@
 
 It keeps each request's context like the engine does (a continuation appends, a restart keeps a
 prefix) and reports routes of every prefilled and generated position, so the sequences it yields
-have the engine's shape. `script(prompt_text, turn_index) -> text` decides each turn.
+have the engine's shape. `script(prompt_text, turn_index) -> text` decides each turn (with
+`seeded=True`: `script(prompt_text, turn_index, seed)`, the request's sampling seed).
+`ScriptedEngine` is the same policy behind the engine's interface, for `agent.play`.
 """
 
 from __future__ import annotations
@@ -11,8 +13,24 @@ import dataclasses
 
 import numpy as np
 
+from composer_jax import agent, data
+from composer_jax.actor.coordinator import Coordinator
 from composer_jax.actor.sampler import Sampler
+from composer_jax.config import ModelConfig
 from composer_jax.infer import Completion
+
+BYTES = data.get_tokenizer("byte")
+
+
+def make_coordinator(
+    cfg, sampler, pool, ledger, prompts, tokenizer=BYTES, model_cfg=ModelConfig(), **kwargs
+):
+    """A Coordinator over the run's workflow (built from `cfg`) in its training environment."""
+    environment = agent.env_config(cfg)
+    workflow = agent.make_workflow(
+        cfg, tokenizer, model_cfg, environment, seed=kwargs.get("seed", 0)
+    )
+    return Coordinator(cfg, sampler, pool, ledger, prompts, workflow, environment, **kwargs)
 
 
 @dataclasses.dataclass
@@ -25,8 +43,10 @@ class _Request:
 
 
 class ScriptedSampler(Sampler):
-    def __init__(self, script, tokenizer, num_slots=8, max_len=1024, moe_layers=1, k=2):
-        self.script, self.tokenizer = script, tokenizer
+    def __init__(
+        self, script, tokenizer, num_slots=8, max_len=1024, moe_layers=1, k=2, seeded=False
+    ):
+        self.script, self.tokenizer, self.seeded = script, tokenizer, seeded
         self.num_slots, self.max_len = num_slots, max_len
         self.moe_layers, self.k = moe_layers, k
         self._requests: dict[int, _Request] = {}
@@ -70,7 +90,8 @@ class ScriptedSampler(Sampler):
         for rid in self._running:
             req = self._requests[rid]
             prompt_text = self.tokenizer.decode(req.context)
-            text = self.script(prompt_text, req.turn)
+            args = (req.params.seed,) if self.seeded else ()
+            text = self.script(prompt_text, req.turn, *args)
             tokens = list(self.tokenizer.encode(text))[: req.params.max_new_tokens]
             route = np.tile(np.arange(self.k, dtype=np.int32), (self.moe_layers, 1))
             c = Completion(rid, req.prompt, req.start)
@@ -89,3 +110,16 @@ class ScriptedSampler(Sampler):
 
     def stats(self):
         return {"generated_tokens": self.generated_tokens}
+
+
+class ScriptedEngine(ScriptedSampler):
+    """The scripted policy behind the InferenceEngine interface that `agent.play` drives."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.completions: dict[int, Completion] = {}
+
+    def step(self) -> list[int]:
+        done = self.poll()
+        self.completions.update({c.request_id: c for c in done})
+        return [c.request_id for c in done]

@@ -10,16 +10,15 @@ import numpy as np
 import pytest
 
 from composer_jax import data, envs
-from composer_jax.actor import feedback
-from composer_jax.actor.coordinator import Coordinator
 from composer_jax.actor.env_workers import ProcessEnvironmentPool
-from composer_jax.actor.episodes import SUMMARY_OPEN
 from composer_jax.actor.ids import GroupId
 from composer_jax.actor.ledger import GroupLedger
 from composer_jax.actor.lifecycle import SampleState
 from composer_jax.actor.sampler import LocalSampler
 from composer_jax.actor.samples import group_sequences, groups_to_batch
 from composer_jax.actor.thread_pool import ThreadEnvironmentPool
+from composer_jax.agent import feedback
+from composer_jax.agent.workflow import SUMMARY_OPEN
 from composer_jax.config import ModelConfig, RLConfig
 from composer_jax.model import init_model
 from composer_jax.rl import SegmentKind
@@ -28,7 +27,7 @@ from composer_jax.rl.loss import distillation_token_kl
 from composer_jax.rl.policy import rl_loss, teacher_logits, trainer_logits
 from composer_jax.train.step import split_model
 from composer_jax.weight_sync import WeightPublisher, open_store
-from tests.actor.scripted import ScriptedSampler
+from tests.actor.scripted import ScriptedSampler, make_coordinator
 
 TOKENIZER = data.get_tokenizer("byte")
 MODEL_CFG = ModelConfig()
@@ -36,16 +35,7 @@ BAD_CALL = '<call tool="launch_rockets"><arg name="count">3</arg></call>'
 
 
 def _run_one_group(cfg, sampler, pool, ledger, task, timeout_s=120):
-    coordinator = Coordinator(
-        cfg,
-        sampler,
-        pool,
-        ledger,
-        [("p0", task)],
-        TOKENIZER,
-        MODEL_CFG.num_moe_layers,
-        MODEL_CFG.num_experts_per_tok,
-    )
+    coordinator = make_coordinator(cfg, sampler, pool, ledger, [("p0", task)])
     coordinator.start()
     try:
         ids = coordinator.wait_for_groups(1, timeout_s=timeout_s)
@@ -172,9 +162,7 @@ def test_environment_worker_failure_requeues_the_sample(tmp_path, failure):
     cfg = RLConfig(group_size=2, groups_per_step=1, max_turns=4, feedback_detectors=())
     pool = ProcessEnvironmentPool(2, timeout_s=3.0 if failure == "hang" else 30.0)
     ledger = GroupLedger(tmp_path / "ledger")
-    coordinator = Coordinator(
-        cfg, sampler, pool, ledger, [("p0", task)], TOKENIZER, MODEL_CFG.num_moe_layers, 2
-    )
+    coordinator = make_coordinator(cfg, sampler, pool, ledger, [("p0", task)])
     try:
         coordinator.start()
         deadline = time.monotonic() + 30
@@ -199,6 +187,11 @@ def test_environment_worker_failure_requeues_the_sample(tmp_path, failure):
     assert snapshot[key] >= 1 and snapshot["env/workers_replaced"] >= 1
 
 
+def _revisits(ledger, prompt):
+    """The ledger's groups that revisit `prompt` as a fresh variant (named <prompt>v<n>)."""
+    return [g for g in ledger if g.startswith(f"{prompt}v")]
+
+
 def test_hardest_prompts_are_revisited_late_in_the_epoch(tmp_path):
     tasks = envs.builtin_tasks(4, seed=31, max_ops=1)
     hard = tasks[0].prompt.splitlines()[0]  # the first finished: not merely the latest
@@ -216,7 +209,7 @@ def test_hardest_prompts_are_revisited_late_in_the_epoch(tmp_path):
         group_size=2,
         groups_per_step=1,
         max_turns=6,
-        num_slots=2,  # one group at a time: the epoch runs in prompt order
+        num_slots=2,  # one group at a time (until its final turns are graded): in prompt order
         schedule_ahead_groups=0,
         max_staleness=100,
         hard_prompt_fraction=0.99,
@@ -226,18 +219,16 @@ def test_hardest_prompts_are_revisited_late_in_the_epoch(tmp_path):
     prompts = [(f"p{i}", task) for i, task in enumerate(tasks)]
     variant = envs.load_task_source("builtin:max_ops=1").variant
     with ThreadEnvironmentPool(4, timeout_s=60) as pool:
-        coordinator = Coordinator(
-            cfg, sampler, pool, ledger, prompts, TOKENIZER, 1, 2, variant=variant
-        )
+        coordinator = make_coordinator(cfg, sampler, pool, ledger, prompts, variant=variant)
         coordinator.start()
         try:
             deadline = time.monotonic() + 60
-            while "p0v1" not in ledger and time.monotonic() < deadline:
+            while not _revisits(ledger, "p0") and time.monotonic() < deadline:
                 time.sleep(0.05)
         finally:
             coordinator.stop()
-    assert "p0v1" in ledger, sorted(ledger.pending())
-    revisit = ledger.load("p0v1")
+    assert _revisits(ledger, "p0"), sorted(ledger.pending())
+    revisit = ledger.load(_revisits(ledger, "p0")[0])
     # A fresh instance of the hard task (same function, new inputs): a new prompt, never the same
     # one trained twice.
     assert revisit.prompt_id.startswith(tasks[0].task_id + "-v")
@@ -282,11 +273,10 @@ def test_restart_resumes_samples_mid_episode_from_the_in_flight_record(tmp_path)
     cfg = RLConfig(group_size=2, groups_per_step=1, max_turns=4, feedback_detectors=())
     store = InFlightStore(str(tmp_path / "inflight"))
     ledger = GroupLedger(tmp_path / "ledger")
-    args = (TOKENIZER, MODEL_CFG.num_moe_layers, MODEL_CFG.num_experts_per_tok)
     first_sampler = make_sampler()
     with ThreadEnvironmentPool(2) as pool:
-        coordinator = Coordinator(
-            cfg, first_sampler, pool, ledger, [("p0", task)], *args, inflight_store=store
+        coordinator = make_coordinator(
+            cfg, first_sampler, pool, ledger, [("p0", task)], inflight_store=store
         )
         coordinator.start()
         try:
@@ -302,21 +292,14 @@ def test_restart_resumes_samples_mid_episode_from_the_in_flight_record(tmp_path)
             coordinator.stop()
     saved = store.load(3)
     assert [g.group_id for g in saved] == ["p0"] and len(saved[0].samples) == 2
-    recorded = saved[0].samples[0].fields
+    recorded = saved[0].samples[0].state  # the workflow episode, between two turns
     generated_before = first_sampler.generated_tokens
 
     second_sampler = make_sampler()
     second_sampler.held = False
     with ThreadEnvironmentPool(2) as pool:
-        coordinator = Coordinator(
-            cfg,
-            second_sampler,
-            pool,
-            ledger,
-            [("p0", task)],
-            *args,
-            resume=saved,
-            inflight_store=store,
+        coordinator = make_coordinator(
+            cfg, second_sampler, pool, ledger, [("p0", task)], resume=saved, inflight_store=store
         )
         coordinator.trainer_version = 3
         coordinator.start()
@@ -333,11 +316,11 @@ def test_restart_resumes_samples_mid_episode_from_the_in_flight_record(tmp_path)
     sequences = group_sequences(group)
     assert len(sequences) == 2  # one chain per sample
     seq = sequences[0]
-    prefix = len(recorded["tokens"])
-    np.testing.assert_array_equal(seq.tokens[:prefix], recorded["tokens"])
-    np.testing.assert_array_equal(seq.sampler_logprobs[:prefix], recorded["logprobs"])
+    prefix = len(recorded.tokens)
+    np.testing.assert_array_equal(seq.tokens[:prefix], recorded.tokens)
+    np.testing.assert_array_equal(seq.sampler_logprobs[:prefix], recorded.logprobs)
     np.testing.assert_array_equal(  # [moe_layers, positions, k]
-        seq.router_indices[:, : len(recorded["routes"])], np.stack(recorded["routes"], axis=1)
+        seq.router_indices[:, : len(recorded.routes)], np.stack(recorded.routes, axis=1)
     )
     policy_text = TOKENIZER.decode(seq.tokens[seq.policy_mask])
     assert policy_text == write + final
@@ -389,9 +372,8 @@ def _scheduled_groups(finishes, ready, ledger_dir, num_slots, ahead, pool=Thread
         k=MODEL_CFG.num_experts_per_tok,
     )
     prompts = [(f"p{i}", task) for i, task in enumerate(tasks)]
-    args = (TOKENIZER, MODEL_CFG.num_moe_layers, MODEL_CFG.num_experts_per_tok)
     with pool(4, timeout_s=60) as env_pool:
-        coordinator = Coordinator(cfg, sampler, env_pool, GroupLedger(ledger_dir), prompts, *args)
+        coordinator = make_coordinator(cfg, sampler, env_pool, GroupLedger(ledger_dir), prompts)
         state = coordinator.state
         coordinator.start()
         try:

@@ -12,13 +12,9 @@ import time
 import pytest
 
 from composer_jax import envs
-from composer_jax.actor.env_workers import (
-    POOL_KINDS,
-    EnvWorkerError,
-    ProcessEnvironmentPool,
-    make_environment_pool,
-)
+from composer_jax.actor.env_workers import POOL_KINDS, EnvWorkerError, ProcessEnvironmentPool
 from composer_jax.actor.ray_backend import RayEnvironmentPool
+from composer_jax.actor.roles import make_environment_pool
 from composer_jax.actor.thread_pool import ThreadEnvironmentPool
 from composer_jax.envs import worker as env_worker
 

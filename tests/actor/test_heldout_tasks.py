@@ -3,8 +3,8 @@
 import dataclasses
 
 from composer_jax.actor.setup import heldout_task_set, rl_prompt_tasks, trained_prompts
-from composer_jax.config import PRESETS
-from composer_jax.train.loop import SFT_EXAMPLES, task_source
+from composer_jax.envs import task_source
+from composer_jax.presets import PRESETS
 
 
 def _main_job(num_tasks: int):
@@ -14,7 +14,7 @@ def _main_job(num_tasks: int):
 
 def test_trained_prompts_are_the_sft_examples_and_the_rl_prompts():
     cfg = _main_job(1)
-    sft = task_source(cfg.data.tasks, "data.tasks").take(SFT_EXAMPLES, "train", cfg.seed)
+    sft = task_source(cfg.data.tasks, "data.tasks").take(cfg.data.sft_tasks, "train", cfg.seed)
     rl = rl_prompt_tasks(cfg)
     assert len(rl) == cfg.rl.num_prompts
     assert trained_prompts(cfg) == {t.prompt for t in sft} | {t.prompt for t in rl}

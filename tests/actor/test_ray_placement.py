@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from composer_jax import config
+from composer_jax import config, presets
 from composer_jax.actor.setup import store_dir
 from composer_jax.config import ConfigError, RLConfig
 from composer_jax.config.rl import parse_resources
@@ -50,7 +50,7 @@ def test_ray_fields_are_validated_and_need_the_ray_backend():
 def test_a_relative_weight_store_is_made_absolute(tmp_path, monkeypatch):
     """Ray actors run in their runtime_env's copy of the project, not in this folder."""
     monkeypatch.chdir(tmp_path)
-    cfg = config.rl_tiny()
+    cfg = presets.rl_tiny()
     cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, weight_store="w"))
     assert store_dir(cfg) == str(tmp_path / "w" / "attempt-0")
 
@@ -96,7 +96,7 @@ def test_sampler_and_environment_workers_land_on_the_nodes_they_name(two_nodes, 
 
     ray, head, worker = two_nodes
     sampler = RaySampler(
-        config.rl_tiny().model,
+        presets.rl_tiny().model,
         str(tmp_path / "weights"),
         num_slots=2,
         max_len=64,
@@ -117,7 +117,7 @@ def test_resources_no_node_has_fail_naming_them(two_nodes, tmp_path):
 
     with pytest.raises(RayPlacementError, match=r"sampler.*'tpu_host': 1.*'gpu_host': 1"):
         RaySampler(
-            config.rl_tiny().model,
+            presets.rl_tiny().model,
             str(tmp_path / "weights"),
             num_slots=2,
             max_len=64,

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from composer_jax import config as config_lib
+from composer_jax import presets
 from composer_jax.actor.evaluator import HeldoutResult, t_half_width
 from composer_jax.actor.report import closing_summary
 from composer_jax.train.loop import nll_summary
@@ -26,7 +26,7 @@ def test_half_width_is_student_t():
 
 
 def _run(tmp_path, losses, nlls):
-    cfg = dataclasses.replace(config_lib.rl_tiny(), workdir=str(tmp_path))
+    cfg = dataclasses.replace(presets.rl_tiny(), workdir=str(tmp_path))
     (tmp_path / "warm_start").mkdir()
     records = [{"step": i + 1, "loss": v} for i, v in enumerate(losses)]
     records += [{"step": 0, "eval_nll": nlls[0]}, {"step": len(losses), "eval_nll": nlls[1]}]
@@ -56,9 +56,9 @@ def test_closing_summary_says_what_changed(tmp_path, shift, verdict):
 
 
 def test_nll_line_explains_a_rise_only_when_the_corpus_was_not_trained():
-    sft = config_lib.rl_tiny()
+    sft = presets.rl_tiny()
     assert "it rises because" in nll_summary(sft, 6.0, 8.0)
     assert "it rises" not in nll_summary(sft, 8.0, 6.0)
-    pretrain = config_lib.tiny()  # has corpus phases
+    pretrain = presets.tiny()  # has corpus phases
     assert any(p.data == "corpus" for p in pretrain.train.phases)
     assert "it rises" not in nll_summary(pretrain, 6.0, 8.0)

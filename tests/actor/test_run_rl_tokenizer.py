@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from composer_jax.actor.ledger import GroupLedger
-from composer_jax.actor.rollout import token_kinds
 from composer_jax.actor.samples import group_sequences
+from composer_jax.agent.kinds import token_kinds
 from composer_jax.data import load_tokenizer
 from composer_jax.rl import SegmentKind
 from composer_jax.train.runs import run_tokenizer

@@ -4,17 +4,16 @@ import numpy as np
 
 from composer_jax.actor.ledger import GroupLedger
 from composer_jax.actor.samples import (
-    SampleResult,
     group_sequences,
     groups_to_batch,
     make_group,
     total_rewards,
 )
+from composer_jax.agent import EpisodeOutcome, reward_weights
 from composer_jax.config import RLConfig
 from composer_jax.parallel.packing import row_attention_lengths
 from composer_jax.rl.batch import SegmentKind, Sequence
 from composer_jax.rl.length_penalty import sample_rewards
-from composer_jax.rl.rewards import reward_weights
 
 
 def _sequence(rng, index, length, teacher=False):
@@ -43,7 +42,7 @@ def _group(rng, gid, lengths):
     for i, chain in enumerate(lengths):
         sequences = [_sequence(rng, i, n, teacher=(i == 0 and j == 0)) for j, n in enumerate(chain)]
         samples.append(
-            SampleResult(sequences, reward=float(rng.random()), summaries=len(chain) - 1)
+            EpisodeOutcome(sequences, reward=float(rng.random()), summaries=len(chain) - 1)
         )
     return make_group(gid, f"task-{gid}", samples), samples
 
@@ -103,7 +102,9 @@ def test_total_rewards_do_not_depend_on_the_padding_it_picks():
     rng = np.random.default_rng(1)
     group, _ = _group(rng, "g", [[37], [90, 21], [61], [130]])
     cfg = RLConfig(length_penalty_coef=0.05, length_penalty_k=0.01)
-    batch = groups_to_batch([group], seq_len=130, reward_weights=reward_weights(cfg))
+    batch = groups_to_batch(
+        [group], seq_len=130, reward_weights=reward_weights(cfg.behaviour_rewards)
+    )
     expected, _ = sample_rewards(batch, cfg)
     got = total_rewards(group, cfg)
     np.testing.assert_allclose(got, np.asarray(expected)[:4], rtol=1e-6)

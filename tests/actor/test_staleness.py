@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from composer_jax.actor.ledger import GroupLedger
-from composer_jax.actor.samples import SampleResult, make_group
+from composer_jax.actor.samples import make_group
 from composer_jax.actor.scheduler import next_groups
+from composer_jax.agent import EpisodeOutcome
 from composer_jax.config import RLConfig
 from composer_jax.rl.batch import SegmentKind, Sequence
 
@@ -45,7 +46,7 @@ def _sample(version, reward, length=20, rng=None):
         policy_versions=versions,
         router_indices=np.zeros((1, n, 2), np.int32),
     )
-    return SampleResult([seq], reward=float(reward), num_turns=1, answered=True)
+    return EpisodeOutcome([seq], reward=float(reward), num_turns=1, behaviour={"answered": 0.0})
 
 
 def _ledger(tmp_path, min_versions, rewards=None, lengths=None):

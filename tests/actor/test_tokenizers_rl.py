@@ -5,18 +5,17 @@ import numpy as np
 import pytest
 
 from composer_jax import envs
-from composer_jax.actor.coordinator import Coordinator
 from composer_jax.actor.ledger import GroupLedger
-from composer_jax.actor.rollout import TURN_END_MARKERS, token_kinds, turn_sampling
 from composer_jax.actor.samples import group_sequences, groups_to_batch
 from composer_jax.actor.thread_pool import ThreadEnvironmentPool
+from composer_jax.agent.kinds import TURN_END_MARKERS, token_kinds, turn_sampling
 from composer_jax.config import ModelConfig, RLConfig
 from composer_jax.data import load_tokenizer
 from composer_jax.data.chat import chat_format_for
 from composer_jax.infer import SamplingParams
 from composer_jax.rl import SegmentKind
 from composer_jax.rl.length_penalty import LENGTH_FEATURES, length_features
-from tests.actor.scripted import ScriptedSampler
+from tests.actor.scripted import ScriptedSampler, make_coordinator
 from tests.data.helpers import make_hf_folder, make_tiktoken_folder
 
 MODEL_CFG = ModelConfig()
@@ -49,16 +48,7 @@ def test_rollout_parses_calls_and_counts_tokens_by_kind(tmp_path, kind):
     cfg = RLConfig(group_size=2, groups_per_step=1, max_turns=4, context_len=1024)
     ledger = GroupLedger(tmp_path / "ledger")
     with ThreadEnvironmentPool(2, timeout_s=60) as pool:
-        coordinator = Coordinator(
-            cfg,
-            sampler,
-            pool,
-            ledger,
-            [("p0", task)],
-            tokenizer,
-            MODEL_CFG.num_moe_layers,
-            MODEL_CFG.num_experts_per_tok,
-        )
+        coordinator = make_coordinator(cfg, sampler, pool, ledger, [("p0", task)], tokenizer)
         coordinator.start()
         try:
             assert coordinator.wait_for_groups(1, timeout_s=120) == ["p0"]

@@ -7,8 +7,7 @@ import os
 
 import pytest
 
-from composer_jax import config, data, envs, trace
-from composer_jax.actor.coordinator import Coordinator
+from composer_jax import config, data, envs, presets, trace
 from composer_jax.actor.ledger import GroupLedger
 from composer_jax.actor.sampler import LocalSampler
 from composer_jax.actor.samples import groups_to_batch
@@ -17,24 +16,15 @@ from composer_jax.actor.trainer import RLTrainer
 from composer_jax.config import ConfigError, RLConfig
 from composer_jax.model import init_model
 from composer_jax.train.step import split_model
-from tests.actor.scripted import ScriptedSampler
+from tests.actor.scripted import ScriptedSampler, make_coordinator
 
 TOKENIZER = data.get_tokenizer("byte")
 CONTEXT = 384  # a tiny task's prompt (<= ~310 bytes) plus one short turn
 
 
 def _rollout(cfg, sampler, pool, ledger, tracer):
-    coordinator = Coordinator(
-        cfg,
-        sampler,
-        pool,
-        ledger,
-        [("p0", envs.builtin_tasks(1, seed=3, max_ops=1)[0])],
-        TOKENIZER,
-        1,
-        2,
-        tracer=tracer,
-    )
+    task = envs.builtin_tasks(1, seed=3, max_ops=1)[0]
+    coordinator = make_coordinator(cfg, sampler, pool, ledger, [("p0", task)], tracer=tracer)
     coordinator.start()
     try:
         assert coordinator.wait_for_groups(1, timeout_s=300) == ["p0"]
@@ -54,7 +44,7 @@ def _merged_seconds(spans):
 
 
 def test_a_traced_rollout_and_step_give_role_tracks_and_a_consistent_summary(tmp_path):
-    cfg = dataclasses.replace(config.rl_tiny(), workdir=str(tmp_path / "run"))
+    cfg = dataclasses.replace(presets.rl_tiny(), workdir=str(tmp_path / "run"))
     rl = dataclasses.replace(
         cfg.rl,
         group_size=2,

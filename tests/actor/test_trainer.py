@@ -8,8 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from composer_jax import config
-from composer_jax.actor.rollout import collect_batch
+from composer_jax import agent, config, presets
 from composer_jax.actor.trainer import NonFiniteRLLossError, RLTrainer
 from composer_jax.data import ByteTokenizer
 from composer_jax.envs import builtin_tasks
@@ -30,7 +29,7 @@ def _bf16_words(tree):
 
 
 def test_step_publishes_an_exact_delta_and_resumes(tmp_path):
-    cfg = dataclasses.replace(config.rl_tiny(), workdir=str(tmp_path / "run"))
+    cfg = dataclasses.replace(presets.rl_tiny(), workdir=str(tmp_path / "run"))
     model = init_model(cfg.model, 0)
     _, params, buffers = split_model(model)
     store = str(tmp_path / "weights")
@@ -41,9 +40,9 @@ def test_step_publishes_an_exact_delta_and_resumes(tmp_path):
     engine = InferenceEngine(model, num_slots=4, max_len=SEQ_LEN, prefill_buckets=(SEQ_LEN,))
     tasks = builtin_tasks(2, "train", seed=0, max_ops=1)
     sampling = SamplingParams(max_new_tokens=16, seed=1)
-    batch, _ = collect_batch(
-        engine, tasks, 2, sampling, 1, ByteTokenizer(), seq_len=SEQ_LEN, num_rows=8
-    )
+    rl = config.RLConfig(max_turns=1, context_len=SEQ_LEN)
+    workflow, env = agent.build(rl, ByteTokenizer(), model.cfg, sampling=sampling)
+    batch, _ = agent.collect_batch(engine, tasks, 2, workflow, env, seq_len=SEQ_LEN, num_rows=8)
     # The untrained policy scores 0 everywhere and fills every turn (no advantage, no gradient):
     # one sample per group is rewarded instead.
     batch = dataclasses.replace(batch, rewards_N={"task": np.array([1, 0, 0, 1], np.float32)})
@@ -89,7 +88,7 @@ def test_step_on_eight_devices_equals_one_device(tmp_path):
     from composer_jax.parallel import make_layout
     from composer_jax.rl.batch import SegmentKind, Sequence, pack_trajectories
 
-    cfg = config.rl_tiny()
+    cfg = presets.rl_tiny()
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="float32"))
     model = init_model(cfg.model, 3)
     _, params, buffers = split_model(model)
@@ -149,7 +148,7 @@ def test_the_loss_normaliser_is_the_runs_not_the_batchs():
     from composer_jax.rl import policy_objective
     from tests.rl.toy import one_step_batch
 
-    rl = dataclasses.replace(config.rl_tiny().rl, kl_coef=0.0, length_penalty_coef=0.0)
+    rl = dataclasses.replace(presets.rl_tiny().rl, kl_coef=0.0, length_penalty_coef=0.0)
     objective = rl_objective(rl)
     assert objective.loss_normalizer == rl.groups_per_step * rl.group_size * rl.max_generation_len
     assert rl_objective(dataclasses.replace(rl, loss_normalizer=7.0)).loss_normalizer == 7.0

@@ -1,38 +1,19 @@
-"""Behaviour rewards and the report's objective as shipped defaults: components from what an
-episode did, their weights, their place in the total reward and the metrics, the default length
-penalty over the whole x, the plausibility filter on, Adam without weight decay for RL."""
+"""Behaviour rewards in the objective and the report's objective as shipped defaults: the
+recorded components, their weights, their place in the total reward and the metrics, the default
+length penalty over the whole x, the plausibility filter on, Adam without weight decay for RL.
+(The rewards themselves: tests/agent/test_rewards.py.)"""
 
 import dataclasses
 
 import numpy as np
 import pytest
 
-from composer_jax import config
-from composer_jax.actor.samples import SampleResult, groups_to_batch, make_group
+from composer_jax import presets
+from composer_jax.actor.samples import groups_to_batch, make_group
+from composer_jax.agent import EpisodeOutcome, reward_weights
 from composer_jax.rl import RLObjectiveConfig, length_features, sample_rewards
 from composer_jax.rl.batch import SegmentKind, Sequence
 from composer_jax.rl.length_penalty import length_weights
-from composer_jax.rl.rewards import (
-    BEHAVIOUR_REWARDS,
-    EpisodeBehaviour,
-    behaviour_rewards,
-    reward_weights,
-)
-
-
-def test_components_follow_what_the_episode_did():
-    clean = behaviour_rewards(EpisodeBehaviour(turns=3, tool_calls=4, answered=True))
-    assert clean == dict.fromkeys(BEHAVIOUR_REWARDS, 0.0)
-    messy = behaviour_rewards(
-        EpisodeBehaviour(
-            turns=4,
-            tool_calls=2,
-            feedback={"style": 1, "unknown_tool": 1, "invalid_arguments": 3},
-            answered=False,
-            flagged=True,
-        )
-    )
-    assert messy == {"style": -0.25, "tool_misuse": -1.0, "communication": -1.0, "harm": -1.0}
 
 
 def _sample(rng, reward, **behaviour):
@@ -47,26 +28,29 @@ def _sample(rng, reward, **behaviour):
         policy_versions=np.zeros(n, np.int32),
         router_indices=np.zeros((1, n, 2), np.int32),
     )
-    return SampleResult([seq], reward=reward, num_turns=2, num_tool_calls=1, **behaviour)
+    return EpisodeOutcome([seq], reward=reward, num_turns=2, num_tool_calls=1, behaviour=behaviour)
 
 
 def test_weighted_components_enter_the_total_and_the_metrics():
     rng = np.random.default_rng()
-    samples = [
-        _sample(rng, 1.0, answered=True),
-        _sample(rng, 1.0, answered=False, feedback={"style": 2}),
-    ]
+    clean = {"answered": 0.0, "style": 0.0, "harm": 0.0}
+    messy = {**clean, "answered": -1.0, "style": -0.5}
+    samples = [_sample(rng, 1.0, **clean), _sample(rng, 1.0, **messy)]
     group = make_group("g0", "t0", samples)
-    cfg = RLObjectiveConfig(length_penalty_coef=0.0)
-    batch = groups_to_batch([group], 64, reward_weights=reward_weights(cfg))
-    assert set(batch.rewards_N) == {"task", *BEHAVIOUR_REWARDS}
+    cfg = RLObjectiveConfig(
+        length_penalty_coef=0.0, behaviour_rewards=("answered=0.05", "style=0.1", "harm=0.5")
+    )
+    weights = reward_weights(cfg.behaviour_rewards)
+    batch = groups_to_batch([group], 64, reward_weights=weights)
+    assert set(batch.rewards_N) == {"task", "answered", "style", "harm"}
     totals, metrics = sample_rewards(batch, cfg)
-    want_second = 1.0 - cfg.reward_weight_communication - cfg.reward_weight_style
-    np.testing.assert_allclose(np.asarray(totals)[:2], [1.0, want_second], rtol=1e-6)
-    assert metrics["reward/style"] == pytest.approx(-cfg.reward_weight_style / 2)
-    zero = dataclasses.replace(cfg, **{f"reward_weight_{n}": 0.0 for n in BEHAVIOUR_REWARDS})
-    off = groups_to_batch([group], 64, reward_weights=reward_weights(zero))
+    np.testing.assert_allclose(np.asarray(totals)[:2], [1.0, 1.0 - 0.05 - 0.05], rtol=1e-6)
+    assert metrics["reward/style"] == pytest.approx(-0.1 * 0.5 / 2)
+    zero = reward_weights(("answered=0", "style=0", "harm=0"))
+    off = groups_to_batch([group], 64, reward_weights=zero)
     assert set(off.rewards_N) == {"task"}
+    unweighted = groups_to_batch([group], 64, reward_weights={"answered": 1.0})  # style not asked
+    assert set(unweighted.rewards_N) == {"task", "answered"}
 
 
 def test_length_penalty_counts_tool_calls_and_turns_by_default():
@@ -84,7 +68,9 @@ def test_length_penalty_counts_tool_calls_and_turns_by_default():
 
 @pytest.mark.parametrize("preset", ["rl_tiny", "rl_tiny_bpe", "rl_small"])
 def test_rl_presets_ship_the_reports_defaults(preset):
-    cfg = config.PRESETS[preset]()
+    cfg = presets.PRESETS[preset]()
     assert cfg.model.replay_min_ratio > 0  # the plausibility filter is on
     assert cfg.optim.weight_decay == 0.0 and cfg.optim.name == "adamw"
-    assert all(getattr(cfg.rl, f"reward_weight_{n}") > 0 for n in BEHAVIOUR_REWARDS)
+    weights = reward_weights(cfg.rl.behaviour_rewards)
+    assert set(weights) >= {"style", "tool_misuse", "answered", "harm"}
+    assert all(w > 0 for w in weights.values())

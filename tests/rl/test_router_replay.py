@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from composer_jax import config
+from composer_jax import presets
 from composer_jax.model import init_model
 from composer_jax.model.transformer import _run_layers
 from composer_jax.rl import (
@@ -31,7 +31,7 @@ B, T, PROMPT = 4, 16, 4
 @pytest.fixture(scope="module")
 def setup():
     cfg = dataclasses.replace(
-        config.tiny().model,
+        presets.tiny().model,
         dtype="float32",
         num_layers=2,
         num_mtp_layers=0,

@@ -3,20 +3,22 @@
 import numpy as np
 import pytest
 
-from composer_jax.actor.feedback import (
+from composer_jax.agent.feedback import (
     DETECTORS,
     IgnoredToolError,
     InvalidArguments,
     StyleRule,
+    ToolUnavailable,
     UnknownTool,
     check_turn,
     make_detectors,
     record_step,
     render_hint,
-    teacher_sequence,
 )
+from composer_jax.agent.generation import teacher_sequence
 from composer_jax.data import ByteTokenizer
 from composer_jax.envs import EnvConfig, Episode, builtin_tasks, render_call, render_turn
+from composer_jax.envs.tools import tool_profile
 from composer_jax.rl import SegmentKind, Sequence, pack_trajectories
 
 ROCKETS = render_call("launch_rockets", {"count": "3"})
@@ -51,6 +53,20 @@ def test_unknown_tool(task):
         assert name in hint
     assert "write_file(path, content)" in hint and "read_file(path, start?, end?)" in hint
     assert UnknownTool().check(good, bad) is None
+
+
+def test_a_tool_the_profile_leaves_out_is_unavailable_not_unknown(task):
+    """The episode offers the profile without a shell: run_shell answers "tool not available",
+    which ToolUnavailable targets with the tools that are offered; UnknownTool stays quiet."""
+    shell = render_call("run_shell", {"command": "ls"})
+    config = EnvConfig(tools=tool_profile("agent_no_shell"))
+    (turn, rockets), _ = _play(task, shell, ROCKETS, config=config)
+    assert not turn.calls[0].ok and turn.calls[0].error.startswith("tool not available: run_shell")
+    hint = ToolUnavailable().check(turn, None)
+    assert "run_shell is not available" in hint and "todo(action, text?, id?)" in hint
+    assert "run_shell(" not in hint
+    assert UnknownTool().check(turn, None) is None
+    assert ToolUnavailable().check(rockets, turn) is None and UnknownTool().check(rockets, turn)
 
 
 def test_invalid_arguments(task):
@@ -121,7 +137,13 @@ def test_style(task):
 def test_registry_and_check_turn(task):
     detectors = make_detectors(("style", "unknown_tool", "invalid_arguments"))
     assert [d.name for d in detectors] == ["style", "unknown_tool", "invalid_arguments"]
-    assert set(DETECTORS) == {"unknown_tool", "invalid_arguments", "ignored_tool_error", "style"}
+    assert set(DETECTORS) == {
+        "unknown_tool",
+        "tool_unavailable",
+        "invalid_arguments",
+        "ignored_tool_error",
+        "style",
+    }
     (turn,) = _play(task, ROCKETS + _write("def f(x):\n\treturn x\n"))[0]
     hints = check_turn(detectors, turn, None)
     assert [name for name, _ in hints] == ["style", "unknown_tool"]

@@ -1,23 +1,26 @@
-"""Text feedback for RL rollouts: detectors flag a turn, a hint is built, the teacher sees it.
+"""Text feedback: detectors flag an agent turn with a hint, and the hinted context teaches.
 
-Host side, after an episode: each agent turn becomes a `TurnRecord` (its text, the tool-call log
-entries it produced, the environment's reply) and pluggable detectors may flag it with a short
-hint. The *teacher* context is the generation's token sequence with the rendered hints inserted
-right before the flagged turn; the policy is distilled toward the teacher's predictions on that
-turn's tokens only, so it learns to act as if it had been told. Detectors work from what the
-environment actually recorded (`ToolCallRecord.ok` / `error`), re-checking arguments with
-`check_args` to tell an argument error from a failure of the tool itself.
+After each environment step the workflow turns the agent's turn into a `TurnRecord` (its text,
+the tool-call log entries it produced, the environment's reply) and every configured detector
+may flag it with a short hint. The *teacher* context is the generation's token sequence with the
+rendered hints inserted right before the flagged turn (`generation.teacher_sequence`); the policy
+is distilled toward the teacher's predictions on that turn's tokens only, so it learns to act as
+if it had been told. Detectors work from what the environment actually recorded
+(`ToolCallRecord.ok` / `error`), re-checking arguments with `check_args` to tell an argument error
+from a failure of the tool itself. `DETECTORS` is the registry; `rl.feedback_detectors` names
+them, or a researcher's own class by import path (`my_pkg.feedback:Slow`).
 """
 
+from __future__ import annotations
+
 import dataclasses
+import importlib
 import posixpath
 from typing import Protocol
 
-import numpy as np
-
 from composer_jax.envs import Episode, StepResult
 from composer_jax.envs.sandbox import WORKSPACE_MOUNT
-from composer_jax.envs.tools import TOOL_SPECS, ToolCallRecord, ToolError, check_args
+from composer_jax.envs.tools import TOOLS, ToolCallRecord, ToolError, check_args, resolve_tool
 
 MAX_LINE = 100
 _WRITTEN_TEXT = {"write_file": "content", "edit_file": "new"}  # the code a call writes
@@ -55,26 +58,52 @@ def record_step(episode: Episode, index: int, text: str) -> tuple[StepResult, Tu
     return result, record
 
 
+def _spec(name: str):
+    return resolve_tool(name).spec
+
+
 def _argument_error(call: ToolCallRecord) -> str | None:
     """The strict argument check's message for a known tool's call, None when the args pass."""
     try:
-        check_args(TOOL_SPECS[call.tool], call.args, strict=True)
+        check_args(_spec(call.tool), call.args, strict=True)
     except ToolError as error:
         return str(error)
     return None
 
 
+def _offered(turn: TurnRecord) -> str:
+    return ", ".join(_spec(name).signature() for name in turn.available_tools)
+
+
 class UnknownTool:
-    """A call to a tool the episode does not offer."""
+    """A call to a tool that does not exist."""
 
     name = "unknown_tool"
 
     def check(self, turn: TurnRecord, previous: TurnRecord | None) -> str | None:
-        unknown = [c.tool for c in turn.calls if c.tool not in turn.available_tools]
+        unknown = [
+            c.tool for c in turn.calls if c.tool not in turn.available_tools and c.tool not in TOOLS
+        ]
         if not unknown:
             return None
-        tools = ", ".join(TOOL_SPECS[name].signature() for name in turn.available_tools)
-        return f"There is no tool {unknown[0]!r}. The available tools are: {tools}."
+        return f"There is no tool {unknown[0]!r}. The available tools are: {_offered(turn)}."
+
+
+class ToolUnavailable:
+    """A call to a tool that exists but that this episode's tool profile does not offer (it
+    answered "tool not available")."""
+
+    name = "tool_unavailable"
+
+    def check(self, turn: TurnRecord, previous: TurnRecord | None) -> str | None:
+        missing = [
+            c.tool for c in turn.calls if c.tool not in turn.available_tools and c.tool in TOOLS
+        ]
+        if not missing:
+            return None
+        return (
+            f"The tool {missing[0]} is not available here; use only these tools: {_offered(turn)}."
+        )
 
 
 class InvalidArguments:
@@ -95,7 +124,7 @@ class InvalidArguments:
             if error is not None:
                 params = "; ".join(
                     f"{name}: {p.description}" + ("" if p.required else " (optional)")
-                    for name, p in TOOL_SPECS[call.tool].params.items()
+                    for name, p in _spec(call.tool).params.items()
                 )
                 return f"Invalid arguments: {error}. Parameters of {call.tool}: {params or 'none'}."
         return None
@@ -103,7 +132,7 @@ class InvalidArguments:
 
 def _path(call: ToolCallRecord) -> str | None:
     """The workspace path a call names, normalised (optional paths default to the root)."""
-    spec = TOOL_SPECS.get(call.tool)
+    spec = TOOLS[call.tool].spec if call.tool in TOOLS else None
     if spec is None or "path" not in spec.params:
         return None
     path = call.args.get("path", ".").strip()
@@ -178,15 +207,35 @@ class StyleRule:
 
 
 DETECTORS: dict[str, type] = {
-    cls.name: cls for cls in (UnknownTool, InvalidArguments, IgnoredToolError, StyleRule)
+    cls.name: cls
+    for cls in (UnknownTool, ToolUnavailable, InvalidArguments, IgnoredToolError, StyleRule)
 }
 
 
+def _detector_class(name: str) -> type:
+    if name in DETECTORS:
+        return DETECTORS[name]
+    module, _, attribute = name.partition(":")
+    if not attribute:
+        raise ValueError(f"unknown detector {name!r}; known: {', '.join(sorted(DETECTORS))}")
+    try:
+        return getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"detector {name!r} cannot be imported: {error}") from None
+
+
 def make_detectors(names: tuple[str, ...]) -> list[Detector]:
-    unknown = [name for name in names if name not in DETECTORS]
-    if unknown:
-        raise ValueError(f"unknown detectors {unknown}; known: {sorted(DETECTORS)}")
-    return [DETECTORS[name]() for name in names]
+    """One instance of each named detector (registered, or a class by import path); a
+    ValueError names every name that is neither."""
+    problems, classes = [], []
+    for name in names:
+        try:
+            classes.append(_detector_class(name))
+        except ValueError as error:
+            problems.append(str(error))
+    if problems:
+        raise ValueError("; ".join(problems))
+    return [cls() for cls in classes]
 
 
 def check_turn(
@@ -200,30 +249,3 @@ def check_turn(
 def render_hint(hints: list[tuple[str, str]]) -> str:
     """The text inserted before the flagged turn in the teacher context, one line per hint."""
     return "".join(f"[feedback] {hint}\n" for _, hint in hints)
-
-
-def teacher_sequence(
-    tokens: np.ndarray, flagged: list[tuple[int, int, np.ndarray]]
-) -> tuple[np.ndarray, np.ndarray]:
-    """Inserts each hint before its flagged turn.
-
-    `flagged` holds sorted, non-overlapping (turn_start, turn_end, hint_tokens) spans of token
-    positions. Returns the teacher tokens (int32 [L + sum of hint lengths]) and, per token, the
-    index of the same token in them on flagged spans, -1 elsewhere (int32 [L]).
-    """
-    tokens = np.asarray(tokens, np.int32)
-    target = np.full(len(tokens), -1, np.int32)
-    pieces, cursor, previous_end, shift = [], 0, 0, 0
-    for start, end, hint in flagged:
-        if not previous_end <= start < end <= len(tokens):
-            raise ValueError(
-                f"flagged span [{start}, {end}) is empty, out of [0, {len(tokens)}), "
-                f"unsorted or overlaps the previous one (ending at {previous_end})"
-            )
-        hint = np.asarray(hint, np.int32).reshape(-1)
-        pieces += [tokens[cursor:start], hint]
-        shift += len(hint)
-        target[start:end] = np.arange(start, end) + shift
-        cursor, previous_end = start, end
-    pieces.append(tokens[cursor:])
-    return np.concatenate(pieces).astype(np.int32), target

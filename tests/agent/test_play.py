@@ -1,4 +1,5 @@
-"""The synchronous rollout: tiny-model episodes on built-in tasks become a trainable batch."""
+"""The synchronous driver: tiny-model episodes on built-in tasks, played through the workflow,
+become a trainable batch; the schedule does not depend on the environment's timing."""
 
 import dataclasses
 import random
@@ -9,15 +10,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from composer_jax import config
+from composer_jax import agent, config, presets
 from composer_jax.actor.evaluator import Evaluator
-from composer_jax.actor.rollout import (
-    collect_batch,
-    collect_group,
-    play_episodes,
-    text_kinds,
-    token_kinds,
-)
+from composer_jax.agent.kinds import text_kinds, token_kinds
 from composer_jax.data import ByteTokenizer
 from composer_jax.data.chat import chat_format_for
 from composer_jax.envs import EnvConfig, Episode, builtin_tasks, episode_prompt, render_turn
@@ -30,7 +25,14 @@ MAX_NEW = 48
 
 @pytest.fixture(scope="module")
 def model():
-    return init_model(dataclasses.replace(config.tiny().model, dtype="float32"), 0)
+    return init_model(dataclasses.replace(presets.tiny().model, dtype="float32"), 0)
+
+
+def _workflow(model, max_turns, max_len, sampling, env=None, **rl):
+    """The built-in workflow over `model` for episodes of at most `max_turns` turns."""
+    cfg = config.RLConfig(max_turns=max_turns, context_len=max_len, **rl)
+    env = env or agent.env_config(cfg)
+    return agent.make_workflow(cfg, ByteTokenizer(), model.cfg, env, sampling=sampling), env
 
 
 def test_token_kinds_follow_the_protocol():
@@ -60,7 +62,9 @@ def test_collect_batch_trains(model):
         return finished
 
     engine.step = step_and_record
-    batch, stats = collect_batch(engine, tasks, 2, sampling, max_turns=2, tokenizer=tokenizer)
+    workflow, env = _workflow(model, 2, engine.max_len, sampling)
+    batch, stats = agent.collect_batch(engine, tasks, 2, workflow, env)
+    assert tokenizer.vocab_size == cfg.vocab_size
 
     assert batch.num_samples == 4
     np.testing.assert_array_equal(batch.group_id_N, [0, 0, 1, 1])
@@ -141,28 +145,32 @@ def test_slots_refill_on_a_schedule_that_environment_timing_does_not_change(mode
             time.sleep(delays.uniform(0.0, 0.06))
             return Episode.step(episode, text)
 
-        traces = play_episodes(
-            engine, tasks, sampling, 2, ByteTokenizer(), EnvConfig(), 100, 2, step=late_step
-        )
-        return schedule, traces
+        workflow, env = _workflow(model, 2, engine.max_len, sampling)
+        jobs = [(task, f"job{i}") for i, task in enumerate(tasks)]
+        outcomes = agent.play(engine, jobs, workflow, env, env_threads=2, step=late_step)
+        return schedule, outcomes
 
-    (schedule, traces), (again, traces_again) = play(0), play(1)
-    assert [t.params.seed for t in traces] == list(range(100, 106))
-    assert all(t.done for t in traces)
+    (schedule, outcomes), (again, outcomes_again) = play(0), play(1)
+    seeds = [seed for kind, _, seed in schedule if kind == "submit"]
+    assert len(set(seeds)) == 6  # one seed per episode, from its key
+    assert all(o is not None and o.sequences for o in outcomes)
     assert [kind for kind, _, _ in schedule].count("submit") == 6
     assert "continue" in {kind for kind, _, _ in schedule}  # a second turn ran
     assert max(step for kind, step, _ in schedule if kind == "submit") > 0  # a slot was refilled
     assert schedule == again
-    assert [t.tokens for t in traces] == [t.tokens for t in traces_again]
-    assert [t.reward for t in traces] == [t.reward for t in traces_again]
+    tokens = [[s.tokens.tolist() for s in o.sequences] for o in outcomes]
+    assert tokens == [[s.tokens.tolist() for s in o.sequences] for o in outcomes_again]
+    assert [o.reward for o in outcomes] == [o.reward for o in outcomes_again]
 
 
 def test_group_samples_differ_and_free_the_engine(model):
     engine = InferenceEngine(model, num_slots=2, max_len=768, prefill_buckets=(64, 512))
     task = builtin_tasks(1, "train", seed=1)[0]
     sampling = SamplingParams(max_new_tokens=16, seed=0)
-    sequences, stats = collect_group(engine, task, 2, sampling, 1, ByteTokenizer())
-    assert [s.sample_index for s in sequences] == [0, 1]
+    workflow, env = _workflow(model, 1, engine.max_len, sampling)
+    outcomes = agent.play(engine, agent.group_jobs([task], 2), workflow, env)
+    sequences = [s for o in outcomes for s in o.sequences]
+    assert len(sequences) == 2
     first, second = (s.tokens[s.policy_mask] for s in sequences)
     assert not np.array_equal(first, second)
     assert not engine.has_work and all(s is None for s in engine._slots)
@@ -174,7 +182,10 @@ def test_episode_without_room_for_a_turn_is_truncated(model):
     engine = InferenceEngine(model, num_slots=2, max_len=400, prefill_buckets=(64, 512))
     task = builtin_tasks(1, "train", seed=0)[0]
     sampling = SamplingParams(max_new_tokens=MAX_NEW, seed=0)
-    sequences, stats = collect_group(engine, task, 2, sampling, 4, ByteTokenizer())
+    workflow, env = _workflow(model, 4, engine.max_len, sampling)
+    outcomes = agent.play(engine, agent.group_jobs([task], 2), workflow, env)
+    sequences = [s for o in outcomes for s in o.sequences]
+    stats = agent.episode_stats(outcomes)
     assert stats["truncated"].all() and (stats["reward"] == 0).all()
     assert all(len(s) < engine.max_len for s in sequences)
     assert all(s is None for s in engine._slots)
@@ -196,7 +207,9 @@ def test_evaluation_scores_prompts_without_room_as_zero_and_says_so(model, caplo
     cfg = dataclasses.replace(
         config.RLConfig(), context_len=lengths[0] + 16, num_slots=4, max_new_tokens=8, max_turns=1
     )
-    evaluator = Evaluator(cfg, [short, long], ByteTokenizer(), samples=2, temperature=1.0)
+    evaluator = Evaluator(
+        cfg, [short, long], ByteTokenizer(), 2, 1.0, agent.env_config(cfg, evaluation=True)
+    )
     with caplog.at_level("WARNING"):
         result = evaluator.evaluate(model)
     assert result.per_task.shape == (2,) and result.per_task[1] == 0

@@ -1,0 +1,233 @@
+"""A scripted agent that solves a task the way the report's agent works, for SFT and tests.
+
+Given a task with an oracle solution, `OracleScript` plans the episode with the tools the profile
+offers: find the function (search_code), read it (read_file, the lines around it), plan (todo),
+edit the removed body back (edit_file with the smallest unique hunk; write_file when the change
+is not one hunk), run the visible tests, complete the plan, and say what changed and how it was
+tested. When the workflow asks for a summary it writes one that carries what the next generation
+needs (the function, its docstring, what is done, what is next, the code it will write). `OracleEngine` puts the scripts
+behind the engine interface `agent.play` drives, so a warm start learns from episodes played
+through the very workflow and environments RL uses.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+
+import numpy as np
+
+from composer_jax.agent.workflow import SUMMARY_OPEN
+from composer_jax.data.tokenizer import Tokenizer
+from composer_jax.envs import Task, protocol
+from composer_jax.infer import Completion, SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """The oracle's change to one file: a unique hunk (`old` -> `new`) or the whole file."""
+
+    path: str
+    old: str | None  # None: write the whole file
+    new: str
+    name: str  # the function (qualified name) the change is in, else the path
+    line: int  # its first line in the task's file (1 without a function)
+    end: int  # its last line there
+    doc: str  # its docstring's first paragraph ("" without)
+
+
+def _hunk(before: list[str], after: list[str]) -> tuple[int, int, int, int]:
+    """The region holding every change: before[i1:i2] becomes after[j1:j2]."""
+    matcher = difflib.SequenceMatcher(None, before, after, autojunk=False)
+    changed = [op for op in matcher.get_opcodes() if op[0] != "equal"]
+    return changed[0][1], changed[-1][2], changed[0][3], changed[-1][4]
+
+
+def _enclosing(source: str, line: int) -> tuple[str, int, int, str] | None:
+    """(qualified name, first line, last line, docstring) of the innermost function holding
+    `line` (1-based)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None
+    found = None
+    stack = [(node, "") for node in tree.body]
+    while stack:
+        node, owner = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = f"{owner}{node.name}"
+            if node.lineno <= line <= (node.end_lineno or node.lineno):
+                if not isinstance(node, ast.ClassDef):
+                    doc = (ast.get_docstring(node) or "").split("\n\n")[0].strip()
+                    found = (name, node.lineno, node.end_lineno or node.lineno, doc)
+                stack += [(child, f"{name}.") for child in node.body]
+    return found
+
+
+def plan_change(task: Task) -> Change:
+    """How the oracle solution differs from the task's files (the first changed file)."""
+    path = next(p for p, text in sorted(task.oracle_files.items()) if task.files.get(p) != text)
+    after_text = task.oracle_files[path]
+    before_text = task.files.get(path)
+    if before_text is None:
+        return Change(path, None, after_text, path, 1, 1, "")
+    before, after = before_text.splitlines(keepends=True), after_text.splitlines(keepends=True)
+    i1, i2, j1, j2 = _hunk(before, after)
+    # Widen by the unchanged lines around it until the old text occurs exactly once.
+    while not ("".join(before[i1:i2]) and before_text.count("".join(before[i1:i2])) == 1):
+        if i1 == 0 and i2 == len(before):
+            return Change(path, None, after_text, path, 1, 1, "")
+        if i1 > 0:
+            i1, j1 = i1 - 1, j1 - 1
+        if i2 < len(before):
+            i2, j2 = i2 + 1, j2 + 1
+    old, new = "".join(before[i1:i2]), "".join(after[j1:j2])
+    enclosing = _enclosing(before_text, i1 + 1)
+    if enclosing is None:
+        return Change(path, old, new, path, 1, 1, "")
+    name, first, last, doc = enclosing
+    return Change(path, old, new, name, first, last, doc)
+
+
+class OracleScript:
+    """The turns of one solved episode, in order, with the tools of the profile."""
+
+    def __init__(self, task: Task, tools: tuple[str, ...]):
+        self.task, self.change = task, plan_change(task)
+        self.steps: list[tuple[str, str, str]] = []  # (what it did, what it will do, the turn)
+        c = self.change
+        short = c.name.rsplit(".", 1)[-1]
+        if "search_code" in tools and c.old is not None:
+            self._add(("found it", "find it"), "search_code", query=short)
+        if "read_file" in tools:
+            span = {"start": str(c.line), "end": str(c.end)} if c.old is not None else {}
+            self._add(("read it", "read it"), "read_file", path=c.path, **span)
+        planned = "todo" in tools
+        if planned:
+            self._add(("planned", "plan"), "todo", action="create", text=f"implement {c.name}")
+        self._edit_step = len(self.steps)
+        if c.old is not None and "edit_file" in tools:
+            self._add(
+                (f"edited {c.path}", f"edit {c.path}"),
+                "edit_file",
+                path=c.path,
+                old=c.old,
+                new=c.new,
+            )
+        else:
+            self._add(
+                (f"wrote {c.path}", f"write {c.path}"), "write_file", path=c.path, content=c.new
+            )
+        tested = "run_tests" in tools and task.visible_test_command is not None
+        if tested:
+            self._add(("ran the tests", "run the tests"), "run_tests")
+        if planned:
+            self._add(
+                ("completed the plan", "complete the plan"), "todo", action="complete", id="1"
+            )
+        how = "ran the tests: they pass." if tested else "not tested: there are no visible tests."
+        final = f"Implemented {c.name} in {c.path}; {how}"
+        self.steps.append(("reported", "report", protocol.render_turn(final=final)))
+        self.done = 0
+
+    def _add(self, what: tuple[str, str], tool: str, **args: str) -> None:
+        self.steps.append((*what, protocol.render_call(tool, args)))
+
+    def next_turn(self) -> str:
+        turn = self.steps[min(self.done, len(self.steps) - 1)][2]
+        self.done += 1
+        return turn
+
+    def summary(self) -> str:
+        """What a fresh start from the task needs: where the function is, what its docstring
+        says, what is done and what comes next, and before the edit the code to write."""
+        c = self.change
+        done = ", ".join(did for did, _, _ in self.steps[: self.done]) or "nothing yet"
+        following = self.steps[self.done][1] if self.done < len(self.steps) else "nothing"
+        doc = f": {c.doc}" if c.doc else ""
+        # Before the edit, the code it will write: worked out here, with the file in view, so the
+        # next generation copies it instead of re-deriving it from a restated docstring.
+        before_edit = c.old is not None and self.done <= self._edit_step
+        plan = f"\nThe new body:\n{c.new}" if before_edit else ""
+        return (
+            f"{c.name} ({c.path}, lines {c.line}-{c.end}){doc}\nDone: {done}. Next: "
+            f"{following}.{plan}</summary>"
+        )
+
+
+@dataclasses.dataclass
+class _Request:
+    script: OracleScript
+    context: list[int]
+    fed: list[int]  # the tokens prefilled for this turn
+    start: int
+    params: SamplingParams
+
+
+class OracleEngine:
+    """Scripts behind the InferenceEngine interface: each request's next turn is its script's,
+    its summary when the context asks for one. Routes are zeros (SFT does not read them)."""
+
+    def __init__(
+        self,
+        scripts: list[OracleScript],
+        tokenizer: Tokenizer,
+        num_slots: int,
+        max_len: int,
+        moe_layers: int = 1,
+        k: int = 1,
+    ):
+        self._unused = list(scripts)
+        self.tokenizer, self.num_slots, self.max_len = tokenizer, num_slots, max_len
+        self._route = np.zeros((moe_layers, k), np.int32)
+        self._requests: dict[int, _Request] = {}
+        self._running: list[int] = []
+        self._next = 0
+        self.completions: dict[int, Completion] = {}
+
+    def _new(self, request: _Request) -> int:
+        rid, self._next = self._next, self._next + 1
+        self._requests[rid] = request
+        self._running.append(rid)
+        return rid
+
+    def submit(self, prompt, params) -> int:
+        text = self.tokenizer.decode(prompt)
+        script = next((s for s in self._unused if s.task.prompt in text), None)
+        if script is None:
+            raise ValueError("no oracle script for this prompt")
+        self._unused.remove(script)
+        return self._new(_Request(script, list(prompt), list(prompt), 0, params))
+
+    def continue_request(self, request_id, appended, params) -> int:
+        old = self._requests.pop(request_id)
+        fed = [old.context[-1], *appended]  # the engine prefills the last turn's last token
+        context = old.context + list(appended)
+        return self._new(_Request(old.script, context, fed, len(old.context) - 1, params))
+
+    def restart_request(self, request_id, keep, appended, params) -> int:
+        old = self._requests.pop(request_id)
+        context = old.context[:keep] + list(appended)
+        return self._new(_Request(old.script, context, list(appended), keep, params))
+
+    def release(self, request_id) -> None:
+        self._requests.pop(request_id, None)
+
+    def step(self) -> list[int]:
+        done, self._running = self._running, []
+        for rid in done:
+            request = self._requests[rid]
+            asks_summary = self.tokenizer.decode(request.context).endswith(SUMMARY_OPEN)
+            text = request.script.summary() if asks_summary else request.script.next_turn()
+            # As the engine: at most max_new_tokens (a cut turn fails, and its episode is left
+            # out of SFT).
+            tokens = list(self.tokenizer.encode(text))[: request.params.max_new_tokens]
+            completion = Completion(rid, request.fed, request.start)
+            completion.prompt_experts = [self._route] * len(request.fed)
+            for token in tokens:
+                completion.record(token, 0.0, 0.0, 0, self._route)
+            completion.finish_reason = "stop"
+            request.context += tokens
+            self.completions[rid] = completion
+        return done

@@ -1,0 +1,102 @@
+"""The scripted agent: its change is the smallest unique hunk of the oracle solution, and its
+episodes, played through the RL workflow in the real environment, solve the task with every tool
+the profile offers (summaries included) and become SFT examples with the loss on its turns."""
+
+import dataclasses
+
+import pytest
+
+from composer_jax import agent, data, envs, presets
+from composer_jax.agent.oracle import OracleEngine, OracleScript, plan_change
+from composer_jax.agent.sft import episode_examples, sft_examples
+from composer_jax.agent.workflow import SUMMARY_OPEN
+from composer_jax.config import ConfigError
+from composer_jax.envs.tools import tool_profile
+
+TOKENIZER = data.get_tokenizer("byte")
+
+
+def test_the_change_is_the_removed_body_and_unique():
+    task = envs.load_task_source("builtin_repo").take(1, "train", seed=2)[0]
+    change = plan_change(task)
+    path, stub = change.path, task.files[change.path]
+    assert change.old == "    raise NotImplementedError\n" and stub.count(change.old) == 1
+    assert stub.replace(change.old, change.new) == task.oracle_files[path]
+    assert stub.splitlines()[change.line - 1].startswith(f"def {change.name}(")
+    assert change.doc.startswith("x is ")
+    # A stub repeated in the file widens the hunk until it is unique.
+    twice = dataclasses.replace(
+        task,
+        files={**task.files, path: stub + "\n\ndef other(x):\n    raise NotImplementedError\n"},
+        oracle_files={
+            path: task.oracle_files[path] + "\n\ndef other(x):\n    raise NotImplementedError\n"
+        },
+    )
+    widened = plan_change(twice)
+    assert twice.files[path].count(widened.old) == 1 and widened.name == change.name
+    assert twice.files[path].replace(widened.old, widened.new) == twice.oracle_files[path]
+
+
+def test_the_script_uses_only_the_tools_offered():
+    task = envs.load_task_source("builtin_repo").take(1, "train", seed=2)[0]
+    full = [envs.parse_turn(t).calls for _, _, t in OracleScript(task, tool_profile("agent")).steps]
+    tools = [c[0].tool if c else "final" for c in full]
+    assert tools == ["search_code", "read_file", "todo", "edit_file", "run_tests", "todo", "final"]
+    bare = OracleScript(task, ("write_file",))
+    assert [envs.parse_turn(t).calls[0].tool for _, _, t in bare.steps[:-1]] == ["write_file"]
+
+
+def _played(rl, tasks, tokenizer=TOKENIZER):
+    model = presets.rl_tiny().model
+    workflow, env = agent.build(rl, tokenizer, model)
+    engine = OracleEngine(
+        [OracleScript(t, env.tools) for t in tasks],
+        tokenizer,
+        4,
+        rl.context_len,
+        model.num_moe_layers,
+        model.num_experts_per_tok,
+    )
+    return agent.play(engine, [(t, f"o{i}") for i, t in enumerate(tasks)], workflow, env)
+
+
+def test_scripted_episodes_solve_repository_tasks_through_the_workflow():
+    rl = presets.rl_agent_tiny().rl
+    tokenizer = data.load_tokenizer("code_bpe_2k")
+    tasks = envs.load_task_source("builtin_repo:max_ops=2").take(4, "train", seed=5)
+    outcomes = _played(rl, tasks, tokenizer)
+    assert [o.reward for o in outcomes] == [1.0] * 4
+    assert all(o.num_turns == 7 and o.num_tool_calls == 6 for o in outcomes)
+    assert all(o.summaries >= 1 for o in outcomes)  # the preset's budget is reached
+    assert all(o.behaviour == dict.fromkeys(o.behaviour, 0.0) for o in outcomes)  # a clean agent
+    chain = outcomes[0].sequences
+    after = tokenizer.decode(chain[1].tokens)
+    assert SUMMARY_OPEN in after and "Done: " in after and "Next: " in after
+
+
+def test_episode_examples_train_on_the_agents_tokens_only(tmp_path):
+    cfg = presets.rl_agent_tiny()
+    tokenizer = data.load_tokenizer("code_bpe_2k")
+    tasks = envs.load_task_source(cfg.data.tasks).take(3, "train", seed=0)
+    examples = episode_examples(cfg, tokenizer, tasks)
+    assert len(examples) >= 6  # two or more generations per episode
+    for example in examples:
+        tokens, mask = example["tokens"], example["loss_mask"]
+        assert tokens.shape == mask.shape and len(tokens) < cfg.rl.context_len
+        taught = tokenizer.decode(tokens[mask == 1])
+        assert "<call" in taught or "<final>" in taught or "Done: " in taught
+        assert "<output" not in taught and "Tools:" not in taught
+    first_turn = sft_examples(presets.rl_tiny())(TOKENIZER)
+    assert isinstance(first_turn[0], tuple) and "write_file" in first_turn[0][1]
+
+
+def test_episodes_that_do_not_fit_are_left_out_and_none_is_an_error():
+    cfg = presets.rl_agent_tiny()
+    small = dataclasses.replace(cfg.rl, context_len=200, summary_budget=0)
+    cfg = dataclasses.replace(cfg, rl=small, data=dataclasses.replace(cfg.data, sft_tasks=2))
+    tasks = envs.load_task_source(cfg.data.tasks).take(2, "train", seed=1)
+    outcomes = _played(small, tasks)
+    assert all(o.truncated and o.reward == 0 for o in outcomes)  # no room for the episode
+    assert episode_examples(cfg, TOKENIZER, tasks) == []
+    with pytest.raises(ConfigError, match="data.sft_style: the scripted agent solved none"):
+        sft_examples(cfg)(TOKENIZER)

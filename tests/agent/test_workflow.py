@@ -1,0 +1,154 @@
+"""One episode implementation: the asynchronous actor loop and `agent.play` run the same workflow
+and produce the same episodes (tokens, summaries, feedback turns, teacher contexts), first with a
+scripted policy whose every turn depends on the request's seed, then with a real model."""
+
+import dataclasses
+import random
+import re
+
+import numpy as np
+
+from composer_jax import agent, data, envs
+from composer_jax.actor.ledger import GroupLedger
+from composer_jax.actor.sampler import LocalSampler
+from composer_jax.actor.samples import group_sequences
+from composer_jax.actor.thread_pool import ThreadEnvironmentPool
+from composer_jax.agent.workflow import SUMMARY_OPEN
+from composer_jax.config import ModelConfig, RLConfig
+from composer_jax.model import init_model
+from composer_jax.rl import SegmentKind
+from composer_jax.train.step import split_model
+from composer_jax.weight_sync import WeightPublisher, open_store
+from tests.actor.scripted import ScriptedEngine, ScriptedSampler, make_coordinator
+
+TOKENIZER = data.get_tokenizer("byte")
+MODEL_CFG = ModelConfig()
+BAD_CALL = envs.render_call("read_file", {"path": "solution.py", "lines": "3"})
+LOOK = envs.render_call("list_dir", {})
+
+
+class SeededScript:
+    """A policy whose turns depend on the request's seed: a bad call or a look first, the
+    solution, then a final message; a summary whenever one is asked for."""
+
+    def __init__(self, tasks):
+        self.tasks = tasks
+
+    def __call__(self, prompt: str, turn: int, seed: int) -> str:
+        carried = re.search(r"<summary>steps (\d+)", prompt)  # the progress a summary carried
+        done = (int(carried.group(1)) if carried else 0) + prompt.count("<output")
+        if prompt.endswith(SUMMARY_OPEN):
+            return f"steps {done}, seed {seed % 97}</summary>"
+        task = next(t for t in self.tasks if t.prompt.splitlines()[0] in prompt)
+        write, final = envs.oracle_turns(task)
+        rng = random.Random(seed)
+        plan = [rng.choice([BAD_CALL, LOOK]), rng.choice([BAD_CALL, LOOK]), write, final]
+        return plan[min(done, len(plan) - 1)]
+
+
+def _async_episodes(cfg, sampler, tasks, tmp_path) -> dict[str, list]:
+    """{task id: its group's sequences} from the actor loop, one group of each task."""
+    ledger = GroupLedger(tmp_path / "ledger")
+    prompts = [(f"p{i}", task) for i, task in enumerate(tasks)]
+    with ThreadEnvironmentPool(4, timeout_s=120) as pool:
+        coordinator = make_coordinator(cfg, sampler, pool, ledger, prompts)
+        coordinator.start()
+        try:
+            assert sorted(coordinator.wait_for_groups(len(tasks), timeout_s=600)) == [
+                p for p, _ in prompts
+            ]
+        finally:
+            coordinator.stop()
+    return {name: ledger.load(name) for name, _ in prompts}
+
+
+def _played(cfg, engine, tasks) -> dict[str, list]:
+    """The same episodes through agent.play: the keys are the actor loop's episode ids."""
+    workflow, env = agent.build(cfg, TOKENIZER, MODEL_CFG, max_len=cfg.context_len)
+    jobs = [(task, f"p{i}-s{j}-a0") for i, task in enumerate(tasks) for j in range(cfg.group_size)]
+    outcomes = agent.play(engine, jobs, workflow, env, env_threads=2)
+    return {
+        f"p{i}": outcomes[i * cfg.group_size : (i + 1) * cfg.group_size] for i in range(len(tasks))
+    }
+
+
+def _assert_same(groups, played):
+    for name, group in groups.items():
+        sequences = group_sequences(group)
+        mine = [s for sample, o in enumerate(played[name]) for s in _indexed(o, sample)]
+        assert len(sequences) == len(mine)
+        for got, want in zip(sequences, mine):
+            assert got.sample_index == want.sample_index
+            np.testing.assert_array_equal(got.tokens, want.tokens)
+            np.testing.assert_array_equal(got.kinds, want.kinds)
+            np.testing.assert_array_equal(got.policy_mask, want.policy_mask)
+            assert (got.teacher_tokens is None) == (want.teacher_tokens is None)
+            if got.teacher_tokens is not None:
+                np.testing.assert_array_equal(got.teacher_tokens, want.teacher_tokens)
+                np.testing.assert_array_equal(got.teacher_target_index, want.teacher_target_index)
+        assert group.metadata["summaries"] == [o.summaries for o in played[name]]
+        assert group.metadata["feedback"] == [o.feedback for o in played[name]]
+        np.testing.assert_array_equal(group.rewards, [o.reward for o in played[name]])
+
+
+def _indexed(outcome, sample):
+    return [dataclasses.replace(seq, sample_index=sample) for seq in outcome.sequences]
+
+
+def test_the_actor_loop_and_play_give_the_same_scripted_episodes(tmp_path):
+    tasks = envs.builtin_tasks(2, seed=61, max_ops=1)
+    cfg = RLConfig(
+        group_size=2,
+        max_turns=6,
+        context_len=1024,
+        summary_budget=560,
+        summary_max_tokens=48,
+        distill_coef=0.1,
+    )
+    script = SeededScript(tasks)
+    args = dict(moe_layers=MODEL_CFG.num_moe_layers, k=MODEL_CFG.num_experts_per_tok, seeded=True)
+    groups = _async_episodes(cfg, ScriptedSampler(script, TOKENIZER, **args), tasks, tmp_path)
+    played = _played(cfg, ScriptedEngine(script, TOKENIZER, num_slots=4, **args), tasks)
+    _assert_same(groups, played)
+    outcomes = [o for group in played.values() for o in group]
+    assert sum(o.summaries for o in outcomes) >= 2  # the chains summarised
+    assert sum(o.feedback.get("invalid_arguments", 0) for o in outcomes) >= 1
+    assert any(s.teacher_tokens is not None for o in outcomes for s in o.sequences)
+    first = {
+        TOKENIZER.decode(o.sequences[0].tokens[o.sequences[0].policy_mask][:30]) for o in outcomes
+    }
+    assert len(first) == 2  # the seeds differ per sample, and both drivers used the same ones
+
+
+def test_the_actor_loop_and_play_sample_the_same_tokens_with_a_real_model(tmp_path):
+    """A random tiny model: its turns are noise, so every episode runs to its turn limit and
+    summarises as its context grows; one sample per prompt (no prompt is shared between slots,
+    whose copy would feed the prompt's last token by a decode step instead of the prefill)."""
+    model = init_model(MODEL_CFG, seed=4)
+    store = str(tmp_path / "weights")
+    with WeightPublisher(open_store(store)) as publisher:
+        publisher.publish(split_model(model)[1], 0)
+    cfg = RLConfig(
+        group_size=1,
+        num_slots=2,
+        context_len=640,
+        max_new_tokens=24,
+        max_turns=5,
+        summary_budget=420,
+        summary_max_tokens=24,
+        max_summaries=2,
+    )
+    tasks = envs.builtin_tasks(2, seed=62, max_ops=1)
+
+    def sampler():
+        local = LocalSampler(model, store, num_slots=2, max_len=cfg.context_len)
+        assert local.sync_weights(wait_for=0) == 0  # the bf16 snapshot both sample from
+        return local
+
+    groups = _async_episodes(cfg, sampler(), tasks, tmp_path)
+    played = _played(cfg, sampler().engine, tasks)
+    _assert_same(groups, played)
+    outcomes = [o for group in played.values() for o in group]
+    assert all(o.summaries >= 1 for o in outcomes)
+    summary = [s for o in outcomes for s in o.sequences if (s.kinds == SegmentKind.SUMMARY).any()]
+    assert summary and all(s.policy_mask[s.kinds == SegmentKind.SUMMARY].all() for s in summary)
