@@ -43,12 +43,12 @@ def run(name: str, optim_cfg, train_batches, eval_batches) -> dict:
     from flax import nnx
 
     from composer_jax import config as config_lib
-    from composer_jax import optim
+    from composer_jax import optim, presets
     from composer_jax.model import init_model
     from composer_jax.model.layers import logical_axes_of
     from composer_jax.train import step as step_lib
 
-    model_cfg = config_lib.tiny().model
+    model_cfg = presets.tiny().model
     train_cfg = config_lib.TrainConfig()
     schedule = optim.learning_rate_schedule(optim_cfg, len(train_batches))
     m = init_model(model_cfg, seed=0)
@@ -90,11 +90,11 @@ def main(_):
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from composer_jax import config as config_lib
+    from composer_jax import presets
 
     train_batches = _batches("train", _STEPS.value, seed=0)
     eval_batches = _batches("eval", _EVAL_BATCHES.value, seed=1)
-    base = config_lib.tiny().optim
+    base = presets.tiny().optim
     runs = {f"adamw lr={base.learning_rate:g}": base}
     for lr in _MUON_LRS.value:
         runs[f"muon lr={float(lr):g}"] = dataclasses.replace(

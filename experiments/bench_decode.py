@@ -46,19 +46,19 @@ def _best_seconds(run) -> float:
 
 
 def _model_cfg():
-    from composer_jax import config
+    from composer_jax import presets
 
-    return dataclasses.replace(config.tiny().model, dtype="float32")
+    return dataclasses.replace(presets.tiny().model, dtype="float32")
 
 
 def cache_table() -> None:
-    from composer_jax import config
+    from composer_jax import presets
     from composer_jax.infer import cache_bytes_per_token, full_kv_bytes_per_token
 
     print("\n== KV cache bytes per token (all layers) ==")
     print(f"{'model':<10}{'dtype':<10}{'latent cache':>14}{'full K/V':>12}{'ratio':>8}")
-    presets = [("tiny", config.tiny().model), ("small", config.small().model)]
-    presets.append(("kimi_k2", config.kimi_k2().model))
+    presets = [("tiny", presets.tiny().model), ("small", presets.small().model)]
+    presets.append(("kimi_k2", presets.kimi_k2().model))
     for name, cfg in presets:
         latent, full = cache_bytes_per_token(cfg), full_kv_bytes_per_token(cfg)
         formula = f"({cfg.kv_lora_rank}+{cfg.qk_rope_head_dim})*{cfg.num_layers}*bytes"
@@ -242,10 +242,10 @@ def forms_table() -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from composer_jax import config
+    from composer_jax import presets
     from composer_jax.infer.sampling import sample, token_keys
 
-    preset = config.rl_tiny()
+    preset = presets.rl_tiny()
     model, slots, positions = preset.model, preset.rl.num_slots, preset.rl.context_len
     dtype = jnp.dtype(model.dtype)
     k_probs, k_cache, k_logits = jax.random.split(jax.random.key(0), 3)

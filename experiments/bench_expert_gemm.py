@@ -37,9 +37,9 @@ _TRAIN_MODELS = flags.DEFINE_list(
 
 def gemm_shapes() -> dict[str, tuple[int, int, int, int]]:
     """name -> (rows, K, N, experts); the model shapes come from the presets."""
-    from composer_jax import config as config_lib
+    from composer_jax import presets
 
-    tiny, rl_tiny = config_lib.tiny(), config_lib.rl_tiny()
+    tiny, rl_tiny = presets.tiny(), presets.rl_tiny()
     m = tiny.model
     d, f, e, k = m.hidden_size, m.moe_intermediate_size, m.num_experts, m.num_experts_per_tok
     rl_phase, tiny_phase = rl_tiny.train.phases[0], tiny.train.phases[0]
@@ -127,9 +127,9 @@ def measure_gemm(rows, k, n, experts, dtype, routing) -> dict:
 
 def train_configs() -> dict:
     """name -> (experiment config, (batch, seq_len)) of the pretraining steps measured."""
-    from composer_jax import config as config_lib
+    from composer_jax import presets
 
-    rl_tiny = config_lib.rl_tiny()
+    rl_tiny = presets.rl_tiny()
     phase = rl_tiny.train.phases[0]
     # Issue 18's side-by-side model; the issue gives no expert width or attention shape, so the
     # expert width is K=256 -> N=128 of its GEMM and attention keeps tiny's defaults.

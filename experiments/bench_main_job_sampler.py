@@ -28,33 +28,22 @@ FLAGS = flags.FLAGS
 
 def standalone_rate(cfg, model, tokenizer, tasks, share: bool) -> dict:
     """Tokens/s of the engine alone playing `tasks` in groups (every shape compiled first)."""
-    from composer_jax import envs
-    from composer_jax.actor.rollout import play_groups, sampler_engine
-    from composer_jax.infer import SamplingParams
+    from composer_jax import agent
 
     rl = cfg.rl
-    engine = sampler_engine(model, rl, tokenizer, share_prefixes=share)
+    engine = agent.sampler_engine(model, rl, tokenizer, share_prefixes=share)
     engine.compile_all()
-    sampling = SamplingParams(
-        temperature=rl.temperature,
-        top_p=rl.top_p,
-        max_new_tokens=rl.max_new_tokens,
-        seed=cfg.seed,
-    )
-    env_config = envs.EnvConfig(max_turns=rl.max_turns, require_isolation=rl.require_sandbox)
+    workflow, env = agent.build(rl, tokenizer, model.cfg, seed=cfg.seed)
     start = time.perf_counter()
-    traces = play_groups(
+    outcomes = agent.play(
         engine,
-        tasks,
-        rl.group_size,
-        sampling,
-        rl.max_turns,
-        tokenizer,
-        env_config,
+        agent.group_jobs(tasks, rl.group_size),
+        workflow,
+        env,
         env_threads=rl.num_env_workers,
     )
     seconds = time.perf_counter() - start
-    tokens = sum(t.generated_tokens for t in traces)
+    tokens = sum(o.policy_tokens for o in outcomes)
     return dict(tokens=tokens, seconds=seconds, rate=tokens / seconds)
 
 
@@ -64,7 +53,7 @@ def main(argv):
 
     logging.set_verbosity(logging.WARNING)
 
-    from composer_jax import config as config_lib
+    from composer_jax import agent, presets
     from composer_jax.actor.run import run_rl
     from composer_jax.actor.setup import rl_task_source, warm_start, warm_start_config
     from composer_jax.trace import SAMPLER, summarize
@@ -72,7 +61,7 @@ def main(argv):
     from composer_jax.train.runs import resolve_tokenizer
     from experiments.bench_throughput import steady_summary
 
-    base = config_lib.rl_tiny()
+    base = presets.rl_tiny()
     rl = dataclasses.replace(
         base.rl,
         heldout_num_tasks=1,  # the loop's own held-out passes are not what is measured
@@ -102,7 +91,7 @@ def main(argv):
     warm = FLAGS.warm_start
     if not warm:  # the main job's own warm start, made here
         warm_cfg = warm_start_config(dataclasses.replace(cfg, workdir=FLAGS.out))
-        run_pretraining(warm_cfg)
+        run_pretraining(warm_cfg, sft_examples=agent.sft_examples(warm_cfg))
         warm = warm_cfg.workdir
     rl = dataclasses.replace(rl, warm_start=warm)
     cfg = dataclasses.replace(cfg, rl=rl)

@@ -116,12 +116,13 @@ def main(_):
     import numpy as np
 
     from composer_jax import config as config_lib
+    from composer_jax import presets
     from composer_jax.parallel import make_layout
     from composer_jax.parallel.report import collective_bytes
 
     shape = tuple(int(v) for v in _LAYOUT.value)
     layout = make_layout(config_lib.MeshConfig(*shape))
-    small = config_lib.small().model
+    small = presets.small().model
     print(f"small preset, mesh (replica, fsdp, cp) = {shape}, {jax.device_count()} CPU devices")
     results = {}
     for relayout in ("all_gather", "all_to_all"):

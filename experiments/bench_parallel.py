@@ -28,12 +28,13 @@ def measure(preset: str, shape, seq_len: int, batch: int) -> dict:
     import jax
 
     from composer_jax import config as config_lib
+    from composer_jax import presets
     from composer_jax.parallel import make_layout
     from composer_jax.parallel.report import bytes_per_device, collective_bytes
     from composer_jax.train import loop
 
     replica, fsdp, cp = shape
-    cfg = config_lib.PRESETS[preset]()
+    cfg = presets.PRESETS[preset]()
     cfg = dataclasses.replace(cfg, mesh=config_lib.MeshConfig(replica=replica, fsdp=fsdp, cp=cp))
     layout = make_layout(cfg.mesh)
     setup = loop.make_train_setup(cfg, layout)

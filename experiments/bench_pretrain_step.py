@@ -73,9 +73,9 @@ def main(argv):
     del argv
     import jax
 
-    from composer_jax import config as config_lib
+    from composer_jax import presets
 
-    base = config_lib.tiny().model
+    base = presets.tiny().model
     layers = [int(x) for x in _LAYERS.value]
     rows = []
     print(

@@ -62,11 +62,11 @@ def main(argv):
     import jax
     from flax import nnx
 
-    from composer_jax import config, rl
+    from composer_jax import config, presets, rl
     from composer_jax.model import init_model
     from composer_jax.train import step as step_lib
 
-    model_cfg = dataclasses.replace(config.tiny().model, num_mtp_layers=0, replay_min_ratio=0.5)
+    model_cfg = dataclasses.replace(presets.tiny().model, num_mtp_layers=0, replay_min_ratio=0.5)
     model = init_model(model_cfg, seed=0)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     B, T, steps = _BATCH.value, _SEQ.value, _STEPS.value

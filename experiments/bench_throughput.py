@@ -244,9 +244,9 @@ def steady_summary(recorded: dict) -> dict:
 
 def experiment_config():
     """rl_tiny at the flags' sizes; every group trains (a fixed workload per step)."""
-    from composer_jax import config as config_lib
+    from composer_jax import presets
 
-    base = config_lib.rl_tiny()
+    base = presets.rl_tiny()
     return dataclasses.replace(
         base,
         steps=FLAGS.steps,
@@ -280,6 +280,7 @@ def main(argv):
 
     logging.set_verbosity(logging.WARNING)
 
+    from composer_jax import agent
     from composer_jax.actor.setup import warm_start, warm_start_config
     from composer_jax.trace import SAMPLER
     from composer_jax.train.loop import run_pretraining
@@ -291,7 +292,7 @@ def main(argv):
         warm_cfg = warm_start_config(dataclasses.replace(base, workdir=FLAGS.out))
         warm = warm_cfg.workdir
         if not os.path.exists(os.path.join(warm, "checkpoints")):
-            run_pretraining(warm_cfg)
+            run_pretraining(warm_cfg, sft_examples=agent.sft_examples(warm_cfg))
     samples = rl.groups_per_step * rl.group_size
 
     print("\n== 1. Train step: RL vs pretraining, same model and batch ==", flush=True)

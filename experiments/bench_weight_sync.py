@@ -30,7 +30,7 @@ import time
 
 from absl import app, flags
 
-_PRESETS = flags.DEFINE_list("presets", ["tiny", "small"], "Presets from composer_jax.config.")
+_PRESETS = flags.DEFINE_list("presets", ["tiny", "small"], "Presets from composer_jax.presets.")
 _STEPS = flags.DEFINE_integer("steps", 5, "AdamW steps; the first and the last are reported.")
 _LEVEL = flags.DEFINE_integer("level", 3, "zstd compression level.")
 _LR = flags.DEFINE_float("lr", 1e-4, "AdamW learning rate.")
@@ -248,8 +248,7 @@ def _rl_step_preset(name: str) -> bool:
     """One real RL step on `name`; prints its weight-sync rows, returns whether rebuilds match."""
     import numpy as np
 
-    from composer_jax import config, envs
-    from composer_jax.actor.rollout import collect_batch
+    from composer_jax import agent, config, envs
     from composer_jax.actor.trainer import RLTrainer
     from composer_jax.infer import InferenceEngine, SamplingParams
     from composer_jax.model import init_model
@@ -281,13 +280,14 @@ def _rl_step_preset(name: str) -> bool:
             temperature=cfg.rl.temperature, top_p=cfg.rl.top_p, max_new_tokens=_NEW_TOKENS.value
         )
         dp = trainer.data_parallel
-        batch, stats = collect_batch(
+        rl = dataclasses.replace(cfg.rl, max_turns=1, context_len=_SEQ_LEN.value)
+        workflow, env = agent.build(rl, resolve_tokenizer(cfg), cfg.model, sampling=sampling)
+        batch, stats = agent.collect_batch(
             engine,
             tasks,
             _GROUP.value,
-            sampling,
-            max_turns=1,
-            tokenizer=resolve_tokenizer(cfg),
+            workflow,
+            env,
             seq_len=_SEQ_LEN.value,
             num_rows=-(-samples // dp) * dp,  # a prompt fills most of a row
         )

@@ -24,9 +24,10 @@ _PRECISIONS = ("bf16", "nvfp4_fwd_mxfp8_bwd")
 def run(precision: str, steps: int, workdir: str) -> list[dict]:
     """Train from scratch (any earlier run in the folder is removed); returns the JSONL records."""
     from composer_jax import config as config_lib
+    from composer_jax import presets
     from composer_jax.train.loop import run_pretraining
 
-    base = config_lib.tiny()
+    base = presets.tiny()
     phase = config_lib.PhaseConfig(name="main", fraction=1.0, seq_len=128, batch_size=8)
     cfg = dataclasses.replace(
         base,

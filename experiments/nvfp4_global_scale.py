@@ -62,7 +62,7 @@ def load_model(workdir: str, seed: int):
     """(bf16 model, NVFP4 model) with the same weights."""
     from flax import nnx
 
-    from composer_jax import config, model
+    from composer_jax import model, presets
 
     if workdir:
         from composer_jax.train import load_run
@@ -70,7 +70,7 @@ def load_model(workdir: str, seed: int):
         base = load_run(workdir).model
         cfg = base.cfg
     else:
-        cfg = config.tiny().model
+        cfg = presets.tiny().model
         base = model.init_model(cfg, seed)
     quantized = model.init_model(
         dataclasses.replace(cfg, expert_precision="nvfp4_fwd_mxfp8_bwd"), seed

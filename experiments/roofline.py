@@ -172,11 +172,11 @@ def main(argv):
     del argv
     from absl import flags
 
-    from composer_jax import config as config_lib
+    from composer_jax import presets
     from experiments.gpu import devices
 
     f = flags.FLAGS
-    cfg = config_lib.PRESETS[f.preset]().model
+    cfg = presets.PRESETS[f.preset]().model
     device = devices.by_name(f.device)
     work = workload(cfg, f.seq_len, f.batch, f.expert_precision, f.devices)
     print(

@@ -46,11 +46,11 @@ def main(argv):
 
     import numpy as np
 
-    from composer_jax import config as config_lib
+    from composer_jax import presets
     from composer_jax.actor.setup import warm_start_config
     from composer_jax.train.metrics import read_metrics
 
-    base = config_lib.rl_tiny()
+    base = presets.rl_tiny()
     base = dataclasses.replace(
         base,
         steps=_STEPS.value,
@@ -72,9 +72,10 @@ def main(argv):
         warm_cfg = warm_start_config(dataclasses.replace(base, workdir=_OUT.value))
         warm = warm_cfg.workdir
         if not os.path.exists(os.path.join(warm, "checkpoints")):
+            from composer_jax import agent
             from composer_jax.train import run_pretraining
 
-            run_pretraining(warm_cfg)
+            run_pretraining(warm_cfg, sft_examples=agent.sft_examples(warm_cfg))
     results = {}
     for name, staleness in (("sync", 0), ("async", _STALENESS.value)):
         shutil.rmtree(os.path.join(_OUT.value, name), ignore_errors=True)

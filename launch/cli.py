@@ -26,6 +26,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from composer_jax import config as config_lib
+from composer_jax import presets
 
 LAUNCH_DIR = os.path.dirname(os.path.abspath(__file__))
 PRESET_FILE = os.path.join(LAUNCH_DIR, "preset_config.py")
@@ -55,7 +56,7 @@ def define_config(default_preset: str | None) -> flags.FlagHolder:
         return config_flags.DEFINE_config_file(
             "config",
             default,
-            f"Preset name ({', '.join(sorted(config_lib.PRESETS))}), config file "
+            f"Preset name ({', '.join(sorted(presets.PRESETS))}), config file "
             "(FILE.py[:variant]) or JSON config.",
             lock_config=True,
         )
@@ -95,14 +96,14 @@ def _resolve_presets(argv: list[str]) -> list[str]:
             value, i = argv[i + 1], i + 1
         if value is not None:
             path = value.split(":")[0]
-            if value in config_lib.PRESETS:
+            if value in presets.PRESETS:
                 value = f"{PRESET_FILE}:{value}"
             elif value.endswith(".json") and os.path.isfile(value):
                 value = f"{JSON_CONFIG_FILE}:{os.path.abspath(value)}"
             elif not os.path.isfile(path):
                 fail(
                     f"--config={value}: neither a preset "
-                    f"({', '.join(sorted(config_lib.PRESETS))}) nor a config file"
+                    f"({', '.join(sorted(presets.PRESETS))}) nor a config file"
                 )
             arg = f"--config={value}"
         out.append(arg)

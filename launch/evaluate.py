@@ -7,8 +7,9 @@ calls per task, a per-task JSON and a table.
   python -m launch.evaluate --hf_dir=path/to/hf --tasks=jsonl:tasks.jsonl --split=train
 
 `--tasks` takes any task source spec (composer_jax.envs.load_task_source); without it a run is
-evaluated on its own held-out tasks. Episodes run in the real sandboxed environments, several at
-once (`--env_workers`); the sampling settings default to the run's RL settings.
+evaluated on its own held-out tasks. Episodes are played by the run's agent workflow (its tools'
+evaluation profile, summaries, feedback, behaviour rewards) in the real sandboxed environments,
+several at once (`--env_workers`); the sampling settings default to the run's RL settings.
 """
 
 import dataclasses
@@ -53,7 +54,7 @@ def _load(config_lib):
     if bool(_WORKDIR.value) == bool(_HF_DIR.value):
         raise config_lib.ConfigError("give exactly one of --workdir and --hf_dir")
     if _WORKDIR.value:
-        from composer_jax.train.runs import load_run
+        from composer_jax.train import load_run
 
         run = load_run(_WORKDIR.value, _STEP.value)
         return run.model, run.tokenizer, run.config
@@ -64,7 +65,7 @@ def _load(config_lib):
 
 
 def _tasks(config_lib, run_cfg):
-    from composer_jax.train.loop import task_source
+    from composer_jax.envs import task_source
 
     if _TASKS.value:
         spec, field = _TASKS.value, "--tasks"
@@ -96,8 +97,8 @@ def main(argv):
     from launch import runtime
 
     runtime.initialize()
+    from composer_jax import agent, envs
     from composer_jax import config as config_lib
-    from composer_jax import envs
     from composer_jax.eval import format_table, write_report
     from composer_jax.eval.tasks import TaskEvalConfig, evaluate_tasks
     from composer_jax.train import CheckpointError
@@ -116,14 +117,15 @@ def main(argv):
             num_slots=_NUM_SLOTS.value or max(rl.num_slots, _SAMPLES.value),
             env_workers=_ENV_WORKERS.value,
             seed=_SEED.value,
+            require_isolation=_REQUIRE_SANDBOX.value,
         )
-        env_config = envs.EnvConfig(require_isolation=_REQUIRE_SANDBOX.value)
+        agent.check_agent_config(rl)
         print(
             f"Evaluating {len(tasks)} tasks of {source.name} ({split} split), "
             f"{cfg.samples} samples each",
             flush=True,
         )
-        report = evaluate_tasks(model, tokenizer, tasks, cfg, env_config, _PROGRESS.value)
+        report = evaluate_tasks(model, tokenizer, tasks, cfg, rl, _PROGRESS.value)
     except (
         CheckpointError,
         config_lib.ConfigError,

@@ -4,15 +4,14 @@ folder (ml_collections passes the text after ':' in `--config=FILE:NAME` to `get
 import ml_collections
 
 from composer_jax import config as config_lib
+from composer_jax import presets
 
 
 def preset_config_dict(name: str) -> ml_collections.ConfigDict:
     """A typed preset as the ConfigDict that `config_flags` overrides field by field."""
-    if name not in config_lib.PRESETS:
-        raise ValueError(
-            f"unknown preset {name!r}; presets: {', '.join(sorted(config_lib.PRESETS))}"
-        )
-    return ml_collections.ConfigDict(config_lib.to_dict(config_lib.PRESETS[name]()))
+    if name not in presets.PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(sorted(presets.PRESETS))}")
+    return ml_collections.ConfigDict(config_lib.to_dict(presets.PRESETS[name]()))
 
 
 def get_config(name: str) -> ml_collections.ConfigDict:

@@ -24,8 +24,8 @@ def main(argv):
     runtime.initialize()
     import jax
 
+    from composer_jax import agent, interop
     from composer_jax import config as config_lib
-    from composer_jax import interop
     from composer_jax.train import CheckpointError, NonFiniteLossError, run_pretraining
 
     metrics = [("pretrain", os.path.join(cfg.workdir, "metrics.jsonl"), cfg.steps)]
@@ -33,7 +33,10 @@ def main(argv):
     try:
         with plain_log.progress_context(metrics, no_plain_lines, _LOG_EVERY_S.value):
             result = run_pretraining(
-                cfg, progress=_PROGRESS.value, pretrained=lambda: interop.load_pretrained(cfg)
+                cfg,
+                progress=_PROGRESS.value,
+                pretrained=lambda: interop.load_pretrained(cfg),
+                sft_examples=agent.sft_examples(cfg),
             )
     except (config_lib.ConfigError, NonFiniteLossError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)

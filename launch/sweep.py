@@ -89,12 +89,14 @@ def check_spec(spec: dict, folder: str = ".") -> dict:
         raise SweepError("base: give a preset name, a config file or a config dict")
     if dataclasses.is_dataclass(base):
         from composer_jax import config as config_lib
+        from composer_jax import presets
 
         spec["base"] = config_lib.to_dict(base)
     elif isinstance(base, str):
         from composer_jax import config as config_lib
+        from composer_jax import presets
 
-        if base not in config_lib.PRESETS:
+        if base not in presets.PRESETS:
             path, _, variant = base.partition(":")
             for candidate in (os.path.join(folder, path), path):
                 if os.path.isfile(candidate):

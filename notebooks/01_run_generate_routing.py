@@ -28,11 +28,11 @@ import tempfile
 
 import matplotlib.pyplot as plt
 
-from composer_jax import config, data, infer, interop, train
+from composer_jax import config, data, infer, interop, presets, train
 from composer_jax.eval import routing
 
 workdir = tempfile.mkdtemp(prefix="notebook_run_")
-base = config.tiny()
+base = presets.tiny()
 cfg = dataclasses.replace(
     base,
     steps=20,

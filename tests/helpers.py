@@ -2,9 +2,9 @@
 
 import dataclasses
 
-from composer_jax import config
+from composer_jax import config, presets
 
 
 def tiny_model_config(**overrides) -> config.ModelConfig:
-    """`config.tiny().model` in float32 compute, with `overrides` (shapes, layers, routing)."""
-    return dataclasses.replace(config.tiny().model, **{"dtype": "float32", **overrides})
+    """`presets.tiny().model` in float32 compute, with `overrides` (shapes, layers, routing)."""
+    return dataclasses.replace(presets.tiny().model, **{"dtype": "float32", **overrides})

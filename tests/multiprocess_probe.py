@@ -104,9 +104,9 @@ def rl_step_config(workdir: str):
     """rl_tiny in float32 (the comparison with one process is tight), its layout fitted to 8."""
     import dataclasses
 
-    from composer_jax import config
+    from composer_jax import presets
 
-    cfg = config.rl_tiny()
+    cfg = presets.rl_tiny()
     model = dataclasses.replace(cfg.model, dtype="float32")
     return dataclasses.replace(cfg, model=model, workdir=workdir)
 
@@ -117,7 +117,8 @@ def rl_step_batch():
 
     import numpy as np
 
-    from composer_jax.actor.rollout import collect_batch
+    from composer_jax import agent
+    from composer_jax.config import RLConfig
     from composer_jax.data import ByteTokenizer
     from composer_jax.envs import builtin_tasks
     from composer_jax.infer import InferenceEngine, SamplingParams
@@ -126,16 +127,13 @@ def rl_step_batch():
     model = init_model(rl_step_config("unused").model, 0)
     engine = InferenceEngine(model, num_slots=4, max_len=384, prefill_buckets=(384,))
     tasks = builtin_tasks(2, "train", seed=0, max_ops=1)
-    batch, _ = collect_batch(
-        engine,
-        tasks,
-        2,
-        SamplingParams(max_new_tokens=16, seed=1),
-        1,
+    workflow, env = agent.build(
+        RLConfig(max_turns=1, context_len=384),
         ByteTokenizer(),
-        seq_len=384,
-        num_rows=8,
+        model.cfg,
+        sampling=SamplingParams(max_new_tokens=16, seed=1),
     )
+    batch, _ = agent.collect_batch(engine, tasks, 2, workflow, env, seq_len=384, num_rows=8)
     return dataclasses.replace(batch, rewards_N={"task": np.array([1, 0, 0, 1], np.float32)})
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from composer_jax import config as config_lib
+from composer_jax import presets
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -115,7 +115,7 @@ def test_printed_config_loads_back_as_json_and_variants_select_presets(tmp_path)
     preset_file = os.path.join(REPO, "launch", "preset_config.py")
     by_variant = resolved(f"--config={preset_file}:rl_tiny", cwd=tmp_path)
     assert by_variant == resolved("--config=rl_tiny", cwd=tmp_path)
-    assert by_variant["steps"] == config_lib.rl_tiny().steps != printed["steps"]
+    assert by_variant["steps"] == presets.rl_tiny().steps != printed["steps"]
 
 
 @pytest.mark.parametrize(

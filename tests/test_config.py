@@ -9,13 +9,14 @@ import ml_collections
 import pytest
 
 from composer_jax import config as C
+from composer_jax import presets
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("name", sorted(C.PRESETS))
+@pytest.mark.parametrize("name", sorted(presets.PRESETS))
 def test_presets_validate_and_roundtrip(name):
-    cfg = C.PRESETS[name]()
+    cfg = presets.PRESETS[name]()
     C.validate(cfg)
     as_dict = ml_collections.ConfigDict(C.to_dict(cfg))
     assert C.from_dict(C.ExperimentConfig, as_dict) == cfg
@@ -34,25 +35,25 @@ def test_presets_validate_and_roundtrip(name):
     ],
 )
 def test_bad_model_values_name_the_field(field, value, message):
-    model = dataclasses.replace(C.tiny().model, **{field: value})
+    model = dataclasses.replace(presets.tiny().model, **{field: value})
     with pytest.raises(C.ConfigError, match=message.replace(".", r"\.")):
-        C.validate(dataclasses.replace(C.tiny(), model=model))
+        C.validate(dataclasses.replace(presets.tiny(), model=model))
 
 
 def test_group_limited_topk_must_be_reachable():
     model = dataclasses.replace(
-        C.tiny().model, num_experts=8, n_group=4, topk_group=1, num_experts_per_tok=3
+        presets.tiny().model, num_experts=8, n_group=4, topk_group=1, num_experts_per_tok=3
     )
     with pytest.raises(C.ConfigError, match="topk_group"):
         C.validate_model(model)
 
 
 def test_unknown_and_mistyped_fields():
-    data = C.to_dict(C.tiny())
+    data = C.to_dict(presets.tiny())
     data["model"]["num_layerz"] = 3
     with pytest.raises(C.ConfigError, match=r"config\.model\.num_layerz"):
         C.from_dict(C.ExperimentConfig, data)
-    data = C.to_dict(C.tiny())
+    data = C.to_dict(presets.tiny())
     data["train"]["phases"][1]["seq_len"] = "long"
     with pytest.raises(C.ConfigError, match=r"config\.train\.phases\[1\]\.seq_len"):
         C.from_dict(C.ExperimentConfig, data)
@@ -66,7 +67,7 @@ def test_mesh_and_batch_must_fit_devices():
     }
     with pytest.raises(C.ConfigError, match="mesh.fsdp"):
         C.mesh_shape(C.MeshConfig(replica=3, fsdp=-1), 8)
-    cfg = dataclasses.replace(C.tiny(), mesh=C.MeshConfig(fsdp=8))
+    cfg = dataclasses.replace(presets.tiny(), mesh=C.MeshConfig(fsdp=8))
     phases = (C.PhaseConfig("main", 1.0, seq_len=64, batch_size=12),)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, phases=phases))
     with pytest.raises(C.ConfigError, match=r"train\.phases\[0\]\.batch_size"):
@@ -82,12 +83,14 @@ def test_mesh_and_batch_must_fit_devices():
         C.validate(cfg, num_devices=8)
 
 
-@pytest.mark.parametrize("preset", sorted(set(C.PRESETS) - {"kimi_k2"}))  # kimi_k2: 128+ devices
+@pytest.mark.parametrize(
+    "preset", sorted(set(presets.PRESETS) - {"kimi_k2"})
+)  # kimi_k2: 128+ devices
 @pytest.mark.parametrize("devices", [1, 2, 4, 8])
 def test_presets_fit_1_2_4_8_devices(preset, devices):
     """The presets' batches fit the device count as they are (tiny's batch of 4 on 8 devices:
     fsdp=4 x cp=2)."""
-    cfg = C.PRESETS[preset]()
+    cfg = presets.PRESETS[preset]()
     C.validate(cfg, num_devices=devices)
     mesh = C.fitted_mesh(cfg, devices)
     assert mesh.replica * mesh.fsdp * mesh.cp == devices
@@ -95,7 +98,9 @@ def test_presets_fit_1_2_4_8_devices(preset, devices):
 
 def test_phase_fractions_must_sum_to_one():
     phases = (C.PhaseConfig("a", 0.5), C.PhaseConfig("b", 0.4))
-    cfg = dataclasses.replace(C.tiny(), train=dataclasses.replace(C.tiny().train, phases=phases))
+    cfg = dataclasses.replace(
+        presets.tiny(), train=dataclasses.replace(presets.tiny().train, phases=phases)
+    )
     with pytest.raises(C.ConfigError, match="train.phases"):
         C.validate(cfg)
 

@@ -72,8 +72,9 @@ def test_plan_resolves_each_run_as_its_entry_point_does(tmp_path):
 
 def test_a_dict_base_is_written_and_loaded(tmp_path):
     from composer_jax import config as config_lib
+    from composer_jax import presets
 
-    base = config_lib.to_dict(config_lib.tiny())
+    base = config_lib.to_dict(presets.tiny())
     base["steps"] = 9
     (run,) = sweep.plan(sweep.check_spec({"base": base}), str(tmp_path))
     assert sweep.resolve(run)["steps"] == 9

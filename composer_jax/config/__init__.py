@@ -5,8 +5,9 @@ command line (`--config.model.num_layers=4`), then rebuilds the dataclasses with
 rejects unknown fields and wrong types, and `validate`, which rejects contradictory values. Both
 name the offending field and run before anything is compiled. By concern: `model` (model and
 mesh), `training` (optimizer, data, phases), `rl` (objective and actor loop), `experiment` (the
-whole and its checks), `base` (errors and conversion). Presets live in `composer_jax.presets`;
-`config.tiny()` and `config.PRESETS` reach them lazily (no import cycle).
+whole and its checks), `base` (errors and conversion). Presets live in `composer_jax.presets`
+(which imports this package; nothing here imports it). The tokenizer a config names is checked
+where it is loaded (`train.runs.resolve_tokenizer`): configs know no tokenizer.
 """
 
 from composer_jax.config.base import ConfigError, field_paths, from_dict, to_dict
@@ -76,23 +77,3 @@ __all__ = [
     "validate_rl",
     "validate_rl_objective",
 ]
-
-_PRESET_NAMES = (
-    "PRESETS",
-    "kimi_k2",
-    "kimi_k2_model",
-    "rl_small",
-    "rl_tiny",
-    "rl_tiny_bpe",
-    "small",
-    "tiny",
-)
-
-
-def __getattr__(name: str):
-    """The presets, imported on first use (`composer_jax.presets` imports this package)."""
-    if name in _PRESET_NAMES:
-        from composer_jax import presets
-
-        return getattr(presets, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,12 +4,13 @@ checks that reject contradictory values before anything compiles."""
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from composer_jax.config.base import check as _check
 from composer_jax.config.model import MeshConfig, ModelConfig, mesh_shape, validate_model
 from composer_jax.config.rl import RLConfig, validate_rl
 from composer_jax.config.training import DataConfig, OptimizerConfig, TrainConfig
+
+SFT_STYLES = ("first_turn", "episode")
 
 RESUME_POLICIES = ("auto", "never", "must")
 
@@ -75,7 +76,12 @@ def validate(cfg: ExperimentConfig, num_devices: int | None = None) -> None:
         _check(getattr(t, name) > 0, f"train.{name}", "must be positive")
     _check(0 < cfg.data.eval_fraction < 1, "data.eval_fraction", "must lie in (0, 1)")
     _check(bool(cfg.data.tasks.strip()), "data.tasks", "must name a task source")
-    _check_tokenizer_spec(cfg.data.tokenizer)
+    _check(
+        cfg.data.sft_style in SFT_STYLES,
+        "data.sft_style",
+        f"{cfg.data.sft_style!r} is not one of {SFT_STYLES}",
+    )
+    _check(cfg.data.sft_tasks > 0, "data.sft_tasks", "must be positive")
     _check(bool(cfg.data.text_field), "data.text_field", "must name a field")
     for axis in cfg.mesh.ep:
         _check(axis in ("replica", "fsdp", "cp"), "mesh.ep", f"unknown mesh axis {axis!r}")
@@ -145,22 +151,6 @@ def fitted_mesh(cfg: ExperimentConfig, num_devices: int) -> MeshConfig:
                 shape = dict(shape, fsdp=fsdp, cp=cp)
                 break
     return dataclasses.replace(cfg.mesh, **shape)
-
-
-def _check_tokenizer_spec(spec: str) -> None:
-    from composer_jax.data.tokenizer import BYTE, available_shipped
-
-    if spec in ("auto", BYTE) or spec in available_shipped():
-        return
-    has_files = os.path.isfile(os.path.join(spec, "tokenizer.json")) or os.path.isfile(
-        os.path.join(spec, "tiktoken.model")
-    )
-    _check(
-        has_files,
-        "data.tokenizer",
-        f"{spec!r} is not 'auto', 'byte', a shipped tokenizer ({', '.join(available_shipped())})"
-        " or a folder with tokenizer.json / tiktoken.model",
-    )
 
 
 def phase_steps(cfg: ExperimentConfig) -> list[int]:

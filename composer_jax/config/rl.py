@@ -53,14 +53,19 @@ class RLObjectiveConfig:
     length_weight_summary: float = 1.0
     length_weight_per_tool_call: float = 25.0
     length_weight_per_turn: float = 50.0
-    # Behaviour rewards (`composer_jax.rl.rewards`), each component in [-1, 0] times its weight:
-    # style (share of turns the style detector flagged), tool misuse (share of tool calls in
-    # turns flagged for unknown tools, bad arguments or ignored errors), communication (no final
-    # message), harm (a reward-hack monitor's flag; the task reward is already 0 then).
-    reward_weight_style: float = 0.05
-    reward_weight_tool_misuse: float = 0.1
-    reward_weight_communication: float = 0.05
-    reward_weight_harm: float = 0.5
+    # Behaviour rewards as "name=weight" (`composer_jax.agent.rewards`: a registered name or a
+    # function by import path, module:function), each value in [-1, 0] times its weight: style
+    # (share of the added Python lines the AST style monitor flags), tool_misuse (share of tool
+    # calls in turns flagged for unknown or unavailable tools, bad arguments or ignored errors),
+    # answered (-1 without a final message), harm (a reward-hack monitor's flag; the task reward
+    # is already 0 then); also tool_errors (share of failed calls), todo_unfinished (share of the
+    # plan left open) and communication (the judge's score of the final message, minus 1).
+    behaviour_rewards: tuple[str, ...] = (
+        "style=0.05",
+        "tool_misuse=0.1",
+        "answered=0.05",
+        "harm=0.5",
+    )
     # Text-feedback distillation: coefficient of KL(student || hinted teacher) on flagged turns.
     distill_coef: float = 0.1
     # Router replay: force the sampler's experts in the trainer's forward (the plausibility ratio
@@ -145,9 +150,19 @@ class RLConfig(RLObjectiveConfig):
     summary_budget: int = 0
     max_summaries: int = 4
     summary_max_tokens: int = 128
-    # Text feedback: detectors that flag turns and build the hint of the teacher context.
+    # The agent: its workflow ("builtin", or a factory by import path, module:factory, called
+    # with a `composer_jax.agent.WorkflowContext`), the tool profile its training episodes offer
+    # (a name in `envs.tools.TOOL_PROFILES` or a comma list of tools) and the held-out check's
+    # (empty: the same), and the judge the communication reward asks ("rubric" or module:fn).
+    workflow: str = "builtin"
+    tools: str = "default"
+    eval_tools: str = ""
+    communication_judge: str = "rubric"
+    # Text feedback: detectors (`composer_jax.agent.feedback`; or module:Class) that flag turns
+    # and build the hint of the teacher context.
     feedback_detectors: tuple[str, ...] = (
         "unknown_tool",
+        "tool_unavailable",
         "invalid_arguments",
         "ignored_tool_error",
         "style",

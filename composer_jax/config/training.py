@@ -41,6 +41,13 @@ class DataConfig:
     # builtin[:max_ops=N], feature_deletion[:package], humaneval, jsonl:PATH, a weighted mixture
     # a:0.7,b:0.3, or pkg.module:function). RL prompts and held-out evaluation default to it.
     tasks: str = "builtin"
+    # What an SFT phase learns from its first `sft_tasks` training tasks (those with an oracle
+    # solution): "first_turn" (the first observation -> a turn writing the solution) or
+    # "episode" (the scripted agent's whole episode played through the RL workflow in the real
+    # environment, with rl.*'s tools, turns and summaries: find, read, plan, edit, test, report;
+    # every generation an example, the loss on the agent's tokens; `composer_jax.agent.sft`).
+    sft_style: str = "first_turn"
+    sft_tasks: int = 2000
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,11 +1,12 @@
-"""Supervised fine-tuning data: (prompt, completion) pairs packed like pretraining rows.
+"""Supervised fine-tuning data: examples packed like pretraining rows, the loss on the answers.
 
-Each example is rendered by the tokenizer's chat format (`composer_jax.data.chat`): in the generic
-format [bos] + prompt + completion + [eos], with a chat template the rendered user message and
-generation prompt, then the completion and the template's end of turn. `loss_mask` marks the
-completion and what closes it, so the model learns to answer, not to repeat prompts. The caller
-supplies the examples (the training loop renders tasks of `data.tasks` as the agent's first turn,
-a `write_file` call with the oracle solution, which is what warm-starts a tiny policy before RL).
+An example is a (prompt, completion) pair of texts, rendered by the tokenizer's chat format
+(`composer_jax.data.chat`): in the generic format [bos] + prompt + completion + [eos], with a
+chat template the rendered user message and generation prompt, then the completion and the
+template's end of turn; `loss_mask` marks the completion and what closes it, so the model learns
+to answer, not to repeat prompts. Or it is already tokens: {"tokens", "loss_mask"} (a whole
+agent episode as the RL workflow renders it, the loss on the agent's turns). The caller supplies
+the examples (`composer_jax.agent.sft`).
 """
 
 import grain
@@ -20,15 +21,19 @@ class _TokenizeExample(grain.transforms.Map):
         self._chat = chat
         self._seq_len = seq_len
 
-    def map(self, example: tuple[str, str]) -> dict[str, np.ndarray]:
-        head, tail = self._chat.sft_example(*example)
-        tokens = np.asarray([*head, *tail], np.int32)[: self._seq_len]
-        mask = np.concatenate([np.zeros(len(head), np.int32), np.ones(len(tail), np.int32)])
-        return {"tokens": tokens.astype(np.int32), "loss_mask": mask[: self._seq_len]}
+    def map(self, example) -> dict[str, np.ndarray]:
+        if isinstance(example, dict):
+            tokens = np.asarray(example["tokens"], np.int32)
+            mask = np.asarray(example["loss_mask"], np.int32)
+        else:
+            head, tail = self._chat.sft_example(*example)
+            tokens = np.asarray([*head, *tail], np.int32)
+            mask = np.concatenate([np.zeros(len(head), np.int32), np.ones(len(tail), np.int32)])
+        return {"tokens": tokens[: self._seq_len], "loss_mask": mask[: self._seq_len]}
 
 
 def make_sft_iterator(
-    examples: list[tuple[str, str]],
+    examples: list,
     tokenizer,
     seq_len: int,
     batch_size: int,

@@ -1,6 +1,7 @@
-"""A model on coding tasks: K sampled episodes per task through the real environments, graded,
-reported as pass@k / best-of-K with 95% intervals over tasks, tokens, turns, tool calls, flags,
-the graders' scores (state tracking: similarity), broken down by a task's metadata."""
+"""A model on coding tasks: K sampled episodes per task through the real environments, played by
+the run's agent workflow (the episode training plays), graded, reported as pass@k / best-of-K with
+95% intervals over tasks, tokens, turns, tool calls, summaries, feedback turns, behaviour rewards,
+flags, the graders' scores (state tracking: similarity), broken down by a task's metadata."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import time
 
 from tqdm.auto import tqdm
 
-from composer_jax import envs
-from composer_jax.actor.rollout import EpisodeTrace, play_episodes
+from composer_jax import agent, envs
+from composer_jax.config import RLConfig
 from composer_jax.eval.passk import EpisodeRecord, evaluate
 from composer_jax.infer import InferenceEngine, SamplingParams
 
@@ -28,6 +29,23 @@ class TaskEvalConfig:
     num_slots: int = 16
     env_workers: int = 4  # environment steps (tool commands, grading) run this many at a time
     seed: int = 0
+    require_isolation: bool = True
+
+
+def _record(task: envs.Task, outcome: agent.EpisodeOutcome) -> EpisodeRecord:
+    scores = dict((outcome.grade or {}).get("scores", {}))
+    scores.update({f"behaviour_{name}": value for name, value in outcome.behaviour.items()})
+    scores.update(summaries=outcome.summaries, feedback_turns=sum(outcome.feedback.values()))
+    return EpisodeRecord(
+        task_id=task.task_id,
+        reward=float(outcome.reward),
+        tokens=outcome.policy_tokens,
+        tool_calls=outcome.num_tool_calls,
+        flagged=outcome.flagged,
+        turns=outcome.num_turns,
+        scores=scores,
+        group=task.group,
+    )
 
 
 def evaluate_tasks(
@@ -35,13 +53,19 @@ def evaluate_tasks(
     tokenizer,
     tasks: list[envs.Task],
     cfg: TaskEvalConfig = TaskEvalConfig(),
-    env_config: envs.EnvConfig = envs.EnvConfig(),
+    rl: RLConfig = RLConfig(),
     progress: bool = True,
 ) -> dict:
-    """The report of `passk.evaluate` plus "timing" (seconds generating and in environments)."""
+    """The report of `passk.evaluate` plus "timing" (seconds generating and in environments).
+    `rl` gives the agent (workflow, tools of its evaluation profile, summaries, feedback,
+    behaviour rewards); `cfg` the sampling and the episode budget."""
     if cfg.samples < 1:
         raise ValueError(f"samples ({cfg.samples}) must be >= 1")
     ks = tuple(k for k in cfg.ks if k <= cfg.samples)
+    rl = dataclasses.replace(
+        rl, max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, context_len=cfg.context_len
+    )
+    environment = agent.env_config(rl, evaluation=True, require_isolation=cfg.require_isolation)
     engine = InferenceEngine(
         model,
         num_slots=cfg.num_slots,
@@ -55,6 +79,7 @@ def evaluate_tasks(
         max_new_tokens=cfg.max_new_tokens,
         seed=cfg.seed,
     )
+    workflow = agent.make_workflow(rl, tokenizer, model.cfg, environment, sampling=sampling)
     env_seconds = [0.0]  # summed over the episodes' steps, which overlap each other and decoding
     lock = threading.Lock()
 
@@ -66,42 +91,26 @@ def evaluate_tasks(
             with lock:
                 env_seconds[0] += time.perf_counter() - begun
 
-    episodes = [task for task in tasks for _ in range(cfg.samples)]
+    jobs = agent.group_jobs(tasks, cfg.samples)
     started = time.perf_counter()
-    with tqdm(total=len(episodes), desc="evaluate", unit="episode", disable=not progress) as bar:
+    with tqdm(total=len(jobs), desc="evaluate", unit="episode", disable=not progress) as bar:
         rewards = []
 
-        def finished(trace: EpisodeTrace) -> None:
-            rewards.append(trace.reward)
+        def finished(index: int, outcome: agent.EpisodeOutcome) -> None:
+            rewards.append(outcome.reward)
             bar.update(1)
             bar.set_postfix(reward=f"{sum(rewards) / len(rewards):.3f}")
 
-        traces = play_episodes(
+        outcomes = agent.play(
             engine,
-            episodes,
-            sampling,
-            cfg.max_turns,
-            tokenizer,
-            env_config,
-            cfg.seed,
+            jobs,
+            workflow,
+            environment,
             env_threads=cfg.env_workers,
             on_finish=finished,
             step=timed_step,
         )
-    records = [
-        EpisodeRecord(
-            task_id=task.task_id,
-            reward=float(trace.reward),
-            tokens=trace.generated_tokens,
-            tool_calls=int(trace.counts.get("tool_calls", 0)),
-            flagged=bool(trace.flags),
-            turns=int(trace.counts.get("turns", 0)),
-            scores=dict((trace.grade or {}).get("scores", {})),
-            group=task.group,
-        )
-        for task, trace in zip(episodes, traces)
-    ]
-    report = evaluate(records, ks)
+    report = evaluate([_record(task, o) for (task, _), o in zip(jobs, outcomes)], ks)
     total = time.perf_counter() - started
     report["timing"] = {
         "total_seconds": total,

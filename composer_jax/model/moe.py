@@ -20,6 +20,7 @@ from composer_jax.model import grouped_gemm
 from composer_jax.model.layers import DenseMLP, fan_in_param
 from composer_jax.parallel import expert_parallel
 from composer_jax.parallel.mesh import current_layout
+from composer_jax.quant import moe_gemm
 
 
 class ExpertBias(nnx.Variable):
@@ -61,8 +62,6 @@ def expert_gemm(
     in `composer_jax.quant`.
     """
     if precision != "bf16":
-        from composer_jax.quant import moe_gemm
-
         return moe_gemm.quantized_expert_gemm(
             lhs_MK, rhs_EKN, group_sizes_E, precision=precision, backend=backend
         )

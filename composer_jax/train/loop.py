@@ -18,6 +18,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 import optax
+from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
@@ -26,7 +27,7 @@ from tqdm.auto import tqdm
 
 from composer_jax import config as config_lib
 from composer_jax import data as data_lib
-from composer_jax import envs, optim
+from composer_jax import optim
 from composer_jax.data.sft import make_sft_iterator
 from composer_jax.model.layers import logical_axes_of
 from composer_jax.model.transformer import Transformer, param_rngs
@@ -34,8 +35,13 @@ from composer_jax.parallel import Layout, make_layout
 from composer_jax.parallel.packing import balanced_row_order
 from composer_jax.parallel.report import sharding_table
 from composer_jax.train.checkpoint import Checkpointer, CheckpointError
-from composer_jax.train.metrics import MetricsWriter
-from composer_jax.train.runs import resolve_tokenizer, save_run_tokenizer
+from composer_jax.train.metrics import MetricsWriter, read_metrics
+from composer_jax.train.runs import (
+    check_vocab,
+    resolve_tokenizer,
+    run_tokenizer,
+    save_run_tokenizer,
+)
 from composer_jax.train.step import TrainState, eval_step, init_train_state, split_model, train_step
 from composer_jax.train.workdir import (
     check_resume,
@@ -119,14 +125,15 @@ class StopRequest:
         return signal.Signals(seen).name
 
 
-# Distinct tasks behind an SFT phase (taken once per run; the built-in ones in under a second).
-SFT_EXAMPLES = 2000
+SFTExamples = Callable[[data_lib.Tokenizer], list]
 
 
 class _Corpora:
-    """Train/eval documents and the tokenizer, built once per run."""
+    """Train/eval documents, the tokenizer and the SFT examples, built once per run."""
 
-    def __init__(self, cfg: config_lib.ExperimentConfig, tokenizer):
+    def __init__(
+        self, cfg: config_lib.ExperimentConfig, tokenizer, sft_examples: SFTExamples | None = None
+    ):
         root = cfg.data.corpus_root or data_lib.default_code_root()
         self.tokenizer = tokenizer
         kwargs = dict(
@@ -136,39 +143,21 @@ class _Corpora:
         )
         self.train = data_lib.open_documents(root, "train", **kwargs)
         self.eval = data_lib.open_documents(root, "eval", **kwargs)
+        self._make_sft_examples = sft_examples
         self._sft_examples = None
-        self._seed = cfg.seed
-        self._tasks = cfg.data.tasks
 
     @property
-    def sft_examples(self) -> list[tuple[str, str]]:
-        """The SFT tasks (`data.tasks`, split "train", seed cfg.seed) as (first observation,
-        oracle turn), made on first use; tasks without an oracle solution are skipped."""
+    def sft_examples(self) -> list:
+        """The examples of SFT phases (`sft_examples(tokenizer)`, made on first use)."""
         if self._sft_examples is None:
-            tasks = drawn_tasks(self._tasks, "data.tasks", SFT_EXAMPLES, "train", self._seed)
-            examples = [envs.sft_example(t) for t in tasks if t.oracle_files]
-            if not examples:
+            if self._make_sft_examples is None:
                 raise config_lib.ConfigError(
-                    f"data.tasks: {self._tasks!r} has no training task with an oracle solution"
+                    "train.phases: a phase trains on data.tasks, so run_pretraining needs "
+                    "sft_examples (composer_jax.agent.sft_examples(cfg); launch.pretrain and "
+                    "launch.rl pass it)"
                 )
-            self._sft_examples = examples
+            self._sft_examples = self._make_sft_examples(self.tokenizer)
         return self._sft_examples
-
-
-def task_source(spec: str, field: str) -> envs.TaskSource:
-    """The task source `spec` names, or a ConfigError naming the config field."""
-    try:
-        return envs.load_task_source(spec)
-    except envs.TaskSourceError as error:
-        raise config_lib.ConfigError(f"{field}: {error}") from None
-
-
-@functools.lru_cache(maxsize=4)
-def drawn_tasks(spec: str, field: str, count: int, split: str, seed: int) -> tuple[envs.Task, ...]:
-    """`task_source(spec, field).take(count, split, seed)`, drawn once per process: the warm
-    start's SFT examples and the RL prompts are drawn again to keep them out of the held-out
-    check, and some sources build each task at a cost (feature deletion: about 0.7 s a task)."""
-    return tuple(task_source(spec, field).take(count, split, seed))
 
 
 def _phase_of(step: int, bounds) -> int:
@@ -307,14 +296,37 @@ def load_trained_model(workdir: str, step: int | None = None) -> tuple[Transform
     return nnx.merge(setup.graphdef, state.params, state.buffers), step
 
 
+@dataclasses.dataclass
+class Run:
+    model: Transformer
+    tokenizer: data_lib.Tokenizer
+    config: config_lib.ExperimentConfig
+    metrics: list[dict]
+    step: int
+
+
+def load_run(workdir: str, step: int | None = None) -> Run:
+    """A training run's model (latest checkpoint unless `step`), tokenizer, config and metrics."""
+    cfg = read_run_config(workdir)
+    model, step = load_trained_model(workdir, step)
+    tokenizer = run_tokenizer(workdir)
+    check_vocab(tokenizer, model.cfg.vocab_size)
+    metrics_path = epath.Path(workdir) / "metrics.jsonl"
+    metrics = read_metrics(metrics_path) if metrics_path.exists() else []
+    return Run(model, tokenizer, cfg, metrics, step)
+
+
 def run_pretraining(
     cfg: config_lib.ExperimentConfig,
     progress: bool = True,
     pretrained: Callable[[], Transformer] | None = None,
+    sft_examples: SFTExamples | None = None,
 ) -> PretrainResult:
     """Trains (or resumes) the run described by `cfg` in `cfg.workdir`. A fresh run with
     `cfg.init_from` starts from `pretrained()` (`interop.load_pretrained`: this module knows no
-    checkpoint format); it is not called on a resume."""
+    checkpoint format); it is not called on a resume. Phases on data.tasks train on
+    `sft_examples(tokenizer)` (`composer_jax.agent.sft_examples(cfg)`: this module knows no task
+    or agent), made once when the first such phase starts."""
     config_lib.validate(cfg, jax.device_count())
     if cfg.init_from and not os.path.isdir(cfg.init_from):
         raise config_lib.ConfigError(f"init_from: {cfg.init_from!r} is not a folder")
@@ -352,7 +364,7 @@ def run_pretraining(
     step_fn = setup.jit_train_step()
     eval_fn = jax.jit(functools.partial(eval_step, setup.graphdef, layout))
 
-    corpora = _Corpora(cfg, tokenizer)
+    corpora = _Corpora(cfg, tokenizer, sft_examples)
     eval_batches = _eval_batches(cfg, corpora, layout)
     writer = MetricsWriter(workdir, resume_step, is_writer=is_main)
 

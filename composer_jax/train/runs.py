@@ -1,4 +1,4 @@
-"""A run's tokenizer, and a finished run back as (model, tokenizer, config, metrics).
+"""A run's tokenizer (`train.loop.load_run` reads a finished run back with it).
 
 One tokenizer per run: `data.tokenizer` names it ("auto" takes the `init_from` checkpoint's
 tokenizer when that folder has one, else the RL warm start run's, else the byte tokenizer); the
@@ -11,7 +11,6 @@ The copy in a bucket workdir is read through a local copy (the tokenizer librari
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import json
 import os
 import shutil
@@ -28,7 +27,7 @@ from composer_jax.data.tokenizer import (
     check_vocab,
     load_tokenizer,
 )
-from composer_jax.train.workdir import is_remote, read_run_config
+from composer_jax.train.workdir import is_remote
 
 TOKENIZER_DIR = "tokenizer"
 AUTO = "auto"
@@ -109,26 +108,3 @@ def save_run_tokenizer(tokenizer: Tokenizer, workdir: str) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         for name in os.listdir(local):
             epath.Path(local, name).copy(folder / name, overwrite=True)
-
-
-@dataclasses.dataclass
-class Run:
-    model: object  # composer_jax.model.Transformer
-    tokenizer: Tokenizer
-    config: config_lib.ExperimentConfig
-    metrics: list[dict]
-    step: int
-
-
-def load_run(workdir: str, step: int | None = None) -> Run:
-    """A training run's model (latest checkpoint unless `step`), tokenizer, config and metrics."""
-    from composer_jax.train.loop import load_trained_model
-    from composer_jax.train.metrics import read_metrics
-
-    cfg = read_run_config(workdir)
-    model, step = load_trained_model(workdir, step)
-    tokenizer = run_tokenizer(workdir)
-    check_vocab(tokenizer, model.cfg.vocab_size)
-    metrics_path = epath.Path(workdir) / "metrics.jsonl"
-    metrics = read_metrics(metrics_path) if metrics_path.exists() else []
-    return Run(model, tokenizer, cfg, metrics, step)

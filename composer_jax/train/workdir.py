@@ -244,8 +244,10 @@ def read_run_config(workdir: str) -> config_lib.ExperimentConfig:
 
 def upgrade_stored_config(data: dict) -> dict:
     """Renamed fields of older configs: data.task_max_ops became data.tasks, the phase data
-    "builtin_tasks" became "tasks", rl.heldout_tasks (a count) became rl.heldout_num_tasks and
-    the held-out splits "functions" / "instances" became "held_out" / "train"."""
+    "builtin_tasks" became "tasks", rl.heldout_tasks (a count) became rl.heldout_num_tasks, the
+    held-out splits "functions" / "instances" became "held_out" / "train", and the weights
+    rl.reward_weight_<name> became rl.behaviour_rewards items (communication, which scored a
+    missing final message, is now "answered")."""
     data = json.loads(json.dumps(data))  # a deep copy
     section = data.get("data", {})
     if "task_max_ops" in section:
@@ -259,6 +261,14 @@ def upgrade_stored_config(data: dict) -> dict:
     renamed = {"functions": "held_out", "instances": "train"}
     if rl.get("heldout_split") in renamed:
         rl["heldout_split"] = renamed[rl["heldout_split"]]
+    weights = {k: rl.pop(k) for k in list(rl) if k.startswith("reward_weight_")}
+    if weights:
+        names = {"communication": "answered"}
+        rl["behaviour_rewards"] = [
+            f"{names.get(k[len('reward_weight_') :], k[len('reward_weight_') :])}={w}"
+            for k, w in weights.items()
+            if w
+        ]
     return data
 
 

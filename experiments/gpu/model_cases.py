@@ -48,10 +48,10 @@ def kernel_backend(device_kind: str, dry_run: bool) -> str | None:
 
 
 def model_config(params: dict, ctx: dict):
-    from composer_jax import config as config_lib
+    from composer_jax import presets
 
     base = params["preset"]
-    cfg = config_lib.tiny().model if base in ("tiny", "dry") else config_lib.small().model
+    cfg = presets.tiny().model if base in ("tiny", "dry") else presets.small().model
     if base == "wide":
         cfg = dataclasses.replace(cfg, **WIDE)
     if base == "dry":

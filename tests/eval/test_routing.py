@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from composer_jax import config, model
+from composer_jax import model, presets
 from composer_jax.eval import routing
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return model.init_model(config.tiny().model, seed=3)  # one dense, one MoE layer
+    return model.init_model(presets.tiny().model, seed=3)  # one dense, one MoE layer
 
 
 def test_load_counts_choices_and_choices_are_the_ones_used(tiny):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from composer_jax import config as config_lib
+from composer_jax import presets
 from composer_jax.model import init_model
 from experiments import bench_throughput
 from tests.experiments.bench_runner import run_bench
@@ -18,7 +18,7 @@ def test_ideal_speedup():
 
 
 def test_rollout_batch_trains_only_generated_tokens():
-    model = init_model(config_lib.tiny().model, seed=0)
+    model = init_model(presets.tiny().model, seed=0)
     batch = bench_throughput.rollout_batch(model, 4, 32, 2, prompt_len=8)
     assert batch.tokens_BT.shape == (4, 32)
     mask = np.asarray(batch.policy_mask_BT)

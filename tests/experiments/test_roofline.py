@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from composer_jax import config as config_lib
+from composer_jax import presets
 from composer_jax.model import accounting
 from experiments import roofline
 from experiments.gpu import devices
@@ -58,7 +58,7 @@ def test_communication_bound_step():
 
 
 def test_workload_flops_of_the_tiny_model_by_hand():
-    cfg = config_lib.tiny().model  # hidden 64, 8 experts of 32, top-2, one MoE layer
+    cfg = presets.tiny().model  # hidden 64, 8 experts of 32, top-2, one MoE layer
     assert (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts) == (64, 32, 8)
     assert (cfg.num_experts_per_tok, cfg.num_moe_layers) == (2, 1)
     work = roofline.workload(cfg, seq_len=16, batch_per_device=2)

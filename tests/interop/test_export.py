@@ -7,12 +7,12 @@ import jax
 import numpy as np
 from flax import nnx
 
-from composer_jax import config, interop, model
+from composer_jax import config, interop, model, presets
 
 
 def _random_model(q_lora_rank):
     cfg = dataclasses.replace(
-        config.tiny().model,
+        presets.tiny().model,
         dtype="float32",
         q_lora_rank=q_lora_rank,
         n_group=2,

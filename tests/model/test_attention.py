@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from composer_jax import config
+from composer_jax import config, presets
 from composer_jax.model import attention, rope
 from composer_jax.model.transformer import compute_logits
 from tests.model import reference as ref
@@ -33,7 +33,7 @@ MLA_CFGS = {
 
 
 def _mla_cfg(**kw):
-    return dataclasses.replace(config.tiny().model, dtype="float32", **kw)
+    return dataclasses.replace(presets.tiny().model, dtype="float32", **kw)
 
 
 def _mla_params(mla) -> dict:

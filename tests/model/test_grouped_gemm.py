@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from composer_jax import config as config_lib
+from composer_jax import presets
 from composer_jax.model import grouped_gemm, init_model
 from composer_jax.model import moe as moe_lib
 from composer_jax.model.layers import logical_axes_of
@@ -170,7 +171,7 @@ def test_platform_choice():
 
 
 def test_config_switch_is_validated():
-    base = config_lib.tiny()
+    base = presets.tiny()
     for bad, match in (
         (dict(expert_gemm_impl="dense"), "must be one of"),
         (dict(expert_gemm_impl="tiled", expert_precision="mxfp8"), "applies to"),

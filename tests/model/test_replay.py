@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from composer_jax import config
+from composer_jax import presets
 from composer_jax.model import init_model
 from composer_jax.model import moe as moe_lib
 
@@ -46,7 +46,7 @@ def test_filter_matches_reference(ratio):
 
 def test_replay_through_model_counts_replacements_and_trains_router():
     cfg = dataclasses.replace(
-        config.tiny().model, dtype="float32", num_layers=3, num_mtp_layers=0, replay_min_ratio=0.9
+        presets.tiny().model, dtype="float32", num_layers=3, num_mtp_layers=0, replay_min_ratio=0.9
     )
     m = init_model(cfg, seed=0)
     tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, cfg.vocab_size)

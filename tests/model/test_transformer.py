@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from composer_jax import config
+from composer_jax import presets
 from composer_jax.model import accounting
 from composer_jax.model.transformer import Transformer, compute_logits
 from tests.model import reference as ref
@@ -269,12 +269,12 @@ def test_param_counts_match_instantiated_model(model_and_cfg):
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])
 def test_param_counts_of_presets(preset):
-    cfg = config.PRESETS[preset]().model
+    cfg = presets.PRESETS[preset]().model
     _check_counts(accounting.count_params(cfg), cfg)
 
 
 def test_kimi_k2_counts_without_allocating():
-    cfg = config.kimi_k2_model()
+    cfg = presets.kimi_k2_model()
     start = time.perf_counter()
     counts = accounting.count_params(cfg)
     elapsed = time.perf_counter() - start

@@ -7,13 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from composer_jax import config
+from composer_jax import presets
 from composer_jax.model.attention import MLA, mla_max_logits
 from composer_jax.optim.qk_clip import qk_clip
 
 
 def test_qk_clip_caps_max_logit_per_head():
-    cfg = dataclasses.replace(config.tiny().model, dtype="float32")
+    cfg = dataclasses.replace(presets.tiny().model, dtype="float32")
     attn = MLA(cfg, nnx.Rngs(0))
     B, T = 2, 16
     x = 3.0 * jax.random.normal(jax.random.key(1), (B, T, cfg.hidden_size))

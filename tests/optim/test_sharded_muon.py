@@ -98,12 +98,12 @@ def test_shard_like_params_on_the_model_train_state(name):
     parameter's sharding: Adam moments as before, and Muon's masked momentum too."""
     from flax import nnx
 
-    from composer_jax import config
+    from composer_jax import presets
     from composer_jax.model.layers import logical_axes_of
     from composer_jax.model.transformer import Transformer
     from composer_jax.train.step import init_train_state, split_model
 
-    model_cfg = config.tiny().model
+    model_cfg = presets.tiny().model
     layout = make_layout(MeshConfig(1, 8, 1))
     model = nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0)))
     _, params, _ = split_model(model)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from composer_jax import config
+from composer_jax import presets
 from composer_jax.model import init_model
 from composer_jax.quant import formats
 from composer_jax.quant.moe_gemm import quantized_expert_gemm
@@ -124,7 +124,7 @@ def test_errors_name_precision_and_backend():
 
 @pytest.fixture(scope="module")
 def tiny_batch():
-    cfg = config.tiny().model
+    cfg = presets.tiny().model
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 16)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 16))
@@ -132,7 +132,7 @@ def tiny_batch():
 
 
 def _loss_and_grads(precision, batch):
-    cfg = dataclasses.replace(config.tiny().model, expert_precision=precision)
+    cfg = dataclasses.replace(presets.tiny().model, expert_precision=precision)
     graphdef, params, rest = nnx.split(init_model(cfg), nnx.Param, ...)
     tokens, positions, segments = batch
 

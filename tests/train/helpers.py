@@ -5,6 +5,7 @@ import os
 import sysconfig
 
 from composer_jax import config as config_lib
+from composer_jax import presets
 from tests.helpers import tiny_model_config
 
 
@@ -37,7 +38,7 @@ def small_model_config(**overrides) -> config_lib.ModelConfig:
         num_experts_per_tok=2,
     )
     # The train tests' model keeps the preset's bf16 compute (the steps they check run in it).
-    return tiny_model_config(**{"dtype": config_lib.tiny().model.dtype, **fields, **overrides})
+    return tiny_model_config(**{"dtype": presets.tiny().model.dtype, **fields, **overrides})
 
 
 def tiny_experiment(

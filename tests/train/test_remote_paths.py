@@ -26,7 +26,7 @@ from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from orbax.checkpoint._src.path import gcs_utils
 
-from composer_jax import config
+from composer_jax import config, presets
 from composer_jax.actor import run as run_lib
 from composer_jax.actor.inflight import GroupState, InFlightStore
 from composer_jax.actor.ledger import Group, GroupLedger
@@ -156,7 +156,7 @@ def test_ledger_and_in_flight_records_in_a_bucket(bucket):
 
 def _small_rl(workdir: str, **fields) -> config.ExperimentConfig:
     """`rl_tiny` at the size of tests/actor/test_run_rl.py's runs."""
-    cfg = config.PRESETS["rl_tiny"]()
+    cfg = presets.PRESETS["rl_tiny"]()
     rl = dataclasses.replace(
         cfg.rl,
         warm_start_steps=4,
@@ -212,7 +212,7 @@ def test_an_rl_run_in_a_bucket_stops_on_sigterm_and_resumes_exactly_once(bucket,
 
 def test_an_rl_run_on_s3_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cfg = dataclasses.replace(config.PRESETS["rl_tiny"](), workdir="s3://runs/rl")
+    cfg = dataclasses.replace(presets.PRESETS["rl_tiny"](), workdir="s3://runs/rl")
     with pytest.raises(ConfigError, match=r"^workdir: 's3://runs/rl' has the scheme s3://"):
         run_rl(cfg, progress=False)
     assert os.listdir(tmp_path) == []

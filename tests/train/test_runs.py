@@ -58,9 +58,16 @@ def test_tokenizer_resolution_rules(tmp_path):
     old.mkdir()
     (old / "config.json").write_text(json.dumps({"data": {"tokenizer": "byte"}}))
     assert isinstance(run_tokenizer(str(old)), ByteTokenizer)
-    with pytest.raises(ConfigError, match="data.tokenizer"):
-        config_lib.validate(_cfg(tmp_path, tokenizer=str(tmp_path / "nowhere")))
-    config_lib.validate(_cfg(tmp_path, tokenizer="code_bpe_2k"))
+    # Checked where it is loaded (configs know no tokenizer), before any work of a run.
+    nowhere = _cfg(tmp_path, tokenizer=str(tmp_path / "nowhere"))
+    config_lib.validate(nowhere)
+    with pytest.raises(ConfigError, match="data.tokenizer: unknown tokenizer"):
+        resolve_tokenizer(nowhere)
+    shipped = _cfg(tmp_path, tokenizer="code_bpe_2k")
+    shipped = dataclasses.replace(
+        shipped, model=dataclasses.replace(shipped.model, vocab_size=2048)
+    )
+    assert isinstance(resolve_tokenizer(shipped), HFTokenizer)
 
 
 def _write_documents(path, count=60):
