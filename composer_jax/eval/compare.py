@@ -52,12 +52,26 @@ class RunRecord:
         keys = [k for k in (self.heldout or {}) if k.startswith("after-")]
         return max(keys, key=lambda k: int(k.split("-")[1])) if keys else None
 
-    def per_task(self, which: str) -> np.ndarray | None:
-        """Held-out reward per task, "before" or "after" RL."""
+    def per_task(self, which: str, metric: str = "reward") -> np.ndarray | None:
+        """A held-out metric per task ("reward", or one the evaluator recorded: "pass@1",
+        "best_of_8", "turns", ...), "before" or "after" RL."""
         key = "before" if which == "before" else self.after_key()
         if not self.heldout or key not in self.heldout:
             return None
-        return np.asarray(self.heldout[key]["per_task"], np.float64)
+        record = self.heldout[key]
+        values = record["per_task"] if metric == "reward" else record.get("metrics", {}).get(metric)
+        return None if values is None else np.asarray(values, np.float64)
+
+    def heldout_metrics(self) -> list[str]:
+        """The metrics both held-out records carry, reward first."""
+        before, after = (
+            (self.heldout or {}).get("before"),
+            (self.heldout or {}).get(self.after_key()),
+        )
+        if not before or not after:
+            return []
+        shared = set(before.get("metrics", {})) & set(after.get("metrics", {}))
+        return ["reward", *sorted(shared)]
 
 
 @dataclasses.dataclass
@@ -273,18 +287,56 @@ def paired_difference(baseline: Group, other: Group, which: str = "after") -> di
     }
 
 
-def within_run_gain(group: Group) -> dict | None:
-    """After - before RL per task, pooled over the group's runs (each run's own tasks)."""
-    diffs = []
+def within_run_gain(group: Group, metric: str = "reward") -> dict | None:
+    """After - before RL of a held-out metric per task, pooled over the group's runs (each run's
+    own tasks), with each run's mean change and the Student-t interval over those seeds."""
+    befores, diffs = [], []
     for run in group.runs:
-        before, after = run.per_task("before"), run.per_task("after")
+        before, after = run.per_task("before", metric), run.per_task("after", metric)
         if before is not None and after is not None and len(before) == len(after):
+            befores.append(before)
             diffs.append(after - before)
     if not diffs:
         return None
     pooled = np.concatenate(diffs)
     mean, half = mean_interval(pooled.tolist())
-    return {"group": group.label, "mean": mean, "half_width": half, "pairs": len(pooled)}
+    per_seed = [float(d.mean()) for d in diffs]
+    _, seed_half = mean_interval(per_seed)
+    return {
+        "group": group.label,
+        "metric": metric,
+        "before": float(np.concatenate(befores).mean()),
+        "mean": mean,
+        "half_width": half,
+        "pairs": len(pooled),
+        "per_seed": per_seed,
+        "seed_half_width": seed_half,
+    }
+
+
+def heldout_gains_table(group: Group) -> tuple[str, list[dict]]:
+    """Markdown: every held-out metric the group's runs recorded (reward, pass@1, best-of-K,
+    turns, tool calls, summaries, feedback turns, behaviour rewards) before and after RL, the
+    change paired by task and pooled over seeds, and the interval over the seeds' own changes
+    (the report's fig. 5 question over several seeds)."""
+    names = list(dict.fromkeys(m for run in group.runs for m in run.heldout_metrics()))
+    gains = [g for g in (within_run_gain(group, m) for m in names) if g]
+    if not gains:
+        return "", []
+    lines = [
+        f"| {group.label}: metric | before | after | change, paired by task (95% CI) | "
+        "change per seed | over seeds (95% CI) |",
+        "| --- | ---: | ---: | ---: | --- | ---: |",
+    ]
+    for g in gains:
+        low, high = g["mean"] - g["half_width"], g["mean"] + g["half_width"]
+        per_seed = ", ".join(f"{d:+.3f}" for d in g["per_seed"])
+        lines.append(
+            f"| {g['metric']} | {g['before']:.3f} | {g['before'] + g['mean']:.3f} | "
+            f"{g['mean']:+.3f} ({low:+.3f} to {high:+.3f}, {g['pairs']} pairs) | {per_seed} | "
+            f"+- {g['seed_half_width']:.3f} |"
+        )
+    return "\n".join(lines), gains
 
 
 def differences_table(groups: list[Group], baseline: int = 0) -> tuple[str, list[dict]]:
@@ -471,6 +523,10 @@ def compare_runs(
     ]
     if diff_text:
         parts += ["", diff_text]
+    for group in groups:
+        gains_text, gains = heldout_gains_table(group)
+        if len(gains) > 1:  # more than the reward, which the table above already has
+            parts += ["", gains_text]
     figures = []
     if out_dir is not None:
         os.makedirs(out_dir, exist_ok=True)

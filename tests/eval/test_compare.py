@@ -91,6 +91,45 @@ def test_paired_differences_pair_tasks_of_the_same_seed(sweep):
     assert gain["mean"] == pytest.approx(own.mean()) and gain["pairs"] == 18
 
 
+def test_every_heldout_metric_before_and_after_over_seeds(tmp_path):
+    """The fig.-5 table: each metric the evaluator recorded, paired by task within each run and
+    pooled, with the Student-t interval over the seeds' own mean changes."""
+    rng = np.random.default_rng(11)
+    changes = {"reward": [], "best_of_8": []}
+    for seed in range(3):
+        folder = str(tmp_path / f"seed={seed}")
+        values = {k: rng.uniform(0, 1, size=(2, 5)) for k in changes}  # [before, after] x tasks
+        for name, (before, after) in values.items():
+            changes[name].append(after - before)
+        records = {
+            key: {
+                "per_task": values["reward"][i].tolist(),
+                "pass_rate": 0.0,
+                "metrics": {"best_of_8": values["best_of_8"][i].tolist()},
+            }
+            for i, key in enumerate(("before", "after-4"))
+        }
+        records["before"]["metrics"]["turns"] = [2.0] * 5  # recorded before RL only: left out
+        write_run(folder, config(0.001, seed, folder), [{"step": 4, "loss": 1.0}], records)
+    report = compare.compare_runs([str(tmp_path)])
+    group = compare.group_runs([compare.load_run(p) for p in compare.find_runs([str(tmp_path)])])[0]
+    text, gains = compare.heldout_gains_table(group)
+    assert [g["metric"] for g in gains] == ["reward", "best_of_8"]
+    for g in gains:
+        per_run = changes[g["metric"]]
+        pooled = np.concatenate(per_run)
+        assert g["mean"] == pytest.approx(pooled.mean()) and g["pairs"] == 15
+        assert g["half_width"] == pytest.approx(
+            stats.t.ppf(0.975, 14) * pooled.std(ddof=1) / np.sqrt(15)
+        )
+        seed_means = [d.mean() for d in per_run]
+        assert g["per_seed"] == pytest.approx(seed_means)
+        assert g["seed_half_width"] == pytest.approx(
+            stats.t.ppf(0.975, 2) * np.std(seed_means, ddof=1) / np.sqrt(3)
+        )
+    assert "| best_of_8 |" in text and text in report.markdown
+
+
 def test_different_heldout_tasks_are_not_paired(tmp_path):
     per_task = {
         "before": {"per_task": [0.1, 0.2], "pass_rate": 0},
