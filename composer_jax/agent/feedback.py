@@ -14,10 +14,10 @@ them, or a researcher's own class by import path (`my_pkg.feedback:Slow`).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import posixpath
 from typing import Protocol
 
+from composer_jax import plugins
 from composer_jax.envs import Episode, StepResult
 from composer_jax.envs.sandbox import WORKSPACE_MOUNT
 from composer_jax.envs.tools import TOOLS, ToolCallRecord, ToolError, check_args, resolve_tool
@@ -212,25 +212,13 @@ DETECTORS: dict[str, type] = {
 }
 
 
-def _detector_class(name: str) -> type:
-    if name in DETECTORS:
-        return DETECTORS[name]
-    module, _, attribute = name.partition(":")
-    if not attribute:
-        raise ValueError(f"unknown detector {name!r}; known: {', '.join(sorted(DETECTORS))}")
-    try:
-        return getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"detector {name!r} cannot be imported: {error}") from None
-
-
 def make_detectors(names: tuple[str, ...]) -> list[Detector]:
     """One instance of each named detector (registered, or a class by import path); a
     ValueError names every name that is neither."""
     problems, classes = [], []
     for name in names:
         try:
-            classes.append(_detector_class(name))
+            classes.append(plugins.resolve(DETECTORS, name, "detector"))
         except ValueError as error:
             problems.append(str(error))
     if problems:

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib
 import re
 from collections.abc import Callable
 
+from composer_jax import plugins
 from composer_jax.agent import style
 from composer_jax.envs.tools import ToolCallRecord
 
@@ -174,31 +174,12 @@ def changed_functions(changes: dict[str, dict]) -> set[str]:
 JUDGES: dict[str, Judge] = {"rubric": rubric_judge}
 
 
-def _imported(name: str, what: str):
-    module, _, attribute = name.partition(":")
-    try:
-        return getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise ValueError(f"{what} {name!r} cannot be imported: {error}") from None
-
-
 def resolve_reward(name: str) -> RewardFn:
-    if name in BEHAVIOUR_REWARDS:
-        return BEHAVIOUR_REWARDS[name]
-    if ":" not in name:
-        raise ValueError(
-            f"unknown behaviour reward {name!r}; registered: {', '.join(sorted(BEHAVIOUR_REWARDS))}"
-            " (or a function by import path, module:function)"
-        )
-    return _imported(name, "behaviour reward")
+    return plugins.resolve(BEHAVIOUR_REWARDS, name, "behaviour reward")
 
 
 def resolve_judge(name: str) -> Judge:
-    if name in JUDGES:
-        return JUDGES[name]
-    if ":" not in name:
-        raise ValueError(f"unknown judge {name!r}; registered: {', '.join(sorted(JUDGES))}")
-    return _imported(name, "judge")
+    return plugins.resolve(JUDGES, name, "judge")
 
 
 def reward_weights(specs: tuple[str, ...]) -> dict[str, float]:

@@ -27,7 +27,6 @@ caught between two turns resumes after a restart. Randomness is per episode and 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 import zlib
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from typing import Protocol
 
 import numpy as np
 
+from composer_jax import plugins
 from composer_jax.agent import feedback
 from composer_jax.agent.generation import Generation
 from composer_jax.agent.kinds import segment_kind, token_kinds, turn_sampling
@@ -424,17 +424,7 @@ WORKFLOWS: dict[str, WorkflowFactory] = {"builtin": AgentWorkflow}
 
 def workflow_factory(spec: str) -> WorkflowFactory:
     """The factory `rl.workflow` names: a registered one, or `module:callable`."""
-    if spec in WORKFLOWS:
-        return WORKFLOWS[spec]
-    module, _, attribute = spec.partition(":")
-    if not attribute:
-        raise ValueError(
-            f"unknown workflow {spec!r}; registered: {', '.join(WORKFLOWS)} (or module:factory)"
-        )
-    try:
-        factory = getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise ValueError(f"workflow {spec!r} cannot be imported: {error}") from None
+    factory = plugins.resolve(WORKFLOWS, spec, "workflow")
     if not callable(factory):
         raise ValueError(f"workflow {spec!r} is not callable")
     return factory

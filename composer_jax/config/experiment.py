@@ -46,7 +46,14 @@ def validate(cfg: ExperimentConfig, num_devices: int | None = None) -> None:
         "resume",
         f"must be one of {', '.join(RESUME_POLICIES)}, got {cfg.resume!r}",
     )
-    o = cfg.optim
+    _check_optim(cfg.optim)
+    _check_training(cfg)
+    _check_mesh(cfg)
+    if num_devices is not None:
+        _check_fits(cfg, num_devices)
+
+
+def _check_optim(o: OptimizerConfig) -> None:
     _check(o.name in ("adamw", "muon"), "optim.name", f"unknown optimizer {o.name!r}")
     _check(
         o.muon_scaling in ("rms", "spectral"),
@@ -58,6 +65,10 @@ def validate(cfg: ExperimentConfig, num_devices: int | None = None) -> None:
     _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must lie in [0, 1]")
     _check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
     _check(o.clip_norm > 0, "optim.clip_norm", "must be positive")
+
+
+def _check_training(cfg: ExperimentConfig) -> None:
+    """The phases, the training loop's periods and the data fields."""
     t = cfg.train
     _check(len(t.phases) > 0, "train.phases", "needs at least one phase")
     total = sum(p.fraction for p in t.phases)
@@ -83,6 +94,10 @@ def validate(cfg: ExperimentConfig, num_devices: int | None = None) -> None:
     )
     _check(cfg.data.sft_tasks > 0, "data.sft_tasks", "must be positive")
     _check(bool(cfg.data.text_field), "data.text_field", "must name a field")
+
+
+def _check_mesh(cfg: ExperimentConfig) -> None:
+    """The expert-parallel axes and their dispatch."""
     for axis in cfg.mesh.ep:
         _check(axis in ("replica", "fsdp", "cp"), "mesh.ep", f"unknown mesh axis {axis!r}")
     _check(len(set(cfg.mesh.ep)) == len(cfg.mesh.ep), "mesh.ep", "repeats an axis")
@@ -101,29 +116,32 @@ def validate(cfg: ExperimentConfig, num_devices: int | None = None) -> None:
         "mesh.ep_quantize",
         f"MXFP8 dispatch needs model.hidden_size divisible by 32, got {cfg.model.hidden_size}",
     )
-    if num_devices is not None:
-        shape = mesh_shape(fitted_mesh(cfg, num_devices), num_devices)
-        ep_size = 1
-        for axis in cfg.mesh.ep:
-            ep_size *= shape[axis]
+
+
+def _check_fits(cfg: ExperimentConfig, num_devices: int) -> None:
+    """The mesh on `num_devices`: experts split evenly, batches and CP chunks divide."""
+    shape = mesh_shape(fitted_mesh(cfg, num_devices), num_devices)
+    ep_size = 1
+    for axis in cfg.mesh.ep:
+        ep_size *= shape[axis]
+    _check(
+        cfg.model.num_experts % ep_size == 0,
+        "mesh.ep",
+        f"the expert-parallel group {cfg.mesh.ep} has {ep_size} devices, which does not "
+        f"divide model.num_experts={cfg.model.num_experts}",
+    )
+    data_parallel = shape["replica"] * shape["fsdp"]
+    for i, p in enumerate(cfg.train.phases):
         _check(
-            cfg.model.num_experts % ep_size == 0,
-            "mesh.ep",
-            f"the expert-parallel group {cfg.mesh.ep} has {ep_size} devices, which does not "
-            f"divide model.num_experts={cfg.model.num_experts}",
+            p.batch_size % data_parallel == 0,
+            f"train.phases[{i}].batch_size",
+            f"{p.batch_size} is not divisible by replica*fsdp={data_parallel}",
         )
-        data_parallel = shape["replica"] * shape["fsdp"]
-        for i, p in enumerate(t.phases):
-            _check(
-                p.batch_size % data_parallel == 0,
-                f"train.phases[{i}].batch_size",
-                f"{p.batch_size} is not divisible by replica*fsdp={data_parallel}",
-            )
-            _check(
-                p.seq_len % (2 * shape["cp"]) == 0 or shape["cp"] == 1,
-                f"train.phases[{i}].seq_len",
-                f"{p.seq_len} must be divisible by 2*cp={2 * shape['cp']} for load-balanced CP",
-            )
+        _check(
+            p.seq_len % (2 * shape["cp"]) == 0 or shape["cp"] == 1,
+            f"train.phases[{i}].seq_len",
+            f"{p.seq_len} must be divisible by 2*cp={2 * shape['cp']} for load-balanced CP",
+        )
 
 
 def fitted_mesh(cfg: ExperimentConfig, num_devices: int) -> MeshConfig:

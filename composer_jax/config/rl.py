@@ -255,6 +255,13 @@ def parse_resources(spec: str, field: str) -> dict[str, float]:
 def validate_rl(cfg: RLConfig, where: str = "rl") -> None:
     """The objective's checks plus the actor loop's."""
     validate_rl_objective(cfg, where)
+    _check_rl_values(cfg, where)
+    _check_ray_fields(cfg, where)
+    _check_rl_sampling(cfg, where)
+
+
+def _check_rl_values(cfg: RLConfig, where: str) -> None:
+    """Each field on its own: choices, signs, bucket order."""
     for name, allowed in (
         ("backend", RL_BACKENDS),
         ("env_workers", ENV_WORKER_KINDS),
@@ -296,6 +303,12 @@ def validate_rl(cfg: RLConfig, where: str = "rl") -> None:
         f"{cfg.prefill_buckets}: must be positive and increasing",
     )
     _check(cfg.env_timeout_s >= 0, f"{where}.env_timeout_s", "must be >= 0 (0: derived)")
+    _check(0 < cfg.stale_decay <= 1, f"{where}.stale_decay", "must lie in (0, 1]")
+    _check(0 <= cfg.hard_prompt_fraction < 1, f"{where}.hard_prompt_fraction", "must lie in [0, 1)")
+
+
+def _check_ray_fields(cfg: RLConfig, where: str) -> None:
+    """Ray placement: well-formed, and set only with the Ray backend."""
     _check(cfg.ray_sampler_gpus >= 0, f"{where}.ray_sampler_gpus", "must be >= 0")
     _check(cfg.ray_placement_timeout_s > 0, f"{where}.ray_placement_timeout_s", "must be > 0")
     for name in ("ray_sampler_resources", "ray_env_resources"):
@@ -320,8 +333,11 @@ def validate_rl(cfg: RLConfig, where: str = "rl") -> None:
                 f"{where}.{name}",
                 f"places Ray actors: set it with rl.backend='ray' (not {cfg.backend!r})",
             )
-    _check(0 < cfg.stale_decay <= 1, f"{where}.stale_decay", "must lie in (0, 1]")
-    _check(0 <= cfg.hard_prompt_fraction < 1, f"{where}.hard_prompt_fraction", "must lie in [0, 1)")
+
+
+def _check_rl_sampling(cfg: RLConfig, where: str) -> None:
+    """Sampling, tracing and the fields that must fit together (groups in slots, summaries in
+    the context)."""
     _check(cfg.temperature > 0, f"{where}.temperature", "RL samples: must be > 0")
     _check(0 < cfg.top_p <= 1, f"{where}.top_p", "must lie in (0, 1]")
     _check(cfg.heldout_temperature >= 0, f"{where}.heldout_temperature", "must be >= 0")

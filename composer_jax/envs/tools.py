@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
-import importlib
 import logging
 import os
 import shlex
@@ -22,6 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from composer_jax import plugins
 from composer_jax.envs import code_search
 from composer_jax.envs.sandbox import WORKSPACE_MOUNT, Sandbox, WorkspaceLimitError
 from composer_jax.envs.todo import TodoList
@@ -107,15 +107,7 @@ TOOL_SPECS = _Specs()
 
 def resolve_tool(name: str) -> Tool:
     """A registered tool, or a `Tool` named by import path (`module:attribute`)."""
-    if name in TOOLS:
-        return TOOLS[name]
-    module, _, attribute = name.partition(":")
-    if not attribute:
-        raise ValueError(f"unknown tool {name!r}; registered: {', '.join(sorted(TOOLS))}")
-    try:
-        tool = getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"tool {name!r} cannot be imported: {error}") from None
+    tool = plugins.resolve(TOOLS, name, "tool")
     if not isinstance(tool, Tool):
         raise ValueError(f"tool {name!r} is a {type(tool).__name__}, not a composer_jax Tool")
     return tool
