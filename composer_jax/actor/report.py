@@ -15,6 +15,7 @@ import numpy as np
 from etils import epath
 
 from composer_jax.actor.evaluator import HeldoutResult
+from composer_jax.eval.passk import heldout_metric_order
 from composer_jax.train.metrics import read_metrics
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ def heldout_once(cfg, evaluator, model, path, key, progress) -> HeldoutResult:
 def heldout_table(before: HeldoutResult, after: HeldoutResult) -> str:
     """Every held-out metric before and after RL with the paired difference and its 95%
     interval over tasks (the report's fig. 5 question: does best-of-K rise with pass@1?)."""
-    names = ["reward", *sorted(set(before.metrics) & set(after.metrics), key=_metric_order)]
+    names = ["reward", *sorted(set(before.metrics) & set(after.metrics), key=heldout_metric_order)]
     rows = ["| metric | before | after | change (95% CI, paired over tasks) |", "|---|---|---|---|"]
     for name in names:
         first = before.per_task if name == "reward" else before.metrics[name]
@@ -58,12 +59,6 @@ def heldout_table(before: HeldoutResult, after: HeldoutResult) -> str:
             f"({diff - half:+.3f} to {diff + half:+.3f}) |"
         )
     return "\n".join(rows)
-
-
-def _metric_order(name: str) -> tuple:
-    fixed = ("pass@1", "best_of", "turns", "tool_calls", "summaries", "feedback_turns")
-    rank = next((i for i, prefix in enumerate(fixed) if name.startswith(prefix)), len(fixed))
-    return rank, name
 
 
 def closing_summary(cfg, before: HeldoutResult, after: HeldoutResult, steps: int) -> str:

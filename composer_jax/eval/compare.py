@@ -23,7 +23,7 @@ import re
 import numpy as np
 
 from composer_jax.config import field_paths
-from composer_jax.eval.passk import mean_interval
+from composer_jax.eval.passk import heldout_metric_order, mean_interval
 
 IGNORED_FIELDS = ("seed", "workdir")
 PRETRAIN_METRICS = ("loss", "eval_nll")
@@ -71,7 +71,7 @@ class RunRecord:
         if not before or not after:
             return []
         shared = set(before.get("metrics", {})) & set(after.get("metrics", {}))
-        return ["reward", *sorted(shared)]
+        return ["reward", *sorted(shared, key=heldout_metric_order)]
 
 
 @dataclasses.dataclass

@@ -51,6 +51,17 @@ class EpisodeRecord:
     group: str = ""
 
 
+HELDOUT_METRIC_ORDER = ("pass@1", "best_of", "turns", "tool_calls", "summaries", "feedback_turns")
+
+
+def heldout_metric_order(name: str) -> tuple:
+    """Sort key of a held-out metric's name (after the task reward, which callers put first):
+    pass@1, best-of-K, the episode's shape, then the behaviour rewards by name."""
+    fixed = HELDOUT_METRIC_ORDER
+    rank = next((i for i, prefix in enumerate(fixed) if name.startswith(prefix)), len(fixed))
+    return rank, name
+
+
 def mean_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
     """(mean, half-width of its two-sided `confidence` interval) by Student's t with n - 1
     degrees of freedom (tasks are few; the normal quantile would understate it). NaN width for
