@@ -1,4 +1,5 @@
-"""The one test-model helper: the tiny preset's model in float32, with overrides."""
+"""The shared test helpers: the tiny preset's model in float32 with overrides, and the flags of
+a `launch.rl` run small enough for a test."""
 
 import dataclasses
 
@@ -8,3 +9,21 @@ from composer_jax import config, presets
 def tiny_model_config(**overrides) -> config.ModelConfig:
     """`presets.tiny().model` in float32 compute, with `overrides` (shapes, layers, routing)."""
     return dataclasses.replace(presets.tiny().model, **{"dtype": "float32", **overrides})
+
+
+# A `launch.rl` subprocess run in seconds: a 2-step warm start, one-turn episodes of 16 tokens in
+# groups of 2 on 4 slots, every group trained, 2 held-out tasks, thread environment workers. A
+# test adds its workdir, steps and what it is about.
+SMALL_RL_FLAGS = (
+    "--config.rl.heldout_num_tasks=2",
+    "--config.rl.heldout_samples=1",
+    "--config.rl.warm_start_steps=2",
+    "--config.rl.group_size=2",
+    "--config.rl.num_slots=4",
+    "--config.rl.context_len=512",
+    "--config.rl.max_new_tokens=16",
+    "--config.rl.max_turns=1",
+    "--config.rl.skip_uniform_groups=False",
+    "--config.rl.env_workers=thread",
+    "--progress=false",
+)

@@ -12,6 +12,7 @@ import pytest
 from composer_jax import data, envs
 from composer_jax.actor.env_workers import ProcessEnvironmentPool
 from composer_jax.actor.ids import GroupId
+from composer_jax.actor.inflight import InFlightStore
 from composer_jax.actor.ledger import GroupLedger
 from composer_jax.actor.lifecycle import SampleState
 from composer_jax.actor.sampler import LocalSampler
@@ -259,8 +260,6 @@ def test_restart_resumes_samples_mid_episode_from_the_in_flight_record(tmp_path)
     A new coordinator resumes them from the record: the environment holds the written file (the
     final turn alone scores 1), the first turn is not generated again and keeps its tokens,
     log-probs and routes, and the chain is one trainable sample."""
-    from composer_jax.actor.inflight import InFlightStore
-
     task = envs.builtin_tasks(1, seed=41, max_ops=1)[0]
     write, final = envs.oracle_turns(task)
 

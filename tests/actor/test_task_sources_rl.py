@@ -14,6 +14,7 @@ import sys
 
 from composer_jax import envs
 from composer_jax.actor.ledger import GroupLedger
+from tests.helpers import SMALL_RL_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, GROUPS = 3, 2
@@ -55,22 +56,12 @@ def test_rl_trains_on_a_mixture_of_jsonl_feature_deletion_and_a_plugin(tmp_path,
         f"--config.workdir={workdir}",
         f"--config.rl.tasks={spec}",
         "--config.rl.heldout_tasks=builtin:max_ops=1",
-        "--config.rl.heldout_num_tasks=2",
-        "--config.rl.heldout_samples=1",
-        "--config.rl.warm_start_steps=2",
+        *SMALL_RL_FLAGS,
         f"--config.steps={STEPS}",
         f"--config.rl.groups_per_step={GROUPS}",
         f"--config.rl.num_prompts={STEPS * GROUPS}",  # the epoch: the groups are trained in the
         # order they finish, so a longer epoch would train whichever of its prompts came first
-        "--config.rl.group_size=2",
-        "--config.rl.num_slots=4",
-        "--config.rl.context_len=512",
-        "--config.rl.max_new_tokens=16",
-        "--config.rl.max_turns=1",
         "--config.rl.max_staleness=8",
-        "--config.rl.skip_uniform_groups=False",
-        "--config.rl.env_workers=thread",
-        "--progress=false",
     ]
     env = dict(os.environ, PYTHONPATH=ROOT)
     done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

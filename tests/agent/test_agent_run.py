@@ -18,6 +18,7 @@ from composer_jax.config import ConfigError, RLConfig
 from composer_jax.data import ByteTokenizer
 from composer_jax.train.metrics import read_metrics
 from tests.agent.plugins import PLAN_NOTE
+from tests.helpers import SMALL_RL_FLAGS
 from tests.test_cli import launch, one_line_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -61,19 +62,9 @@ def test_a_workflow_and_a_reward_from_a_test_module_drive_a_run(tmp_path):
         f"--config.workdir={workdir}",
         "--config.rl.workflow=tests.agent.plugins:plan_first",
         "--config.rl.behaviour_rewards=tests.agent.plugins:thanks=0.1,answered=0.05",
-        "--config.rl.heldout_num_tasks=2",
-        "--config.rl.heldout_samples=1",
-        "--config.rl.warm_start_steps=2",
+        *SMALL_RL_FLAGS,
         f"--config.steps={steps}",
         "--config.rl.groups_per_step=1",
-        "--config.rl.group_size=2",
-        "--config.rl.num_slots=4",
-        "--config.rl.context_len=512",
-        "--config.rl.max_new_tokens=16",
-        "--config.rl.max_turns=1",
-        "--config.rl.skip_uniform_groups=False",
-        "--config.rl.env_workers=thread",
-        "--progress=false",
     ]
     env = dict(os.environ, PYTHONPATH=ROOT)
     done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
