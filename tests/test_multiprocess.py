@@ -105,6 +105,9 @@ def test_launcher_rejects_a_missing_module():
     assert done.stderr.strip().splitlines()[-1].startswith("error: name the module")
 
 
+# Slow tier: the channel's own probe (the RL step below, also slow, runs process 1 on process
+# 0's commands through the same channel).
+@pytest.mark.slow
 def test_leader_channel_and_host_model_across_two_processes():
     import hashlib
 
@@ -128,6 +131,9 @@ def test_leader_channel_and_host_model_across_two_processes():
     assert f"[0] commands held {held}" in done.stdout  # acknowledged ones were deleted
 
 
+# Slow tier: the RL trainer's step on 8 devices equals one device in the default run
+# (tests/actor/test_trainer.py), as does pretraining on two processes (below).
+@pytest.mark.slow
 def test_an_rl_step_on_two_processes_equals_one_process(tmp_path):
     """The RL trainer split over 2 processes x 4 devices (process 1 following process 0's
     commands) takes the same step as one process on 8 devices, and each process publishes its
@@ -380,6 +386,8 @@ def _stacks_and_kill(process) -> str:
     return output
 
 
+# Slow tier: its two-process start dominates; the two-process equality tests stay default.
+@pytest.mark.slow
 def test_a_signal_to_one_process_stops_both_at_the_same_step(tmp_path, corpus):
     """A scheduler's SIGTERM reaches hosts at different steps: the processes agree on the stop
     (without that, the signalled one waits in the checkpoint's collectives and the other in the

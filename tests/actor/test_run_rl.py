@@ -88,6 +88,9 @@ def _check_finished_run(workdir, allow_dropped: bool = False):
     ]
 
 
+# Slow tier (two processes, killed mid-run): crash-resume from in-flight records stays in the
+# default run through tests/actor/test_coordinator.py.
+@pytest.mark.slow
 def test_kill_9_mid_run_resumes_without_losing_or_repeating_groups(tmp_path):
     workdir = str(tmp_path / "run")
     process = subprocess.Popen(
@@ -114,9 +117,10 @@ def test_kill_9_mid_run_resumes_without_losing_or_repeating_groups(tmp_path):
     assert [r["resumed_step"] for r in launches] == [None, resumed_at or None]
 
 
-# One sampler is the slow tier's: two run the same RaySampler actors behind a SamplerGroup,
-# and the default run stays under its time budget.
-@pytest.mark.parametrize("num_samplers", [pytest.param(1, marks=pytest.mark.slow), 2])
+# The slow tier's: a local Ray cluster starts in tens of seconds; Ray's environment workers and
+# placement stay in the default run (tests/actor/test_env_workers.py, test_ray_placement.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("num_samplers", [1, 2])
 def test_ray_backend_runs_the_same_smoke_test_on_a_local_cluster(tmp_path, num_samplers):
     workdir = str(tmp_path / "run")
     result = subprocess.run(
@@ -182,6 +186,9 @@ def test_two_processes_run_the_main_job_and_resume_after_kill_9_of_one(tmp_path)
         ]
 
 
+# Slow tier: two processes; a run stopping cleanly on an error stays in the default run
+# (tests/train/test_loop.py, the non-finite loss).
+@pytest.mark.slow
 def test_an_error_on_process_0_stops_the_other_processes_at_once(tmp_path):
     """Process 1 waits for process 0's commands; when process 0 fails (here on a held-out split
     its task source lacks, found after the shared warm start) process 1 says so and exits too,

@@ -57,7 +57,10 @@ def _config_file(path, workdir, corpus, steps):
     return str(path)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+# SIGKILL in the slow tier; SIGTERM (a clean stop, then the same resume) in the default run.
+@pytest.mark.parametrize(
+    "sig", [pytest.param(signal.SIGKILL, marks=pytest.mark.slow), signal.SIGTERM]
+)
 def test_killed_run_resumes_with_identical_losses(tmp_path, corpus, sig):
     """SIGKILL: resume from the last periodic save. SIGTERM: the run saves where it stops."""
     steps = 10

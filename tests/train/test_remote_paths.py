@@ -177,6 +177,9 @@ def _small_rl(workdir: str, **fields) -> config.ExperimentConfig:
     return dataclasses.replace(cfg, workdir=workdir, steps=STEPS, train=train, rl=rl, **fields)
 
 
+# Slow tier: the heaviest bucket run (test_pretraining_resumes_in_a_bucket keeps resuming from
+# a bucket in the default run).
+@pytest.mark.slow
 def test_an_rl_run_in_a_bucket_stops_on_sigterm_and_resumes_exactly_once(bucket, monkeypatch):
     """SIGTERM after step 3 (its checkpoint and groups in flight saved at once), then a start
     with resume=must trains on to the end: every group trained exactly once, and every file of
