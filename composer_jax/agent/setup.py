@@ -30,7 +30,12 @@ def env_config(rl: RLConfig, evaluation: bool = False, **overrides) -> EnvConfig
     `rl.eval_tools` (else the same) for held-out checks), `rl.max_turns`, the sandbox rule."""
     field = tools_field(rl, evaluation)
     tools = _checked(field, tool_profile, getattr(rl, field.split(".")[1]))
-    settings = dict(tools=tools, max_turns=rl.max_turns, require_isolation=rl.require_sandbox)
+    settings = dict(
+        tools=tools,
+        max_turns=rl.max_turns,
+        require_isolation=rl.require_sandbox,
+        flagged_reward=rl.flagged_reward,
+    )
     return EnvConfig(**{**settings, **overrides})
 
 

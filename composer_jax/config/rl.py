@@ -105,6 +105,8 @@ class RLConfig(RLObjectiveConfig):
     # Model-written code runs only in an isolating sandbox (bubblewrap or util-linux unshare);
     # False allows the unisolated fallback, for quick local experiments.
     require_sandbox: bool = True
+    # The reward of an episode a reward-hack monitor flagged (its flags are logged either way).
+    flagged_reward: float = 0.0
     # The RL prompts' task source spec (empty: data.tasks), their split "train".
     tasks: str = ""
     # Scheduling: one epoch over `num_prompts` distinct training tasks (0: steps x groups_per_step),

@@ -11,7 +11,7 @@ import dataclasses
 import random
 import threading
 
-from composer_jax.envs import protocol
+from composer_jax.envs import protocol, repo_grading
 from composer_jax.envs.monitors import MonitorFlag, RewardHackMonitor
 from composer_jax.envs.sandbox import Sandbox, SandboxLimits, WorkspaceLimitError
 from composer_jax.envs.task import GRADING_LIMITS, GradeResult, Task, grade
@@ -45,6 +45,7 @@ class EnvConfig:
     # unisolated rlimit fallback, for quick local experiments.
     require_isolation: bool = True
     workspace_root: str | None = None
+    flagged_reward: float = 0.0  # the reward of an episode a reward-hack monitor flagged
 
     def step_seconds(self) -> float:
         """The longest one step can legitimately take: every call of a turn running a command to
@@ -90,6 +91,7 @@ class Episode:
             config.tools,
             strict=config.strict_tools,
             test_command=task.visible_test_command,
+            test_binds=repo_grading.test_binds() if task.grader["kind"] == "pytest" else None,
             max_output_bytes=config.max_output_bytes,
         )
         self.monitor = RewardHackMonitor(task)
@@ -186,7 +188,9 @@ class Episode:
             self.monitor.flag("resource_abuse", str(error), self.counts.turns)
         self.monitor.check_workspace(files, self.counts.turns)
         self.grade_result = grade(self.sandbox, self.task, self.config.grading_limits)
-        self.reward = 0.0 if self.monitor.flags else self.grade_result.reward
+        self.monitor.check_grading(self.grade_result.scores, self.counts.turns)
+        flagged = self.config.flagged_reward
+        self.reward = flagged if self.monitor.flags else self.grade_result.reward
         return changed_files(self.task.files, files)
 
     def _result(self, observation: str, info: dict) -> StepResult:

@@ -16,7 +16,6 @@ The generated tasks (which hold the originals) are cached under the user cache d
 by the interpreter version, which is never mounted in the sandbox.
 """
 
-import ast
 import collections
 import concurrent.futures
 import dataclasses
@@ -33,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from composer_jax.envs.deletion import deletable_functions, delete_body
 from composer_jax.envs.sandbox import Sandbox, SandboxLimits, python_executable
 from composer_jax.envs.task import Task, run_grader
 
@@ -81,35 +81,12 @@ def _bytecode_of(directory: str, stem: str) -> list[str]:
 
 
 def _deletable_functions(source: str, test_source: str) -> list[tuple[str, int, int, int]]:
-    """(qualified name, first body line, last line, indent) of functions whose body can go."""
-    tree = ast.parse(source)
-    found = []
-    for node in tree.body:
-        members = [(node, "")]
-        if isinstance(node, ast.ClassDef):
-            members = [(item, f"{node.name}.") for item in node.body]
-        for item, owner in members:
-            if not isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            if item.name.startswith("__") or item.name not in test_source:
-                continue
-            body = item.body
-            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-                body = body[1:]
-            if not body or item.end_lineno - body[0].lineno < 1:
-                continue
-            if any(n.lineno == body[0].lineno for n in body[1:]):
-                continue
-            if body[0].col_offset <= item.col_offset:
-                continue  # one-line def: the body shares the signature's line
-            found.append((owner + item.name, body[0].lineno, item.end_lineno, body[0].col_offset))
-    return found
-
-
-def delete_body(source: str, first: int, last: int, indent: int) -> str:
-    lines = source.splitlines(keepends=True)
-    stub = " " * indent + "raise NotImplementedError\n"
-    return "".join(lines[: first - 1]) + stub + "".join(lines[last:])
+    """Functions whose body spans two lines or more and whose name the tests mention."""
+    return [
+        function
+        for function in deletable_functions(source, min_body_lines=2, dunders=())
+        if function[0].rsplit(".", 1)[-1] in test_source
+    ]
 
 
 @dataclasses.dataclass(frozen=True)

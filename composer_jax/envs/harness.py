@@ -21,6 +21,8 @@ Kinds of grading:
   memory) against the workspace and reports per-test outcomes. The tests call the code under test
   directly, so they share its process: a candidate could patch the test machinery there. That
   is what the reward-hack monitors look for; the verdict itself still cannot be forged by output.
+- `pytest`: a repository's own tests in a fresh guarded runner (`repo_runner`, source in the
+  spec) on a tree of pristine tests plus the candidate's modules (`repo_grading`).
 
 Standard library only: this file is shipped as source text.
 """
@@ -264,13 +266,12 @@ def _pipes() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     return (stdin_r, stdout_w, stderr_w), (stdin_w, stdout_r, stderr_r)
 
 
-def _spawn(name: str) -> _ChildProcess:
-    """A fresh interpreter running child program `name` (pipes made inheritable only as its
-    0, 1, 2; every other descriptor is close-on-exec)."""
+def _spawn(argv: list[str], env: dict) -> _ChildProcess:
+    """A fresh process running `argv` (pipes made inheritable only as its 0, 1, 2; every other
+    descriptor is close-on-exec)."""
     theirs, ours = _pipes()
     actions = [(os.POSIX_SPAWN_DUP2, fd, target) for target, fd in enumerate(theirs)]
-    argv = [sys.executable, "-I", "-B", "-c", _PROGRAMS[name]]
-    pid = os.posix_spawn(sys.executable, argv, dict(os.environ), file_actions=actions)
+    pid = os.posix_spawn(argv[0], argv, env, file_actions=actions)
     for fd in theirs:
         os.close(fd)
     return _ChildProcess(pid, *ours)
@@ -329,7 +330,7 @@ def _start(name: str) -> _ChildProcess:
         except OSError:
             process.kill()
             process.wait()
-    return _spawn(name)
+    return _spawn([sys.executable, "-I", "-B", "-c", _PROGRAMS[name]], dict(os.environ))
 
 
 class Child:
@@ -478,6 +479,73 @@ def grade_unittest(spec: dict) -> dict:
     return {str(k): str(v) for k, v in tests.items() if v in ("pass", "fail", "error", "skip")}
 
 
+# The repository runner (`repo_runner`, its source in the spec) runs in an interpreter without
+# site directories, so nothing planted in the workspace is imported before it.
+RUNNER_BOOT = (
+    "import json, sys\n"
+    "settings = json.loads(sys.stdin.readline())\n"
+    "exec(compile(settings.pop('runner'), '<runner>', 'exec'), globals())\n"
+    "main(settings)\n"
+)
+
+
+def _read_until_exit(process: _ChildProcess, seconds: float) -> bytes | None:
+    """Everything the child writes on its stdout until it closes it, or None past `seconds`."""
+    deadline, data = time.monotonic() + seconds, bytearray()
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or len(data) > _MAX_REPLY:
+            return None
+        ready, _, _ = select.select([process.stdout], [], [], remaining)
+        if ready:
+            chunk = os.read(process.stdout.fileno(), 65536)
+            if not chunk:
+                return bytes(data)
+            data += chunk
+
+
+def grade_pytest(spec: dict) -> tuple[dict, dict]:
+    """The repository's own tests, in a fresh runner; its verdict counts only when it is the one
+    message of a child that exited 0, names only the selected tests and found nothing tampered
+    with (else no test passed)."""
+    argv = [sys.executable, "-I", "-S", "-B", "-X", f"pycache_prefix={spec['pycache']}"]
+    process = _spawn([*argv, "-c", RUNNER_BOOT], {"HOME": "/tmp"})
+    log = bytearray()
+    drain = threading.Thread(target=lambda: log.extend(process.stderr.read()), daemon=True)
+    drain.start()
+    wanted = list(spec["select"])
+    settings = {key: spec[key] for key in ("runner", "root", "lib", "paths", "ini", "tmp")}
+    settings.update(mode="grade", select=wanted, candidate_files=spec["candidate_files"])
+    try:
+        process.stdin.write((json.dumps(settings) + "\n").encode())
+        process.stdin.close()
+    except OSError:
+        pass
+    data = _read_until_exit(process, spec.get("suite_seconds", 120.0))
+    process.kill()
+    status = process.wait()
+    drain.join(1.0)
+    sys.stderr.write(log[-4000:].decode("utf-8", "replace"))  # the log, never the verdict
+    verdict = _runner_verdict(data, status, wanted)
+    if verdict is None or verdict["tampered"]:
+        return {test: "fail" for test in wanted}, {"tampered" if verdict else "runner_void": 1.0}
+    outcomes = {test: str(verdict["tests"].get(test, "missing")) for test in wanted}
+    return outcomes, {"blocked": len(verdict["blocked"]), "collection_errors": verdict["errors"]}
+
+
+def _runner_verdict(data: bytes | None, status: int, wanted: list[str]) -> dict | None:
+    """The verdict if it is the well-formed only message of a child that exited 0 (else None)."""
+    lines = (data or b"").splitlines()
+    if data is None or status != 0 or len(lines) != 1:
+        return None
+    try:
+        verdict = json.loads(lines[0])
+        ok = isinstance(verdict["tests"], dict) and not set(verdict["tests"]) - set(wanted)
+        return {**verdict, "errors": len(verdict["errors"])} if ok else None
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def grade_file(spec: dict) -> tuple[dict, dict]:
     import difflib
 
@@ -498,6 +566,7 @@ _KINDS = {
     "check": grade_check,
     "unittest": grade_unittest,
     "file": grade_file,
+    "pytest": grade_pytest,
 }
 
 

@@ -107,7 +107,7 @@ def _system_entries() -> list[tuple[str, str | None]]:
     return entries
 
 
-def _process_temp_dir(prefix: str) -> str:
+def process_temp_dir(prefix: str) -> str:
     """A temporary host folder that lives as long as this process (removed at exit)."""
     directory = tempfile.mkdtemp(prefix=prefix)
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
@@ -122,7 +122,7 @@ def _synthetic_etc() -> str:
     global _synthetic_dir
     with _lock:
         if _synthetic_dir is None or not os.path.isdir(_synthetic_dir):
-            directory = _process_temp_dir("cj_etc_")
+            directory = process_temp_dir("cj_etc_")
             for name, text in _SYNTHETIC_ETC.items():
                 with open(os.path.join(directory, name), "w") as f:
                     f.write(text)
@@ -179,7 +179,7 @@ def _new_root_mountpoint() -> str:
     global _new_root
     with _lock:
         if _new_root is None or not os.path.isdir(_new_root):
-            _new_root = _process_temp_dir("cj_root_")
+            _new_root = process_temp_dir("cj_root_")
     return _new_root
 
 

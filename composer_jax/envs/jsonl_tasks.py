@@ -26,7 +26,8 @@ Fields (`FIELDS` is the machine-readable form):
     group              str: what evaluation reports break results down by (e.g. "difficulty=hard")
 
 A `test_command` whose printed output decides the grade is not supported: output of a process
-that runs the code under test can be forged (see `harness`).
+that runs the code under test can be forged (see `harness`). A repository task set (what
+`launch.make_tasks` writes; format in `repo_task_sets`) reads through `jsonl:PATH` too.
 """
 
 from __future__ import annotations

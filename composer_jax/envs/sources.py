@@ -11,6 +11,8 @@ is finite. Specs (the same in config flags and in notebooks):
     humaneval                     the 164 HumanEval problems (splits test / train / held_out)
     state_tracking                reproduce a file from its edit history (see state_tracking)
     jsonl:PATH                    tasks in a JSONL file (see jsonl_tasks for the schema)
+    repositories                  real packages' functions, graded by their own pytest suites
+                                  (the shipped sets; repositories:toolz:idna, or a set's path)
     builtin:0.7,humaneval:0.3     a weighted mixture (the last `:number` of each part)
     my_pkg.tasks:make_source      a researcher's own: a callable returning a TaskSource (or an
                                   iterable of Tasks), given the spec's further `:arg`s
@@ -29,7 +31,14 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 
 from composer_jax.config.base import ConfigError
-from composer_jax.envs import builtin_repo, feature_deletion, humaneval, jsonl_tasks, state_tracking
+from composer_jax.envs import (
+    builtin_repo,
+    feature_deletion,
+    humaneval,
+    jsonl_tasks,
+    repo_task_sets,
+    state_tracking,
+)
 from composer_jax.envs.builtin_tasks import MAX_OPS, iter_builtin_tasks, task_variant
 from composer_jax.envs.task import Task
 from composer_jax.envs.task_source import ListSource, TaskSource, TaskSourceError
@@ -151,7 +160,33 @@ class MixtureSource(TaskSource):
         return next((v for s, _ in self.parts if (v := s.variant(task, seed)) is not None), None)
 
 
+class RepositorySource(ListSource):
+    """Repository tasks from task sets (`repo_task_sets`): the shipped ones by name (all of them
+    when none is named) or files by path."""
+
+    def __init__(self, *sets: str):
+        shipped = repo_task_sets.shipped_sets()
+        paths = []
+        for name in sets or tuple(shipped):
+            if name in shipped:
+                paths.append(shipped[name])
+            elif "/" in name or name.endswith((".jsonl", ".gz")):
+                paths.append(name)
+            else:
+                raise TaskSourceError(
+                    f"repositories: {name!r} is neither a shipped set ({', '.join(shipped)}) "
+                    "nor a task-set path"
+                )
+        try:
+            tasks = [t for path in paths for t in repo_task_sets.read_task_set(path)]
+        except repo_task_sets.TaskSetError as error:
+            raise TaskSourceError(str(error)) from None
+        super().__init__("repositories", tasks, ("train", "held_out"))
+
+
 def _jsonl(path: str, *args, **options) -> TaskSource:
+    if repo_task_sets.is_task_set(path):  # `launch.make_tasks` output reads back as JSONL too
+        return RepositorySource(path)
     return ListSource(f"jsonl:{path}", jsonl_tasks.load_jsonl_tasks(path, *args, **options))
 
 
@@ -162,6 +197,7 @@ SOURCES: dict[str, Callable[..., TaskSource]] = {
     "humaneval": HumanEvalSource,
     "state_tracking": state_tracking.StateTrackingSource,
     "jsonl": _jsonl,
+    "repositories": RepositorySource,
 }
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _WEIGHT = re.compile(r"^\d+(\.\d*)?([eE][-+]?\d+)?$|^\.\d+$")

@@ -14,10 +14,10 @@ import secrets
 import shlex
 from pathlib import Path
 
-from composer_jax.envs import harness
+from composer_jax.envs import harness, repo_grading
 from composer_jax.envs.sandbox import Sandbox, SandboxLimits
 
-GRADER_KINDS = ("cases", "check", "unittest", "file")
+GRADER_KINDS = ("cases", "check", "unittest", "file", "pytest")
 # Grading gets the room of a test suite (stdlib suites print a lot and take seconds).
 GRADING_LIMITS = SandboxLimits(
     cpu_seconds=30, wall_seconds=60, memory_bytes=2 << 30, output_bytes=4 << 20
@@ -32,6 +32,7 @@ _REQUIRED = {
     "check": ("module", "function", "check"),
     "unittest": ("modules",),
     "file": ("path", "expected"),
+    "pytest": ("source_roots", "test_paths"),
 }
 
 
@@ -47,7 +48,10 @@ class Task:
       {"kind": "cases", "module", "function", "cases": [[args, expected], ...]} (encoded values),
       {"kind": "check", "module", "function", "check": source, "prelude": source},
       {"kind": "unittest", "modules": [...], "sources": {module: source}, "packages": [...]},
-      {"kind": "file", "path", "expected": text} (test "exact", score "similarity").
+      {"kind": "file", "path", "expected": text} (test "exact", score "similarity"),
+      {"kind": "pytest", "source_roots", "test_paths", "ini"}: the repository's own tests
+      (pytest node ids in graded_tests), run on the task's pristine tests with the agent's
+      source modules (see `repo_grading`).
     graded_tests: the test ids that count (never empty).
     visible_test_command: what the `run_tests` tool runs (None: the tool reports no tests).
     protected_paths: workspace files the agent must not modify or delete.
@@ -151,6 +155,7 @@ def run_grader(
     grader: dict,
     limits: SandboxLimits | None = None,
     hidden_paths: tuple[str, ...] = (),
+    ro_binds: dict[str, str] | None = None,
 ) -> tuple[dict[str, str], str, dict[str, float]]:
     """(outcome of every test the harness ran, output log, scores) for `grader` on the
     workspace."""
@@ -160,6 +165,7 @@ def run_grader(
         stdin=harness_input(grader, nonce),
         limits=limits,
         hidden_paths=hidden_paths,
+        extra_ro_binds=ro_binds if sandbox.isolated else None,
     )
     outcomes, scores = parse_verdict(result.output, nonce) or ({}, {})
     return outcomes, result.output.replace(nonce, "<nonce>")[-2000:], scores
@@ -167,7 +173,16 @@ def run_grader(
 
 def grade(sandbox: Sandbox, task: Task, limits: SandboxLimits | None = None) -> GradeResult:
     """Runs the task's hidden tests against the sandbox's workspace (a fresh command)."""
-    outcomes, log, scores = run_grader(sandbox, task.grader, limits, task.grading_hidden_paths)
+    if task.grader["kind"] == "pytest":
+        with repo_grading.grading_tree(task.files, sandbox.workspace, task.grader) as tree:
+            root, candidates = tree
+            spec = repo_grading.harness_spec(task.grader, task.graded_tests, root, candidates)
+            binds = repo_grading.read_only_binds(root)
+            outcomes, log, scores = run_grader(
+                sandbox, spec, limits, task.grading_hidden_paths, binds
+            )
+    else:
+        outcomes, log, scores = run_grader(sandbox, task.grader, limits, task.grading_hidden_paths)
     passed = sum(outcomes.get(test) == "pass" for test in task.graded_tests)
     total = len(task.graded_tests)
     return GradeResult(passed / total, passed, total, outcomes, log, scores)
@@ -176,8 +191,10 @@ def grade(sandbox: Sandbox, task: Task, limits: SandboxLimits | None = None) -> 
 def grade_solution(
     task: Task, files: dict[str, str], limits: SandboxLimits | None = None, **sandbox_options
 ) -> GradeResult:
-    """Grades `files` (relative path -> content, laid over the task's files) in a fresh
-    sandbox; e.g. `grade_solution(task, task.oracle_files).reward == 1.0`."""
+    """Grades `files` (relative path -> content, laid over the task's files; None deletes the
+    task's file) in a fresh sandbox; e.g. `grade_solution(task, task.oracle_files).reward ==
+    1.0`."""
     options = {"hidden_paths": task.hidden_paths, **sandbox_options}
-    with Sandbox.from_files({**task.files, **files}, **options) as sandbox:
+    merged = {path: text for path, text in {**task.files, **files}.items() if text is not None}
+    with Sandbox.from_files(merged, **options) as sandbox:
         return grade(sandbox, task, limits or GRADING_LIMITS)

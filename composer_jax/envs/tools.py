@@ -187,9 +187,11 @@ class ToolBox:
         *,
         strict: bool = True,
         test_command: str | None = None,
+        test_binds: dict[str, str] | None = None,
         max_output_bytes: int = 4096,
     ):
         self.sandbox = sandbox
+        self.test_binds = test_binds  # read-only host paths the test command needs (pytest)
         self.tools = {name: resolve_tool(name) for name in tool_names}
         self.specs = {name: tool.spec for name, tool in self.tools.items()}
         self.strict = strict
@@ -369,7 +371,7 @@ def _run_shell(box: ToolBox, command: str) -> str:
 def _run_tests(box: ToolBox) -> str:
     if box.test_command is None:
         raise ToolError("this task has no visible tests")
-    return _format_result(box.sandbox.run(box.test_command))
+    return _format_result(box.sandbox.run(box.test_command, extra_ro_binds=box.test_binds))
 
 
 @register_tool(

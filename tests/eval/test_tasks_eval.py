@@ -74,3 +74,18 @@ def test_launch_evaluate_writes_the_report_and_prints_the_table(run_dir, tmp_pat
         assert key in report["summary"], key
     assert report["setup"]["samples"] == 2 and report["setup"]["split"] == "train"
     assert "pass@2" in done.stdout and "in the environments" in done.stdout
+
+
+def test_launch_evaluate_runs_on_a_shipped_repository_set(run_dir, tmp_path):
+    out = tmp_path / "report.json"
+    args = [sys.executable, "-m", "launch.evaluate", f"--workdir={run_dir}"]
+    args += ["--tasks=repositories:toolz", "--split=held_out", "--num_tasks=2", "--samples=1"]
+    args += ["--ks=1", "--max_turns=1", "--max_new_tokens=8", "--context_len=1024"]
+    args += ["--num_slots=2", f"--out={out}", "--noprogress"]
+    env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="")
+    done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert len(report["per_task"]) == 2
+    assert all(task.startswith("toolz/") for task in report["per_task"])
+    assert report["setup"]["split"] == "held_out"

@@ -1,0 +1,339 @@
+"""Repository tasks from a real package: delete a function the package's own tests cover, keep
+the task when those tests then fail and pass again with the original.
+
+Steps (`build_tasks`): fetch the package's source distribution from the registry (or take a
+local folder), find its source modules, tests and pytest settings (`find_layout`), run the whole
+suite once on the original through the runner's `survey` mode, which also records which source
+functions each test calls, then for each covered function (signature and docstring kept, body
+replaced by `raise NotImplementedError`) grade the deletion and the original through the real
+grading path. Every candidate dropped is counted under its reason.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import random
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+from composer_jax.envs import harness, isolation, repo_grading
+from composer_jax.envs.deletion import deletable_functions, delete_body
+from composer_jax.envs.task import GradeResult, Task, grade_solution
+
+_INI_FILES = (
+    ("pytest.ini", "[pytest]"),
+    ("pyproject.toml", "[tool.pytest.ini_options]"),
+    ("tox.ini", "[pytest]"),
+    ("setup.cfg", "[tool:pytest]"),
+)
+_SKIPPED_DIRS = {"docs", "doc", "examples", "benchmarks", "bench", ".git", "build", "dist"}
+_MAX_FILE_BYTES = 400_000
+MAX_GRADED_TESTS = 8
+
+
+class FactoryError(ValueError):
+    """A package that cannot be turned into tasks at all (no source, no tests, no suite)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Repository:
+    """A package's source and tests as text, with what grading needs to run them."""
+
+    name: str
+    version: str
+    source: str
+    source_roots: tuple[str, ...]
+    test_paths: tuple[str, ...]
+    ini: str | None
+    files: dict[str, str]
+
+    def grader(self) -> dict:
+        return {
+            "kind": "pytest",
+            "source_roots": list(self.source_roots),
+            "test_paths": list(self.test_paths),
+            "ini": self.ini,
+        }
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Repository:
+        data = dict(data)
+        data["source_roots"] = tuple(data["source_roots"])
+        data["test_paths"] = tuple(data["test_paths"])
+        return cls(**data)
+
+
+def fetch_source(requirement: str, cache: Path) -> Path:
+    """The unpacked source distribution of `requirement` (e.g. "toolz==1.0.0"), downloaded with
+    pip into `cache` (the registry the machine is configured for)."""
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as download:
+        command = [
+            *[sys.executable, "-m", "pip", "download", "--no-deps"],
+            *["--no-binary", ":all:", "--quiet", "-d", download, requirement],
+        ]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        archives = sorted(Path(download).iterdir())
+        if result.returncode != 0 or not archives:
+            raise FactoryError(f"pip could not download {requirement}: {result.stderr[-500:]}")
+        archive = archives[0]
+        target = cache / archive.name.removesuffix(".tar.gz").removesuffix(".zip")
+        if not target.exists():
+            _unpack(archive, target)
+    return target
+
+
+def _unpack(archive: Path, target: Path) -> None:
+    staging = Path(tempfile.mkdtemp(dir=target.parent))
+    try:
+        if archive.name.endswith(".zip"):
+            with zipfile.ZipFile(archive) as z:
+                z.extractall(staging)
+        else:
+            with tarfile.open(archive) as t:
+                t.extractall(staging, filter="data")
+        tops = list(staging.iterdir())
+        (tops[0] if len(tops) == 1 and tops[0].is_dir() else staging).rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def find_layout(tree: Path, name: str, version: str, source: str) -> Repository:
+    """The repository's files: source packages (a `src/` layout is flattened), test files and
+    conftests, the pytest settings file and the license."""
+    base = tree / "src" if (tree / "src").is_dir() else tree
+    roots = sorted(
+        p.name
+        for p in base.iterdir()
+        if p.is_dir()
+        and (p / "__init__.py").exists()
+        and p.name not in _SKIPPED_DIRS
+        and p.name not in ("tests", "test", "testing")
+    )
+    if not roots:
+        raise FactoryError(f"{tree}: no Python package (a folder with __init__.py) found")
+    files: dict[str, str] = {}
+    for root in roots:
+        for path in sorted((base / root).rglob("*.py")):
+            _keep(files, path, str(path.relative_to(base)))
+    for path in sorted(tree.rglob("*.py")):
+        relative = str(path.relative_to(tree))
+        parts = relative.split("/")
+        if set(parts[:-1]) & _SKIPPED_DIRS or relative.startswith("src/"):
+            continue
+        if repo_grading.is_test_path(relative) or parts[-1] == "conftest.py":
+            _keep(files, path, relative)
+    ini = None
+    for candidate, section in _INI_FILES:
+        path = tree / candidate
+        if path.is_file() and section in path.read_text(encoding="utf-8", errors="replace"):
+            ini = candidate
+            _keep(files, path, candidate)
+            break
+    for path in sorted(tree.glob("LICEN[CS]E*")):
+        _keep(files, path, path.name)
+    tests = tuple(
+        sorted(
+            p
+            for p in files
+            if repo_grading.is_test_path(p) and p.rsplit("/", 1)[-1].startswith("test")
+        )
+    )
+    if not tests:
+        raise FactoryError(f"{tree}: no test files (test_*.py) found")
+    return Repository(name, version, source, tuple(roots), tests, ini, files)
+
+
+def _keep(files: dict[str, str], path: Path, relative: str) -> None:
+    if path.stat().st_size <= _MAX_FILE_BYTES:
+        try:
+            files[relative] = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            pass
+
+
+def survey(repo: Repository, seconds: float = 600.0) -> tuple[dict[str, str], dict, list]:
+    """(outcome of every test on the original, {test: [(module path, qualname), ...]}, the
+    collectors that failed to collect)."""
+    with tempfile.TemporaryDirectory(prefix="cj_survey_") as work:
+        root = Path(work) / "repo"
+        for path, text in repo.files.items():
+            (root / path).parent.mkdir(parents=True, exist_ok=True)
+            (root / path).write_text(text, encoding="utf-8")
+        sources = [p for p in repo.files if repo_grading.is_source_module(p, repo.source_roots)]
+        settings = {
+            "runner": repo_grading.runner_source(),
+            "mode": "survey",
+            "root": str(root),
+            "lib": repo_grading.library_path(),
+            "paths": list(repo.test_paths),
+            "ini": repo.ini,
+            "tmp": work,
+            "select": None,
+            "trace_files": [str(root / p) for p in sources],
+        }
+        command = [isolation.python_executable(), "-I", "-S", "-B", "-c", harness.RUNNER_BOOT]
+        try:
+            result = subprocess.run(
+                command,
+                input=json.dumps(settings) + "\n",
+                capture_output=True,
+                text=True,
+                timeout=seconds,
+                cwd=work,
+            )
+        except subprocess.TimeoutExpired:
+            raise FactoryError(f"{repo.name}: the suite ran past {seconds:.0f}s") from None
+        try:
+            verdict = json.loads(result.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            raise FactoryError(f"{repo.name}: the suite did not run: {result.stderr[-800:]}")
+    prefix = str(root) + "/"
+    coverage = {
+        test: [tuple(c.removeprefix(prefix).split(":", 1)) for c in calls]
+        for test, calls in verdict.get("coverage", {}).items()
+    }
+    return verdict["tests"], coverage, verdict["errors"]
+
+
+def make_task(repo: Repository, path: str, deletion: tuple, tests, split: str) -> Task:
+    """The task of deleting one function (`deletion` as `deletable_functions` gives it)."""
+    qualname, first, last, indent = deletion
+    original = repo.files[path]
+    return Task(
+        task_id=f"{repo.name}/{path}:{qualname}",
+        prompt=(
+            f"In this repository ({repo.name} {repo.version}), the body of `{qualname}` in "
+            f"{path} was removed (signature and docstring kept). Implement it so the "
+            f"package's tests pass again.\n"
+        ),
+        files={**repo.files, path: delete_body(original, first, last, indent)},
+        grader=repo.grader(),
+        graded_tests=tuple(tests),
+        visible_test_command=repo_grading.visible_test_command(
+            sorted({test.split("::", 1)[0] for test in tests})
+        ),
+        protected_paths=tuple(
+            p for p in repo.files if not repo_grading.is_source_module(p, repo.source_roots)
+        ),
+        oracle_files={path: original},
+        split=split,
+        family="repository",
+        metadata={"repository": repo.name, "path": path, "deletion": list(deletion)},
+        group=f"repository={repo.name}",
+    )
+
+
+@dataclasses.dataclass
+class BuildReport:
+    """How many candidates were kept, and why the others were dropped."""
+
+    candidates: int = 0
+    kept: int = 0
+    dropped: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def summary(self) -> str:
+        reasons = ", ".join(f"{n} {why}" for why, n in self.dropped.most_common())
+        return f"{self.kept} of {self.candidates} candidates kept" + (
+            f"; dropped: {reasons}" if reasons else ""
+        )
+
+
+def _candidates(repo: Repository, outcomes, coverage, rng) -> list[tuple[str, tuple, list]]:
+    """(module path, deletion, covering passing tests) for each covered deletable function."""
+    covering = collections.defaultdict(set)
+    for test, calls in coverage.items():
+        if outcomes.get(test) == "pass":
+            for path, qualname in calls:
+                covering[(path, qualname)].add(test)
+    found = []
+    for path in sorted(repo.files):
+        if not repo_grading.is_source_module(path, repo.source_roots):
+            continue
+        try:
+            functions = deletable_functions(repo.files[path])
+        except SyntaxError:
+            continue
+        for deletion in functions:
+            tests = sorted(covering.get((path, deletion[0]), ()))
+            found.append((path, deletion, rng.sample(tests, min(len(tests), MAX_GRADED_TESTS))))
+    rng.shuffle(found)
+    return found
+
+
+def _whole_suite(task: Task) -> Task:
+    return dataclasses.replace(task, grader={**task.grader, "collect_all": True})
+
+
+def verify(task: Task, backend: str, baseline_errors: float = 0) -> tuple[Task | None, str]:
+    """The task narrowed to the tests its deletion breaks, or None and why it is dropped
+    (`baseline_errors`: the collection errors of the whole suite on the original)."""
+    options = {"backend": backend, "require_isolation": False}
+    deleted: GradeResult = grade_solution(_whole_suite(task), {}, **options)
+    if deleted.scores.get("runner_void") or deleted.scores.get("tampered"):
+        return None, "the runner gave no verdict on the deletion"
+    if deleted.scores.get("collection_errors", 0) > baseline_errors:
+        return None, "the deletion breaks the collection of the tests"
+    broken = tuple(t for t in task.graded_tests if deleted.outcomes.get(t) != "pass")
+    if not broken:
+        return None, "tests pass with the deletion"
+    narrowed = dataclasses.replace(task, graded_tests=broken)
+    original = grade_solution(narrowed, narrowed.oracle_files, **options)
+    if original.reward != 1.0:
+        return None, "the original fails its tests when run alone"
+    return narrowed, "kept"
+
+
+def build_tasks(
+    repo: Repository,
+    *,
+    max_tasks: int = 100,
+    seed: int = 0,
+    held_out: Callable[[str], bool] = lambda task_id: False,
+    backend: str = "auto",
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[Repository, list[Task], BuildReport]:
+    """Verified tasks of `repo` (at most `max_tasks`), deterministic by seed, and the
+    repository as the tasks use it (test files that do not collect on the original left out)."""
+    outcomes, coverage, errors = survey(repo)
+    if not any(o == "pass" for o in outcomes.values()):
+        raise FactoryError(f"{repo.name}: no test passes on the original code")
+    repo = dataclasses.replace(
+        repo, test_paths=tuple(p for p in repo.test_paths if p not in errors)
+    )
+    report, tasks, baseline = BuildReport(), [], None
+    candidates = _candidates(repo, outcomes, coverage, random.Random(seed))
+    for index, (path, deletion, tests) in enumerate(candidates):
+        if len(tasks) >= max_tasks:
+            break
+        report.candidates += 1
+        if progress is not None:
+            progress(index + 1, len(candidates))
+        if not tests:
+            report.dropped["no passing test calls it"] += 1
+            continue
+        task_id = f"{repo.name}/{path}:{deletion[0]}"
+        task = make_task(repo, path, deletion, tests, "held_out" if held_out(task_id) else "train")
+        if baseline is None:  # what the guarded runner fails to collect on the original
+            original = grade_solution(
+                _whole_suite(task), task.oracle_files, backend=backend, require_isolation=False
+            )
+            baseline = original.scores.get("collection_errors", 0)
+        task, why = verify(task, backend, baseline)
+        if task is None:
+            report.dropped[why] += 1
+            continue
+        tasks.append(task)
+        report.kept += 1
+    return repo, sorted(tasks, key=lambda t: t.task_id), report

@@ -1,0 +1,410 @@
+"""The runner of a repository's own tests (pytest), in a fresh interpreter the grader spawns.
+
+It is shipped as source text (standard library plus the pytest that the grading binds read-only)
+and run as `python -I -S -B -c <this file>` with its settings on stdin, so no `PYTHONPATH`, site
+directory, `.pth` file, `sitecustomize` / `usercustomize` or bytecode cache of the candidate's
+takes part. The test files, conftests and pytest settings it runs come from a tree the grader
+assembled from the task's pristine files; only the package's source modules come from the
+candidate's workspace.
+
+The candidate's code runs in this process (the tests call it), so in `grade` mode the runner
+guards what decides the verdict before any repository code is imported:
+- every class of the test machinery (pytest, pluggy, unittest; but one debugger class pytest
+  itself assigns to) is made an immutable type, and the modules of unittest, pluggy,
+  `builtins` and this program refuse attribute assignment;
+- the machinery's functions and classes (and their code objects) are snapshotted and checked
+  after every test phase, as are its `sys.modules` entries (pytest's own modules set each
+  other's attributes while running, so they are covered by the check, not made read-only);
+- an audit hook refuses, to code that is not the stdlib's, pytest's or the pristine tests', frame
+  and garbage-collector introspection, ctypes, new processes, signals to processes, tracing
+  hooks, new code objects, re-opening file descriptors and writes outside /tmp; each refusal is
+  recorded;
+- the verdict is one JSON line on a descriptor duplicated before the tests ran, after which this
+  process ends through a reference taken at start (`atexit` hooks and finalizers never run).
+The grader accepts the verdict only as the single message of a child that exited 0 and checks it
+against the exact expected test ids; anything else (a second message, a crash, a timeout, a
+tampered snapshot) grades as nothing passed.
+
+In `survey` mode (the task factory, on the original code) it records which source functions each
+test calls, through `sys.monitoring`; in `collect` mode (the trusted warm-up of a grading slot)
+it only collects, writing the tests' bytecode to the cache.
+"""
+
+import importlib
+import json
+import os
+import sys
+import types
+
+_EXIT = os._exit
+_WRITE = os.write
+_FSTAT = os.fstat
+_DUMPS = json.dumps
+_PROTECTED = ("_pytest", "pytest", "pluggy", "iniconfig", "unittest", "builtins", "__main__")
+# Modules made read-only (pytest's own set each other's attributes while it runs, so those are
+# covered by the snapshot instead), and classes pytest itself assigns to while it runs.
+_READ_ONLY = ("unittest", "pluggy", "builtins", "__main__")
+_MUTATED_BY_PYTEST = {"pytestPDB"}
+_BLOCKED_EVENTS = (
+    "sys._getframe",
+    "sys._current_frames",
+    "sys._current_exceptions",
+    "sys.settrace",
+    "sys.setprofile",
+    "sys.monitoring.register_callback",
+    "gc.get_objects",
+    "gc.get_referrers",
+    "gc.get_referents",
+    "os.fork",
+    "os.forkpty",
+    "os.exec",
+    "os.posix_spawn",
+    "os.spawn",
+    "os.system",
+    "subprocess.Popen",
+    "pty.spawn",
+    "os.kill",
+    "os.killpg",
+    "signal.pthread_kill",
+    "code.__new__",
+)
+_FRAME_ATTRIBUTES = {"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back", "f_locals"}
+_STDLIB = os.path.dirname(os.__file__) + "/"
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+
+def _protected(name: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in _PROTECTED)
+
+
+class _ReadOnlyModule(types.ModuleType):
+    """A module of the test machinery during grading: no attribute may be set or deleted."""
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"module {self.__name__!r} is read-only while tests are graded")
+
+    def __delattr__(self, name):
+        raise AttributeError(f"module {self.__name__!r} is read-only while tests are graded")
+
+
+_IMMUTABLE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE
+
+
+def _type_flags(cls: type, ctypes):
+    """The tp_flags word of a heap type, found by checking it against `cls.__flags__`."""
+    offset = 21 * ctypes.sizeof(ctypes.c_void_p)  # PyTypeObject.tp_flags
+    flags = ctypes.c_ulong.from_address(id(cls) + offset)
+    return flags if flags.value == cls.__flags__ else None
+
+
+class Guard:
+    """The defences of `grade` mode (see the module docstring). Trusted code: this program, the
+    stdlib, the bound libraries, and the pristine files of the grading tree (not the
+    candidate's modules)."""
+
+    def __init__(self, root: str, libraries: list[str], candidate_files: list[str]):
+        self.trusted_roots = (root.rstrip("/") + "/", *libraries)
+        self.candidate_files = frozenset(candidate_files)
+        self.blocked: list[str] = []
+        self.snapshot: dict = {}
+        self._busy = False
+        self._frozen: list = []  # the tp_flags words set immutable, cleared by `release`
+
+    def install(self) -> None:
+        # Imported here: ctypes is dropped from sys.modules once the hook exists (so a later
+        # import is an audited event), and pytest is importable only once main set sys.path.
+        import ctypes
+
+        from _pytest.nodes import Item
+
+        self._import_machinery()
+        modules = [m for n, m in list(sys.modules.items()) if _protected(n)]
+        classes = {
+            id(value): value
+            for module in modules
+            for value in list(vars(module).values())
+            if isinstance(value, type)
+            and _protected(getattr(value, "__module__", "") or "")
+            and value.__flags__ & (1 << 9)  # a heap type (static ones are immutable already)
+        }
+        for cls in classes.values():
+            if issubclass(cls, Item):  # a flag pytest sets on an Item class at first use
+                cls._pytest_diamond_inheritance_warning_shown = True
+        for cls in classes.values():
+            if cls.__name__ in _MUTATED_BY_PYTEST:
+                continue
+            if (flags := _type_flags(cls, ctypes)) is not None:
+                flags.value |= _IMMUTABLE
+                self._frozen.append(flags)
+        for module in modules:
+            if type(module) is types.ModuleType and module.__name__.startswith(_READ_ONLY):
+                module.__class__ = _ReadOnlyModule
+        self.snapshot = self._take()
+        for name in [n for n in sys.modules if n.split(".")[0] in ("ctypes", "_ctypes")]:
+            del sys.modules[name]  # so that a later `import ctypes` is an audited event
+        sys.addaudithook(self._audit)
+
+    @staticmethod
+    def _import_machinery() -> None:
+        """The machinery a run loads anyway, loaded now so it is guarded from the start."""
+        from _pytest.config import default_plugins
+
+        for name in (*(f"_pytest.{p}" for p in default_plugins), "_pytest.python_api"):
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                continue
+        for name in ("unittest.case", "unittest.suite", "unittest.loader", "unittest.result"):
+            importlib.import_module(name)
+
+    def _take(self) -> dict:
+        state = {"sys.modules": {n: id(m) for n, m in sys.modules.items() if _protected(n)}}
+        for name, module in list(sys.modules.items()):
+            if not _protected(name):
+                continue
+            entries = {}
+            for key, value in list(vars(module).items()):
+                if isinstance(value, (types.FunctionType, type)):
+                    entries[key] = (id(value), id(getattr(value, "__code__", None)))
+            state[name] = entries
+        return state
+
+    def release(self) -> None:
+        """Makes the machinery's classes mutable again once every test has run (pytest's own
+        clean-up restores attributes it set at start)."""
+        for flags in self._frozen:
+            flags.value &= ~_IMMUTABLE
+        self._frozen.clear()
+
+    def changes(self) -> list[str]:
+        """What of the snapshot differs now (empty when nothing was tampered with)."""
+        if not self.snapshot:
+            return ["the guard was never installed"]
+        found = []
+        current_modules = {n: id(m) for n, m in sys.modules.items() if _protected(n)}
+        for name, ident in self.snapshot["sys.modules"].items():
+            if current_modules.get(name) != ident:
+                found.append(f"sys.modules[{name!r}] replaced")
+        for name, entries in self.snapshot.items():
+            module = sys.modules.get(name)
+            if name == "sys.modules" or module is None:
+                continue
+            namespace = vars(module)
+            for key, (ident, code) in entries.items():
+                value = namespace.get(key)
+                if value is None or (id(value), id(getattr(value, "__code__", None))) != (
+                    ident,
+                    code,
+                ):
+                    found.append(f"{name}.{key} replaced")
+        return found
+
+    def _untrusted_caller(self) -> str | None:
+        """The file of the nearest caller outside the stdlib, when it is not trusted."""
+        frame = sys._getframe(2)
+        while frame is not None:
+            filename = frame.f_code.co_filename
+            if filename.startswith(_STDLIB) or filename.startswith("<frozen "):
+                frame = frame.f_back
+                continue
+            return None if self._trusted(filename) else filename
+        return None
+
+    def _trusted(self, filename: str) -> bool:
+        if filename in self.candidate_files:
+            return False
+        return filename == "<runner>" or filename.startswith(self.trusted_roots)
+
+    def _audit(self, event: str, args: tuple) -> None:
+        if self._busy or not self._watched(event, args):
+            return
+        self._busy = True
+        try:
+            caller = self._untrusted_caller()
+        finally:
+            self._busy = False
+        if caller is not None:
+            what = f"{event} from {caller}"
+            self.blocked.append(what)
+            raise PermissionError(f"not allowed while tests are graded: {what}")
+
+    def _watched(self, event: str, args: tuple) -> bool:
+        if event.startswith(_BLOCKED_EVENTS) or event.startswith("ctypes."):
+            return True
+        if event == "object.__getattr__":
+            return args[1] in _FRAME_ATTRIBUTES
+        if event in ("object.__setattr__", "object.__delattr__"):
+            return _protected(getattr(args[0], "__module__", "") or "")
+        if event == "open":
+            path, mode, flags = args
+            if isinstance(path, int):
+                return True
+            writes = any(c in (mode or "") for c in "wax+") or bool((flags or 0) & _WRITE_FLAGS)
+            return writes and not os.fsdecode(path).startswith(("/tmp/", "/dev/null"))
+        if event == "compile":  # code posing as a trusted file
+            filename = args[1]
+            return isinstance(filename, str) and self._trusted(filename)
+        if event == "import":
+            return args[0].split(".")[0] in ("ctypes", "_ctypes", "_pytest", "pytest", "pluggy")
+        return False
+
+
+class Recorder:
+    """The pytest plugin that selects the wanted tests and records each one's outcome."""
+
+    def __init__(self, select, guard: Guard | None, coverage: "Coverage | None"):
+        self.select = set(select) if select is not None else None
+        self.guard = guard
+        self.coverage = coverage
+        self.outcomes: dict[str, str] = {}
+        self.errors: list[str] = []
+        self.tampered: list[str] = []
+
+    def pytest_load_initial_conftests(self, early_config, parser, args):
+        if self.guard is not None:  # before the first conftest imports repository code
+            self.guard.install()
+
+    def pytest_unconfigure(self, config):
+        if self.guard is not None:
+            self.tampered.extend(self.guard.changes())
+            self.guard.release()
+
+    def pytest_collection_modifyitems(self, session, config, items):
+        if self.select is not None:
+            items[:] = [item for item in items if item.nodeid in self.select]
+
+    def pytest_collectreport(self, report):
+        if report.failed:
+            self.errors.append(report.nodeid)
+
+    def pytest_runtest_setup(self, item):
+        if self.coverage is not None:
+            self.coverage.begin(item.nodeid)
+
+    def pytest_runtest_logreport(self, report):
+        if self.guard is not None and (changed := self.guard.changes()):
+            self.tampered.extend(changed)
+        previous = self.outcomes.get(report.nodeid)
+        if report.when == "call" or (report.when == "setup" and not report.passed):
+            outcome = report.outcome
+            if hasattr(report, "wasxfail"):
+                outcome = "xfail" if report.skipped else "failed"
+            self.outcomes[report.nodeid] = {"passed": "pass", "skipped": "skip"}.get(
+                outcome, "fail" if report.when == "call" else "error"
+            )
+        elif report.when == "teardown" and report.failed and previous == "pass":
+            self.outcomes[report.nodeid] = "error"
+
+
+class Coverage:
+    """Which functions of the traced files each test calls (`sys.monitoring` PY_START)."""
+
+    def __init__(self, files: list[str]):
+        self.files = set(files)
+        self.calls: dict[str, set[str]] = {}
+        self.current: set[str] | None = None
+        monitoring = sys.monitoring
+        monitoring.use_tool_id(3, "composer_jax")
+        monitoring.register_callback(3, monitoring.events.PY_START, self._on_start)
+        monitoring.set_events(3, monitoring.events.PY_START)
+
+    def _on_start(self, code, offset):
+        if code.co_filename not in self.files:
+            return sys.monitoring.DISABLE
+        if self.current is not None:
+            self.current.add(f"{code.co_filename}:{code.co_qualname}")
+        return None
+
+    def begin(self, nodeid: str) -> None:
+        self.current = self.calls.setdefault(nodeid, set())
+
+
+def _report_channel() -> tuple[int, tuple[int, int]]:
+    """A private descriptor for the verdict (the pipe on fd 1); fd 1 then goes to stderr."""
+    fd = os.dup(1)
+    os.dup2(2, 1)
+    info = _FSTAT(fd)
+    return fd, (info.st_dev, info.st_ino)
+
+
+def _pytest_args(settings: dict) -> list[str]:
+    root = settings["root"]
+    ini = settings.get("ini")
+    if ini:
+        ini = os.path.join(root, ini)
+    else:
+        ini = os.path.join(settings.get("tmp", "/tmp"), "cj_empty_pytest.ini")
+        with open(ini, "w") as f:
+            f.write("[pytest]\n")
+    return [
+        *settings["paths"],
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:pastebin",
+        "-p",
+        "no:junitxml",
+        "-c",
+        ini,
+        "--rootdir",
+        root,
+        "--confcutdir",
+        root,
+        "-o",
+        "addopts=",
+        "--capture=sys",
+        "--import-mode=prepend",
+        "--continue-on-collection-errors",
+    ]
+
+
+def main(settings: dict) -> None:
+    """Runs the tests `settings` name and writes the verdict (the harness passes the settings
+    with this program's source on the first line of stdin)."""
+    fd, channel = _report_channel()
+    root = settings["root"]
+    sys.path[:0] = [root, *settings.get("lib", [])]
+    os.chdir(root)
+    sys.dont_write_bytecode = settings["mode"] != "collect"
+    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    grading = settings["mode"] == "grade"
+    guard = None
+    if grading:
+        guard = Guard(root, settings.get("lib", []), settings.get("candidate_files", []))
+    coverage = Coverage(settings["trace_files"]) if settings["mode"] == "survey" else None
+    recorder = Recorder(settings.get("select"), guard, coverage)
+    import pytest
+
+    status = None
+    arguments = _pytest_args(settings)
+    if settings["mode"] == "collect":  # the trusted warm-up: compile the tests, run nothing
+        arguments.append("--collect-only")
+    try:
+        status = int(pytest.main(arguments, plugins=[recorder]))
+    except BaseException as error:  # the candidate's SystemExit / KeyboardInterrupt included
+        recorder.errors.append(f"runner: {type(error).__name__}: {error}"[:300])
+        print(recorder.errors[-1], file=sys.stderr)
+    if guard is not None:
+        recorder.tampered.extend(guard.changes())
+    verdict = {
+        "tests": recorder.outcomes,
+        "errors": recorder.errors,
+        "status": status,
+        "tampered": sorted(set(recorder.tampered)),
+        "blocked": guard.blocked[:50] if guard is not None else [],
+    }
+    if coverage is not None:
+        verdict["coverage"] = {k: sorted(v) for k, v in coverage.calls.items()}
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    info = _FSTAT(fd)
+    if (info.st_dev, info.st_ino) != channel:
+        _EXIT(3)  # the verdict's descriptor was replaced: say nothing, fail
+    data = (_DUMPS(verdict) + "\n").encode()
+    while data:
+        data = data[_WRITE(fd, data) :]
+    _EXIT(0)
