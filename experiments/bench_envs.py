@@ -4,7 +4,8 @@ Runs `--episodes` built-in episodes at once through `EpisodePool` (half scripted
 random policy, several samples per task), prints episodes/s and the evaluation table, the cost of
 one sandboxed command and of one grading per sandbox backend usable here (median wall and the
 machine's mean busy CPU, so run it on an idle machine; against the unisolated fallback in the
-same run), and times feature-deletion synthesis (cached after the first run).
+same run), gradings/s of repository tasks next to HumanEval and built-in tasks, and times
+feature-deletion synthesis (cached after the first run).
 
   python experiments/bench_envs.py [--episodes=64] [--workers=16] [--stdlib_tasks=50] \
       [--report=envs_report.json]
@@ -29,6 +30,8 @@ from composer_jax.envs import (
     random_turns,
     synthesize_stdlib_tasks,
 )
+from composer_jax.envs.humaneval import humaneval_tasks
+from composer_jax.envs.repo_task_sets import read_task_set, shipped_sets
 from composer_jax.eval.passk import EpisodeRecord, evaluate, format_table, write_report
 
 _EPISODES = flags.DEFINE_integer("episodes", 64, "Concurrent episodes.")
@@ -94,6 +97,37 @@ def backend_costs(repeats: int) -> None:
         )
 
 
+def grading_rates(repeats: int) -> None:
+    """Gradings per second of a repository task (its own pytest suite, guarded runner) next to
+    HumanEval's `check` grader and a built-in `cases` grader, per isolating backend: the oracle
+    solution graded `repeats` times in one sandbox (the worker's slot warmed first)."""
+    kinds = {
+        "builtin (cases)": builtin_tasks(1, split="held_out")[0],
+        "humaneval (check)": humaneval_tasks("test")[0],
+    }
+    for name in ("toolz", "more_itertools"):
+        task = min(read_task_set(shipped_sets()[name]), key=lambda t: len(t.graded_tests))
+        kinds[f"{name} (pytest)"] = task
+    print("task                    backend   grading ms  grading CPU ms  gradings/s")
+    for backend in ("unshare", "bwrap"):
+        if not isolation.usable(backend):
+            print(f"{'':22}  {backend:8}  n/a: not usable here")
+            continue
+        for kind, task in kinds.items():
+            with Sandbox.from_files(
+                {**task.files, **task.oracle_files}, backend=backend, require_isolation=False
+            ) as box:
+
+                def grade_oracle():
+                    assert grade(box, task).reward == 1.0, task.task_id
+
+                grade_oracle()  # the first grading of a repository warms the slot's bytecode
+                wall, cpu = _timed(grade_oracle, repeats)
+            print(
+                f"{kind:22}  {backend:8}  {wall * 1e3:10.1f}  {cpu * 1e3:14.1f}  {1 / wall:10.2f}"
+            )
+
+
 def run_concurrent(num_episodes: int, workers: int, samples: int) -> list[EpisodeRecord]:
     tasks = builtin_tasks(max(1, num_episodes // samples), split="held_out")
     rng = random.Random(0)
@@ -141,6 +175,7 @@ def main(argv):
     del argv
     if _COMMANDS.value:
         backend_costs(_COMMANDS.value)
+        grading_rates(_COMMANDS.value)
     records = run_concurrent(_EPISODES.value, _WORKERS.value, _SAMPLES.value)
     report = evaluate(records, ks=(1, 2, _SAMPLES.value))
     print(format_table(report))
