@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -26,10 +27,12 @@ import tempfile
 import threading
 from pathlib import Path
 
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
 from composer_jax.envs import harness, isolation, repo_runner
 
 # What pytest needs at run time (the distributions a `pip install pytest` brings on 3.12+).
-RUNNER_LIBRARIES = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "pygments", "py")
 PLANTED_NAMES = ("conftest.py", "sitecustomize.py", "usercustomize.py")
 _RUNNER_SOURCE = Path(repo_runner.__file__).read_text(encoding="utf-8")
 
@@ -38,21 +41,40 @@ class RunnerUnavailable(RuntimeError):
     """pytest is not installed for the grading interpreter to use."""
 
 
+def _requirements(distribution: str) -> set[str]:
+    """`distribution` and what it needs at run time here (markers evaluated, no extras)."""
+    needed, todo = set(), [distribution]
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in needed:
+            continue
+        needed.add(name)
+        for line in importlib.metadata.requires(name) or ():
+            requirement = Requirement(line)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(requirement.name)
+    return needed
+
+
 @functools.cache
 def runner_libraries() -> tuple[str, ...]:
-    """Host paths of pytest and its dependencies (packages or single modules)."""
-    found = []
-    for name in RUNNER_LIBRARIES:
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.origin is None:
-            if name == "py":  # a shim some pytest versions ship, others not
-                continue
-            raise RunnerUnavailable(
-                f"grading repository tasks needs {name!r} (pip install pytest) for {sys.executable}"
-            )
-        origin = Path(spec.origin)
-        found.append(str(origin.parent if origin.name == "__init__.py" else origin))
-    return tuple(found)
+    """Host paths of pytest and the packages it needs (from its installed metadata), each a
+    package folder or a single module."""
+    try:
+        needed = _requirements("pytest")
+    except importlib.metadata.PackageNotFoundError:
+        raise RunnerUnavailable(
+            f"grading repository tasks needs pytest (pip install pytest) for {sys.executable}"
+        ) from None
+    found = set()
+    for module, distributions in importlib.metadata.packages_distributions().items():
+        if not {canonicalize_name(d) for d in distributions} & needed:
+            continue
+        spec = importlib.util.find_spec(module)
+        if spec is not None and spec.origin not in (None, "built-in", "frozen"):
+            origin = Path(spec.origin)
+            found.add(str(origin.parent if origin.name == "__init__.py" else origin))
+    return tuple(sorted(found))
 
 
 def runner_source() -> str:
