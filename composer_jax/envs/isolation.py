@@ -216,6 +216,9 @@ def unshare_steps(view: View, root: str) -> list[str]:
         steps.extend(["symlink", f"/proc/self/fd{fd}", f"{root}/dev/{name}"])
     tmp_options = f"size={int(view.tmp_bytes)},mode=1777"
     steps.extend(["mount", "cj_tmp", f"{root}/tmp", "tmpfs", "nosuid,nodev", tmp_options])
+    # POSIX semaphores (multiprocessing's locks) live in /dev/shm, which bwrap's --dev has too.
+    steps.extend(["mkdir", f"{root}/dev/shm"])
+    steps.extend(["mount", "cj_shm", f"{root}/dev/shm", "tmpfs", "nosuid,nodev", tmp_options])
     steps.extend(["mount", view.workspace, root + WORKSPACE_MOUNT, "-", "bind", "-"])
     for path in view.hidden:
         if not os.path.exists(path) or not visible(path):
