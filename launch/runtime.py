@@ -99,7 +99,9 @@ def _show_project_logs() -> None:
 
 
 # Left out of the project that Ray ships to its workers (gitignore patterns, from the root).
-RAY_EXCLUDES = (".git", "/.venv/", "/runs/", "/workdir/", "__pycache__/", "*.egg-info/", "build/")
+RAY_EXCLUDES = (
+    ".git", "/.venv/", "/.cache/", "/runs/", "/workdir/", "__pycache__/", "*.egg-info/", "build/"
+)
 
 
 def ray_runtime_env() -> dict:

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from composer_jax import envs
 from composer_jax.actor.ledger import GroupLedger
 from tests.helpers import SMALL_RL_FLAGS
@@ -37,12 +39,26 @@ def _jsonl(path):
     return str(path)
 
 
-def test_rl_trains_on_a_mixture_of_jsonl_repositories_and_a_plugin(tmp_path):
-    spec = (
+def _mixture(tmp_path) -> str:
+    return (
         f"jsonl:{_jsonl(tmp_path / 'tasks.jsonl')}:1,"
         "repositories:toolz:1,"
         "tests.envs.task_plugin:make_source:count=4:1"
     )
+
+
+def test_the_mixture_draws_every_part_by_seed(tmp_path):
+    """The default tier's twin of the run below: the epoch that run trains, without the run."""
+    spec = _mixture(tmp_path)
+    want = envs.load_task_source(spec).take(STEPS * GROUPS, "train", seed=1)
+    again = envs.load_task_source(spec).take(STEPS * GROUPS, "train", seed=1)
+    assert [t.task_id for t in want] == [t.task_id for t in again]
+    assert {t.task_id.split("-")[0].split("/")[0] for t in want} == {"scale", "toolz", "plugin"}
+
+
+@pytest.mark.slow  # a full launch.rl run (about 80 s); the twin above checks its epoch
+def test_rl_trains_on_a_mixture_of_jsonl_repositories_and_a_plugin(tmp_path):
+    spec = _mixture(tmp_path)
     want = envs.load_task_source(spec).take(STEPS * GROUPS, "train", seed=1)  # cfg.seed + 1
     workdir = tmp_path / "run"
     args = [

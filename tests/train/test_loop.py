@@ -156,6 +156,7 @@ def test_mismatched_checkpoint_is_reported(tmp_path, corpus):
         run_pretraining(wider, progress=False)
 
 
+@pytest.mark.slow  # default twins: tests/optim/test_sharded_muon.py, the resume tests above
 def test_muon_run_trains_and_resumes(tmp_path, corpus):
     """`--config.optim.name=muon` trains on the sharded layout, and its sharded optimizer state
     survives a checkpoint round trip."""

@@ -1,0 +1,63 @@
+"""The test loop's own configuration: a test that hangs fails with the stacks of every thread,
+and every run shows its slowest tests. Checked by running pytest with the project's ini file on
+a throwaway test in a subprocess."""
+
+import configparser
+import os
+import subprocess
+import sys
+import textwrap
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INI = os.path.join(REPO, "setup.cfg")
+
+HANGING_TEST = '''
+import threading
+import time
+
+
+def helper_thread_waiting_forever(event):
+    event.wait()
+
+
+def test_that_hangs():
+    threading.Thread(target=helper_thread_waiting_forever, args=(threading.Event(),),
+                     daemon=True).start()
+    time.sleep(60)
+
+
+def test_after_the_hang():
+    pass
+'''
+
+
+def run_pytest_with_project_ini(tmp_path, *args):
+    (tmp_path / "test_hang.py").write_text(textwrap.dedent(HANGING_TEST))
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-c", INI, "--rootdir", str(tmp_path), *args,
+         str(tmp_path / "test_hang.py")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_hanging_test_fails_with_every_threads_stack_and_the_run_goes_on(tmp_path):
+    # The project's method and reporting, with the limit lowered so the check takes seconds.
+    result = run_pytest_with_project_ini(tmp_path, "-o", "timeout=2")
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out[-3000:]
+    assert "Timeout" in out and "test_that_hangs" in out, out[-3000:]
+    assert "helper_thread_waiting_forever" in out, out[-3000:]  # the other thread's stack too
+    assert "1 failed, 1 passed" in out, out[-3000:]  # the hang costs one test, not the run
+    assert "slowest" in out, out[-3000:]  # the durations table
+
+
+def test_the_default_limit_fits_the_tier_and_is_set_in_the_ini():
+    ini = configparser.ConfigParser()
+    ini.read(INI)
+    options = ini["tool:pytest"]
+    assert 60 <= float(options["timeout"]) <= 600
+    assert options["timeout_method"] == "signal"  # fails the one test; "thread" ends the run
+    assert "--durations=" in options["addopts"]
