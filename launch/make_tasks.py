@@ -2,6 +2,7 @@
 
     python -m launch.make_tasks --package=toolz==1.2.0 --out=toolz.jsonl.gz
     python -m launch.make_tasks --path=./my_package_checkout --out=mine.jsonl
+    python -m launch.make_tasks --from_set=old.jsonl.gz --out=new.jsonl.gz  # add replay
 
 The package's source distribution comes from the registry pip is configured for (or a local
 folder); the tasks are written as a repository task set (`composer_jax.envs.repo_task_sets`),
@@ -16,11 +17,19 @@ from absl import app, flags
 from tqdm import tqdm
 
 from composer_jax.envs import repo_factory
-from composer_jax.envs.repo_task_sets import write_task_set
+from composer_jax.envs.repo_task_sets import (
+    TaskSetError,
+    read_repository,
+    read_task_set,
+    write_task_set,
+)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("package", None, "a requirement for pip, e.g. toolz==1.2.0")
 flags.DEFINE_string("path", None, "a local source folder instead of --package")
+flags.DEFINE_string(
+    "from_set", None, "a task set made without replay: record it for its tasks (same ids, splits)"
+)
 flags.DEFINE_string("out", None, "the task-set file to write (.jsonl or .jsonl.gz)")
 flags.DEFINE_integer("max_tasks", 100, "at most this many tasks")
 flags.DEFINE_integer("seed", 0, "which candidates are tried first, and the graded tests' sample")
@@ -38,8 +47,6 @@ def _held_out(task_id: str) -> bool:
 
 
 def _repository() -> repo_factory.Repository:
-    if bool(FLAGS.package) == bool(FLAGS.path):
-        raise app.UsageError("give exactly one of --package and --path")
     if FLAGS.path:
         tree = Path(FLAGS.path).resolve()
         if not tree.is_dir():
@@ -50,18 +57,29 @@ def _repository() -> repo_factory.Repository:
     return repo_factory.find_layout(tree, name.replace("-", "_"), version, FLAGS.package)
 
 
-def main(argv):
-    del argv
-    if not FLAGS.out:
-        raise app.UsageError("--out is required")
-    try:
+def _progress_bar(description: str):
+    bar = tqdm(desc=description, unit="candidate")
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
+    return bar, progress
+
+
+def _build():
+    """(repository, tasks, report) from --package / --path, or from --from_set."""
+    if sum(map(bool, (FLAGS.package, FLAGS.path, FLAGS.from_set))) != 1:
+        raise app.UsageError("give exactly one of --package, --path and --from_set")
+    if FLAGS.from_set:
+        repo = read_repository(FLAGS.from_set)
+        bar, progress = _progress_bar(f"recording replay for {repo.name}")
+        tasks, report = repo_factory.add_replay(
+            read_task_set(FLAGS.from_set), backend=FLAGS.backend, progress=progress
+        )
+    else:
         repo = _repository()
-        bar = tqdm(desc=f"verifying {repo.name}", unit="candidate")
-
-        def progress(done: int, total: int) -> None:
-            bar.total = total
-            bar.update(done - bar.n)
-
+        bar, progress = _progress_bar(f"verifying {repo.name}")
         repo, tasks, report = repo_factory.build_tasks(
             repo,
             max_tasks=FLAGS.max_tasks,
@@ -70,8 +88,17 @@ def main(argv):
             backend=FLAGS.backend,
             progress=progress,
         )
-        bar.close()
-    except repo_factory.FactoryError as error:
+    bar.close()
+    return repo, tasks, report
+
+
+def main(argv):
+    del argv
+    if not FLAGS.out:
+        raise app.UsageError("--out is required")
+    try:
+        repo, tasks, report = _build()
+    except (repo_factory.FactoryError, TaskSetError) as error:
         sys.exit(f"make_tasks: {error}")
     write_task_set(FLAGS.out, repo, tasks)
     held = sum(t.split == "held_out" for t in tasks)

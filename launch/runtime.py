@@ -100,7 +100,14 @@ def _show_project_logs() -> None:
 
 # Left out of the project that Ray ships to its workers (gitignore patterns, from the root).
 RAY_EXCLUDES = (
-    ".git", "/.venv/", "/.cache/", "/runs/", "/workdir/", "__pycache__/", "*.egg-info/", "build/"
+    ".git",
+    "/.venv/",
+    "/.cache/",
+    "/runs/",
+    "/workdir/",
+    "__pycache__/",
+    "*.egg-info/",
+    "build/",
 )
 
 

@@ -11,7 +11,7 @@ import textwrap
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INI = os.path.join(REPO, "setup.cfg")
 
-HANGING_TEST = '''
+HANGING_TEST = """
 import threading
 import time
 
@@ -28,14 +28,23 @@ def test_that_hangs():
 
 def test_after_the_hang():
     pass
-'''
+"""
 
 
 def run_pytest_with_project_ini(tmp_path, *args):
     (tmp_path / "test_hang.py").write_text(textwrap.dedent(HANGING_TEST))
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-c", INI, "--rootdir", str(tmp_path), *args,
-         str(tmp_path / "test_hang.py")],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-c",
+            INI,
+            "--rootdir",
+            str(tmp_path),
+            *args,
+            str(tmp_path / "test_hang.py"),
+        ],
         cwd=tmp_path,
         capture_output=True,
         text=True,

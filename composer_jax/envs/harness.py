@@ -48,9 +48,10 @@ import math
 _MAX_DEPTH = 64
 _MAX_ITEMS = 200_000
 
-def encode(value, depth=0):
+def encode(value, depth=0, ref=None):
     """Tagged plain data ([tag, payload]) for JSON; exact types, so a str subclass or an object
-    with a custom __eq__ never crosses as itself. Raises TypeError for anything else."""
+    with a custom __eq__ never crosses as itself. Raises TypeError for anything else, except
+    what `ref` names (["ref", ref(value)]; it raises TypeError for what it cannot name)."""
     if depth > _MAX_DEPTH:
         raise TypeError("value nested too deeply")
     kind = type(value)
@@ -74,14 +75,18 @@ def encode(value, depth=0):
     for base, tag in ((list, "list"), (tuple, "tuple"), (set, "set"), (frozenset, "frozenset")):
         if isinstance(value, base):
             items = list(base.__iter__(value))
-            return [tag, [encode(item, depth + 1) for item in items]]
+            return [tag, [encode(item, depth + 1, ref) for item in items]]
     if isinstance(value, dict):
-        return ["dict", [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in dict.items(value)]]
+        pairs = dict.items(value)
+        return ["dict", [[encode(k, depth + 1, ref), encode(v, depth + 1, ref)] for k, v in pairs]]
+    if ref is not None:
+        return ["ref", ref(value)]
     raise TypeError(f"a {kind.__name__} is not plain data")
 
 
-def decode(data, depth=0, budget=None):
-    """The value of `encode`'s output, validating every tag and shape (ValueError otherwise)."""
+def decode(data, depth=0, budget=None, resolve=None):
+    """The value of `encode`'s output, validating every tag and shape (ValueError otherwise); a
+    "ref" is accepted only where `resolve` turns it into its object (never on the host)."""
     budget = budget if budget is not None else [_MAX_ITEMS]
     budget[0] -= 1
     if depth > _MAX_DEPTH or budget[0] < 0:
@@ -107,17 +112,21 @@ def decode(data, depth=0, budget=None):
     if tag == "bytes" and type(payload) is str:
         return bytes.fromhex(payload)
     if tag in ("list", "tuple", "set", "frozenset") and type(payload) is list:
-        items = [decode(item, depth + 1, budget) for item in payload]
+        items = [decode(item, depth + 1, budget, resolve) for item in payload]
         return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[tag](items)
     if tag == "dict" and type(payload) is list:
         out = {}
         for pair in payload:
             if type(pair) is not list or len(pair) != 2:
                 raise ValueError("malformed dict item")
-            out[decode(pair[0], depth + 1, budget)] = decode(pair[1], depth + 1, budget)
+            key = decode(pair[0], depth + 1, budget, resolve)
+            out[key] = decode(pair[1], depth + 1, budget, resolve)
         return out
+    if tag == "ref" and resolve is not None:
+        return resolve(payload)
     raise ValueError(f"malformed {tag!r} value")
 '''
+CODEC_SOURCE = _CODEC  # for programs that run the codec in a process of their own (`replay`)
 _codec: dict = {}
 exec(_CODEC, _codec)  # noqa: S102 -- encode / decode here, from the one source the children get
 encode, decode = _codec["encode"], _codec["decode"]

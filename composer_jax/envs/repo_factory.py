@@ -6,7 +6,9 @@ local folder), find its source modules, tests and pytest settings (`find_layout`
 suite once on the original through the runner's `survey` mode, which also records which source
 functions each test calls, then for each covered function (signature and docstring kept, body
 replaced by `raise NotImplementedError`) grade the deletion and the original through the real
-grading path. Every candidate dropped is counted under its reason.
+grading path, then record the graded tests' calls to the function for replay grading
+(`attach_replay`, see `replay`) and check it the same way. Every candidate dropped is counted
+under its reason.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from composer_jax.envs import harness, isolation, repo_grading
+from composer_jax.envs import harness, isolation, replay, repo_grading
 from composer_jax.envs.deletion import deletable_functions, delete_body
-from composer_jax.envs.task import GradeResult, Task, grade_solution
+from composer_jax.envs.task import GradeResult, Task, grade_solution, replay_solution
 
 _INI_FILES = (
     ("pytest.ini", "[pytest]"),
@@ -163,25 +165,20 @@ def _keep(files: dict[str, str], path: Path, relative: str) -> None:
             pass
 
 
-def survey(repo: Repository, seconds: float = 600.0) -> tuple[dict[str, str], dict, list]:
-    """(outcome of every test on the original, {test: [(module path, qualname), ...]}, the
-    collectors that failed to collect)."""
+def _run_runner(files: dict[str, str], settings: dict, name: str, seconds: float) -> tuple:
+    """(the verdict, the tree's root) of the runner on a temporary copy of `files`, on the
+    host; `settings` says the mode (see `repo_runner`)."""
     with tempfile.TemporaryDirectory(prefix="cj_survey_") as work:
         root = Path(work) / "repo"
-        for path, text in repo.files.items():
+        for path, text in files.items():
             (root / path).parent.mkdir(parents=True, exist_ok=True)
             (root / path).write_text(text, encoding="utf-8")
-        sources = [p for p in repo.files if repo_grading.is_source_module(p, repo.source_roots)]
         settings = {
             "runner": repo_grading.runner_source(),
-            "mode": "survey",
             "root": str(root),
             "lib": repo_grading.library_path(),
-            "paths": list(repo.test_paths),
-            "ini": repo.ini,
             "tmp": work,
-            "select": None,
-            "trace_files": [str(root / p) for p in sources],
+            **{k: v(root) if callable(v) else v for k, v in settings.items()},
         }
         command = [isolation.python_executable(), "-I", "-S", "-B", "-c", harness.RUNNER_BOOT]
         try:
@@ -194,11 +191,25 @@ def survey(repo: Repository, seconds: float = 600.0) -> tuple[dict[str, str], di
                 cwd=work,
             )
         except subprocess.TimeoutExpired:
-            raise FactoryError(f"{repo.name}: the suite ran past {seconds:.0f}s") from None
+            raise FactoryError(f"{name}: the suite ran past {seconds:.0f}s") from None
         try:
-            verdict = json.loads(result.stdout.strip().splitlines()[-1])
+            return json.loads(result.stdout.strip().splitlines()[-1]), root
         except (ValueError, IndexError):
-            raise FactoryError(f"{repo.name}: the suite did not run: {result.stderr[-800:]}")
+            raise FactoryError(f"{name}: the suite did not run: {result.stderr[-800:]}") from None
+
+
+def survey(repo: Repository, seconds: float = 600.0) -> tuple[dict[str, str], dict, list]:
+    """(outcome of every test on the original, {test: [(module path, qualname), ...]}, the
+    collectors that failed to collect)."""
+    sources = [p for p in repo.files if repo_grading.is_source_module(p, repo.source_roots)]
+    settings = {
+        "mode": "survey",
+        "paths": list(repo.test_paths),
+        "ini": repo.ini,
+        "select": None,
+        "trace_files": lambda root: [str(root / p) for p in sources],
+    }
+    verdict, root = _run_runner(repo.files, settings, repo.name, seconds)
     prefix = str(root) + "/"
     coverage = {
         test: [tuple(c.removeprefix(prefix).split(":", 1)) for c in calls]
@@ -207,10 +218,94 @@ def survey(repo: Repository, seconds: float = 600.0) -> tuple[dict[str, str], di
     return verdict["tests"], coverage, verdict["errors"]
 
 
-def make_task(repo: Repository, path: str, deletion: tuple, tests, split: str) -> Task:
-    """The task of deleting one function (`deletion` as `deletable_functions` gives it)."""
+MAX_CALLS_PER_TEST = 16
+MAX_CALL_BYTES = 16_384
+
+
+def record_calls(task: Task, seconds: float = 300.0) -> tuple[dict[str, list], dict[str, int]]:
+    """({graded test: [encoded (args, kwargs) of each call it makes to the task's function]},
+    {graded test: calls whose arguments are not plain data}), on the original code."""
+    path, qualname = task.metadata["path"], task.metadata["deletion"][0]
+    settings = {
+        "mode": "record",
+        "paths": sorted({t.split("::", 1)[0] for t in task.graded_tests}),
+        "ini": task.grader.get("ini"),
+        "select": list(task.graded_tests),
+        "codec": harness.CODEC_SOURCE,
+        "target": lambda root: [str(root / path), qualname],
+        "max_calls": MAX_CALLS_PER_TEST,
+        "max_bytes": MAX_CALL_BYTES,
+    }
+    verdict, _ = _run_runner({**task.files, **task.oracle_files}, settings, task.task_id, seconds)
+    calls = {t: verdict.get("calls", {}).get(t, []) for t in task.graded_tests}
+    opaque = {t: int(verdict.get("opaque_calls", {}).get(t, 0)) for t in task.graded_tests}
+    return calls, opaque
+
+
+MAX_REPLAYED_CALLS = 64
+
+
+def attach_replay(task: Task, backend: str) -> tuple[Task, str]:
+    """The task with its replay (the graded tests' calls to the function and the original's
+    outcomes, see `replay`), narrowed to the graded tests that make a replayable call, and
+    "kept"; or the task unchanged and why nothing can be replayed (arguments or results that
+    are not plain data, outcomes that differ between two runs of the original)."""
+    recorded, opaque = record_calls(task)
+    calls = {
+        "module": replay.module_name(task.metadata["path"]),
+        "qualname": task.metadata["deletion"][0],
+        "calls": [{"test": t, "input": c} for t in task.graded_tests for c in recorded[t]],
+    }
+    if not calls["calls"]:
+        return task, "no call with plain-data arguments"
+    options = {"backend": backend, "require_isolation": False}
+    first = replay_solution(task, task.oracle_files, calls, **options)
+    second = replay_solution(task, task.oracle_files, calls, **options)
+    if first is None or second is None:
+        return task, "the original does not replay"
+    per_test = collections.defaultdict(list)
+    for index, call in enumerate(calls["calls"]):
+        if replay.replayable(call, first[index]) and replay.same(second[index], first[index]):
+            per_test[call["test"]].append(index)
+    if not per_test:
+        return task, "no replayable call"
+    budget = max(1, MAX_REPLAYED_CALLS // len(per_test))
+    kept = sorted(i for indices in per_test.values() for i in indices[:budget])
+    calls["calls"] = [calls["calls"][i] for i in kept]
+    calls["expected"] = [first[i] for i in kept]
+    counts = {
+        "recorded": sum(map(len, recorded.values())),
+        "not_plain_data": sum(opaque.values()),
+        "replayed": len(kept),
+        "tests_without_replay": len(task.graded_tests) - len(per_test),
+    }
+    narrowed = dataclasses.replace(
+        task,
+        grader={**task.grader, "replay": calls},
+        graded_tests=tuple(t for t in task.graded_tests if t in per_test),
+        metadata={**task.metadata, "replay": counts},
+    )
+    return narrowed, "kept"
+
+
+def make_task(
+    repo: Repository,
+    path: str,
+    deletion: tuple,
+    tests,
+    split: str,
+    *,
+    replay: dict | None = None,
+    replay_counts: dict | None = None,
+) -> Task:
+    """The task of deleting one function (`deletion` as `deletable_functions` gives it), with
+    its replay when one was recorded (`attach_replay`)."""
     qualname, first, last, indent = deletion
     original = repo.files[path]
+    grader = repo.grader() if replay is None else {**repo.grader(), "replay": replay}
+    metadata = {"repository": repo.name, "path": path, "deletion": list(deletion)}
+    if replay is not None:
+        metadata["replay"] = dict(replay_counts or {})
     return Task(
         task_id=f"{repo.name}/{path}:{qualname}",
         prompt=(
@@ -219,7 +314,7 @@ def make_task(repo: Repository, path: str, deletion: tuple, tests, split: str) -
             f"package's tests pass again.\n"
         ),
         files={**repo.files, path: delete_body(original, first, last, indent)},
-        grader=repo.grader(),
+        grader=grader,
         graded_tests=tuple(tests),
         visible_test_command=repo_grading.visible_test_command(
             sorted({test.split("::", 1)[0] for test in tests})
@@ -230,7 +325,7 @@ def make_task(repo: Repository, path: str, deletion: tuple, tests, split: str) -
         oracle_files={path: original},
         split=split,
         family="repository",
-        metadata={"repository": repo.name, "path": path, "deletion": list(deletion)},
+        metadata=metadata,
         group=f"repository={repo.name}",
     )
 
@@ -331,9 +426,47 @@ def build_tasks(
             )
             baseline = original.scores.get("collection_errors", 0)
         task, why = verify(task, backend, baseline)
+        if task is not None:
+            task, why = with_verified_replay(task, backend)
         if task is None:
             report.dropped[why] += 1
             continue
         tasks.append(task)
         report.kept += 1
     return repo, sorted(tasks, key=lambda t: t.task_id), report
+
+
+def with_verified_replay(task: Task, backend: str) -> tuple[Task | None, str]:
+    """The task with its replay once the replay grading gives the original 1.0 and the deletion
+    0, or None and why it is dropped (a task without a replay is never shipped: its reward
+    would rest on a verdict written inside the candidate's process)."""
+    task, why = attach_replay(task, backend)
+    if why != "kept":
+        return None, why
+    options = {"backend": backend, "require_isolation": False}
+    if grade_solution(task, task.oracle_files, **options).reward != 1.0:
+        return None, "the original fails its replay"
+    if grade_solution(task, {}, **options).reward != 0.0:
+        return None, "the deletion passes its replay"
+    return task, "kept"
+
+
+def add_replay(
+    tasks: list[Task],
+    backend: str = "auto",
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[list[Task], BuildReport]:
+    """Replay recorded for tasks that were verified without one (a task set written before
+    replay grading), keeping their ids and splits; the others dropped with their reason."""
+    report, kept = BuildReport(), []
+    for index, task in enumerate(tasks):
+        report.candidates += 1
+        task, why = with_verified_replay(task, backend)
+        if task is None:
+            report.dropped[why] += 1
+        else:
+            kept.append(task)
+            report.kept += 1
+        if progress is not None:
+            progress(index + 1, len(tasks))
+    return kept, report

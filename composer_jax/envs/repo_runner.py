@@ -26,7 +26,8 @@ against the exact expected test ids; anything else (a second message, a crash, a
 tampered snapshot) grades as nothing passed.
 
 In `survey` mode (the task factory, on the original code) it records which source functions each
-test calls, through `sys.monitoring`; in `collect` mode (the trusted warm-up of a grading slot)
+test calls, through `sys.monitoring`; in `record` mode, the arguments of every call the tests
+make to one function (the inputs replay grading calls it on, see `replay`); in `collect` mode (the trusted warm-up of a grading slot)
 it only collects, writing the tests' bytecode to the cache.
 """
 
@@ -252,7 +253,7 @@ class Guard:
 class Recorder:
     """The pytest plugin that selects the wanted tests and records each one's outcome."""
 
-    def __init__(self, select, guard: Guard | None, coverage: "Coverage | None"):
+    def __init__(self, select, guard: Guard | None, coverage: "Coverage | CallLog | None"):
         self.select = set(select) if select is not None else None
         self.guard = guard
         self.coverage = coverage
@@ -319,6 +320,126 @@ class Coverage:
         self.current = self.calls.setdefault(nodeid, set())
 
 
+class CallLog:
+    """The calls the tests make to one function (`record` mode): each outermost call's
+    arguments as the codec's plain data, encoded at the call's start (before the function can
+    mutate them); a call whose arguments are not plain data is counted, not kept. Arguments
+    that are the function's own default object are left out, so the replay uses the default
+    (sentinels such as `object()` are not plain data)."""
+
+    def __init__(self, root: str, target: list, codec: dict, max_calls: int, max_bytes: int):
+        self.root = root.rstrip("/")
+        self.file, self.qualname = target
+        self.encode = codec["encode"]
+        self.max_calls, self.max_bytes = max_calls, max_bytes
+        self.calls: dict[str, list] = {}
+        self.opaque: dict[str, int] = {}
+        self.current: str | None = None
+        monitoring = sys.monitoring
+        monitoring.use_tool_id(4, "composer_jax_calls")
+        monitoring.register_callback(4, monitoring.events.PY_START, self._on_start)
+        monitoring.set_events(4, monitoring.events.PY_START)
+
+    def begin(self, nodeid: str) -> None:
+        self.current = nodeid
+        self.calls.setdefault(nodeid, [])
+        self.opaque.setdefault(nodeid, 0)
+
+    def _on_start(self, code, offset):
+        if code.co_filename != self.file or code.co_qualname != self.qualname:
+            return sys.monitoring.DISABLE
+        frame = sys._getframe(1)
+        outer = frame.f_back
+        while outer is not None:  # a recursive call is part of the outermost one
+            if outer.f_code is code:
+                return None
+            outer = outer.f_back
+        if self.current is None or len(self.calls[self.current]) >= self.max_calls:
+            return None
+        try:
+            record = self.encode(list(_arguments(frame, code)), ref=self._name)
+        except (TypeError, KeyError, RecursionError):
+            self.opaque[self.current] += 1
+            return None
+        if len(_DUMPS(record)) > self.max_bytes:
+            self.opaque[self.current] += 1
+        else:
+            self.calls[self.current].append(record)
+        return None
+
+    def _name(self, value) -> list:
+        """[module, qualname, import root] of a function or class that importing its module
+        finds again (a builtin, the package's, a test module's); the import root is relative to
+        the tree (None outside it). TypeError for anything else (a lambda, a partial...)."""
+        module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
+        if type(module) is not str or type(qualname) is not str or "<" in qualname:
+            raise TypeError(f"a {type(value).__name__} without an importable name")
+        found = owner = sys.modules.get(module)
+        for part in qualname.split("."):
+            found = getattr(found, part, None)
+        if found is not value:
+            raise TypeError(f"{module}.{qualname} is not importable as itself")
+        file = getattr(owner, "__file__", None) or ""
+        if not file.startswith(self.root + "/"):
+            return [module, qualname, None]
+        base = os.path.dirname(file)
+        for _ in range(module.count(".") + (os.path.basename(file) == "__init__.py")):
+            base = os.path.dirname(base)
+        return [module, qualname, os.path.relpath(base, self.root)]
+
+
+_CO_VARARGS, _CO_VARKEYWORDS = 0x04, 0x08
+
+
+def _arguments(frame, code) -> tuple[list, dict]:
+    """(positional, keyword) arguments of a call from its frame at the call's start."""
+    names, values = code.co_varnames, frame.f_locals
+    count, kw_count = code.co_argcount, code.co_kwonlyargcount
+    defaults = _defaults(frame, code)
+    args, kwargs, by_keyword = [], {}, False
+    for name in names[:count]:
+        if name in defaults and values[name] is defaults[name]:
+            by_keyword = True  # a later argument can no longer go by position
+        elif by_keyword:
+            kwargs[name] = values[name]
+        else:
+            args.append(values[name])
+    for name in names[count : count + kw_count]:
+        if not (name in defaults and values[name] is defaults[name]):
+            kwargs[name] = values[name]
+    index = count + kw_count
+    if code.co_flags & _CO_VARARGS:
+        if by_keyword and values[names[index]]:
+            raise TypeError("extra positional arguments after a default")
+        args.extend(values[names[index]])
+        index += 1
+    if code.co_flags & _CO_VARKEYWORDS:
+        kwargs.update(values[names[index]])
+    return args, kwargs
+
+
+def _defaults(frame, code) -> dict:
+    """{parameter: default object} of the function whose code runs in `frame` (found through
+    its module's namespace, decorators unwrapped); empty when it cannot be found."""
+    parts = code.co_qualname.split(".")
+    function = frame.f_globals.get(parts[0])
+    for part in parts[1:]:
+        function = vars(function).get(part) if isinstance(function, type) else None
+    while function is not None and getattr(function, "__code__", None) is not code:
+        function = getattr(function, "__wrapped__", None) or getattr(function, "__func__", None)
+    if function is None:
+        return {}
+    positional = code.co_varnames[: code.co_argcount]
+    found = dict(
+        zip(
+            positional[len(positional) - len(function.__defaults__ or ()) :],
+            function.__defaults__ or (),
+        )
+    )
+    found.update(function.__kwdefaults__ or {})
+    return found
+
+
 def _report_channel() -> tuple[int, tuple[int, int]]:
     """A private descriptor for the verdict (the pipe on fd 1); fd 1 then goes to stderr."""
     fd = os.dup(1)
@@ -373,6 +494,12 @@ def main(settings: dict) -> None:
     if grading:
         guard = Guard(root, settings.get("lib", []), settings.get("candidate_files", []))
     coverage = Coverage(settings["trace_files"]) if settings["mode"] == "survey" else None
+    if settings["mode"] == "record":  # the calls the tests make to one function
+        codec: dict = {}
+        exec(settings["codec"], codec)  # noqa: S102 -- the harness's plain-data codec (source)
+        coverage = CallLog(
+            root, settings["target"], codec, settings["max_calls"], settings["max_bytes"]
+        )
     recorder = Recorder(settings.get("select"), guard, coverage)
     import pytest
 
@@ -394,8 +521,10 @@ def main(settings: dict) -> None:
         "tampered": sorted(set(recorder.tampered)),
         "blocked": guard.blocked[:50] if guard is not None else [],
     }
-    if coverage is not None:
+    if isinstance(coverage, Coverage):
         verdict["coverage"] = {k: sorted(v) for k, v in coverage.calls.items()}
+    elif isinstance(coverage, CallLog):
+        verdict["calls"], verdict["opaque_calls"] = coverage.calls, coverage.opaque
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -6,7 +6,12 @@ files) before the tasks that use it, then one record per task:
 
     {"id": "toolz/toolz/itertoolz.py:interleave", "repository": "toolz",
      "path": "toolz/itertoolz.py", "deletion": ["interleave", first_line, last_line, indent],
-     "graded_tests": ["toolz/tests/test_itertoolz.py::test_interleave"], "split": "train"}
+     "graded_tests": ["toolz/tests/test_itertoolz.py::test_interleave"], "split": "train",
+     "replay": {"module", "qualname", "calls": [{"test", "input"}, ...], "expected": [...]},
+     "replay_counts": {"recorded", "not_plain_data", "replayed"}}
+
+`replay` (optional) is what replay grading calls the function on and the original's outcomes
+(see `envs.replay`); a task without it is graded by its tests alone.
 
 The repository's files are stored once; each task is rebuilt from its deletion, so a set of
 hundreds of tasks over one package costs the package once. The sets shipped with the project
@@ -52,6 +57,9 @@ def write_task_set(path: str | Path, repo: Repository, tasks: list[Task]) -> Non
                 "graded_tests": list(task.graded_tests),
                 "split": task.split,
             }
+            if "replay" in task.grader:
+                record["replay"] = task.grader["replay"]
+                record["replay_counts"] = task.metadata.get("replay", {})
             f.write(json.dumps(record) + "\n")
 
 
@@ -78,6 +86,8 @@ def read_task_set(path: str | Path) -> list[Task]:
                     tuple(record["deletion"]),
                     record["graded_tests"],
                     record.get("split", "train"),
+                    replay=record.get("replay"),
+                    replay_counts=record.get("replay_counts"),
                 )
             except (ValueError, KeyError, TypeError) as error:
                 raise TaskSetError(f"{where}: not a task-set record ({error!r})") from None
@@ -86,6 +96,16 @@ def read_task_set(path: str | Path) -> list[Task]:
             hidden = repo_grading.installed_copies(repo.source_roots)
             tasks.append(_with_hidden(task, hidden))
     return tasks
+
+
+def read_repository(path: str | Path) -> Repository:
+    """The repository record a set starts with."""
+    path = Path(path)
+    try:
+        with _open(path, "r") as f:
+            return Repository.from_json(json.loads(f.readline())["repository"])
+    except (OSError, ValueError, KeyError, TypeError, EOFError) as error:
+        raise TaskSetError(f"{path}:1: not a repository record ({error!r})") from None
 
 
 def _with_hidden(task: Task, hidden: tuple[str, ...]) -> Task:

@@ -14,7 +14,7 @@ import secrets
 import shlex
 from pathlib import Path
 
-from composer_jax.envs import harness, repo_grading
+from composer_jax.envs import harness, replay, repo_grading
 from composer_jax.envs.sandbox import Sandbox, SandboxLimits
 
 GRADER_KINDS = ("cases", "check", "unittest", "file", "pytest")
@@ -171,8 +171,35 @@ def run_grader(
     return outcomes, result.output.replace(nonce, "<nonce>")[-2000:], scores
 
 
+def run_replay(
+    sandbox: Sandbox,
+    root: Path,
+    calls: dict,
+    limits: SandboxLimits | None = None,
+    hidden_paths: tuple[str, ...] = (),
+) -> list[dict] | None:
+    """The outcomes of replaying `calls` (a grader's `replay` entry: module, qualname, calls) on
+    the grading tree at `root`, in a fresh command of the sandbox; None when the replay gave no
+    well-formed reply (see `replay`)."""
+    command, stdin, marker = replay.command(root, calls)
+    result = sandbox.run(
+        command,
+        stdin=stdin,
+        limits=limits,
+        hidden_paths=hidden_paths,
+        extra_ro_binds=repo_grading.read_only_binds(root) if sandbox.isolated else None,
+    )
+    try:
+        return replay.parse(result.output, marker, len(calls["calls"]))
+    except replay.ReplayError:
+        return None
+
+
 def grade(sandbox: Sandbox, task: Task, limits: SandboxLimits | None = None) -> GradeResult:
-    """Runs the task's hidden tests against the sandbox's workspace (a fresh command)."""
+    """Runs the task's hidden tests against the sandbox's workspace (a fresh command); a
+    repository task with recorded calls is rewarded by the share of replayed calls that match
+    the original's outcomes, each counting only when the test that made it passed."""
+    replayed = None
     if task.grader["kind"] == "pytest":
         with repo_grading.grading_tree(task.files, sandbox.workspace, task.grader) as tree:
             root, candidates = tree
@@ -181,11 +208,36 @@ def grade(sandbox: Sandbox, task: Task, limits: SandboxLimits | None = None) -> 
             outcomes, log, scores = run_grader(
                 sandbox, spec, limits, task.grading_hidden_paths, binds
             )
+            if "replay" in task.grader:
+                replayed = run_replay(
+                    sandbox, root, task.grader["replay"], limits, task.grading_hidden_paths
+                )
     else:
         outcomes, log, scores = run_grader(sandbox, task.grader, limits, task.grading_hidden_paths)
+    if "replay" in task.grader:
+        return _replay_result(task, outcomes, log, scores, replayed)
     passed = sum(outcomes.get(test) == "pass" for test in task.graded_tests)
     total = len(task.graded_tests)
     return GradeResult(passed / total, passed, total, outcomes, log, scores)
+
+
+def _replay_result(task: Task, outcomes, log, scores, replayed) -> GradeResult:
+    """The reward of a replayed task: matched calls over recorded calls; a graded test passes
+    when pytest passed it and every call it made matched."""
+    calls = task.grader["replay"]
+    matched, total = replay.reward(calls, replayed, outcomes)
+    outcomes = dict(outcomes)
+    for index, call in enumerate(calls["calls"]):
+        test = call["test"]
+        if outcomes.get(test) == "pass" and (
+            replayed is None or not replay.same(replayed[index], calls["expected"][index])
+        ):
+            outcomes[test] = "replay_mismatch"
+    passed = sum(outcomes.get(test) == "pass" for test in task.graded_tests)
+    scores = {**scores, "replay_matched": float(matched), "replay_calls": float(total)}
+    if replayed is None:
+        scores["replay_void"] = 1.0
+    return GradeResult(matched / total, passed, len(task.graded_tests), outcomes, log, scores)
 
 
 def grade_solution(
@@ -198,3 +250,13 @@ def grade_solution(
     merged = {path: text for path, text in {**task.files, **files}.items() if text is not None}
     with Sandbox.from_files(merged, **options) as sandbox:
         return grade(sandbox, task, limits or GRADING_LIMITS)
+
+
+def replay_solution(task: Task, files: dict[str, str], calls: dict, **sandbox_options):
+    """The outcomes of replaying `calls` on `files` laid over the task's files (the factory
+    records the original's this way, through the same sandbox and tree as a grading)."""
+    options = {"hidden_paths": task.hidden_paths, **sandbox_options}
+    merged = {path: text for path, text in {**task.files, **files}.items() if text is not None}
+    with Sandbox.from_files(merged, **options) as sandbox:
+        with repo_grading.grading_tree(task.files, sandbox.workspace, task.grader) as tree:
+            return run_replay(sandbox, tree[0], calls, GRADING_LIMITS, task.grading_hidden_paths)

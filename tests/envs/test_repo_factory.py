@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from composer_jax.envs import repo_factory
-from composer_jax.envs.repo_task_sets import read_task_set
+from composer_jax.envs.repo_task_sets import read_task_set, write_task_set
 from composer_jax.envs.sources import load_task_source
 from composer_jax.envs.task import grade_solution
 
@@ -92,16 +92,42 @@ def test_a_new_package_becomes_verified_tasks_through_the_command(tmp_path):
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "4 of 5 candidates kept" in result.stdout
+    assert "2 of 5 candidates kept" in result.stdout
     assert "1 tests pass with the deletion" in result.stdout
+    # A method's calls carry `self`, which is not plain data: nothing to replay.
+    assert "2 no call with plain-data arguments" in result.stdout
     tasks = read_task_set(out)
     names = {t.task_id.rsplit(":", 1)[1] for t in tasks}
-    assert names == {"add_all", "reverse_words", "Clamp.__init__", "Clamp.apply"}
+    assert names == {"add_all", "reverse_words"}
     for task in tasks:
+        assert task.grader["replay"]["calls"] and task.metadata["replay"]["replayed"] >= 1
         assert grade_solution(task, task.oracle_files).reward == 1.0
         assert grade_solution(task, {}).reward == 0.0
     source = load_task_source(f"repositories:{out}")
-    assert source.size("train") + source.size("held_out") == 4
+    assert source.size("train") + source.size("held_out") == 2
+
+
+def test_a_set_made_without_replay_gets_it_with_the_same_ids_and_splits(tmp_path):
+    package = write_package(tmp_path / "tinypkg-src")
+    repo = repo_factory.find_layout(package, "tinypkg", "0", "path")
+    path, tests = "tinypkg/core.py", ["tests/test_core.py::test_add_all"]
+    deletion = next(
+        d for d in repo_factory.deletable_functions(repo.files[path]) if d[0] == "add_all"
+    )
+    old = tmp_path / "old.jsonl"
+    write_task_set(old, repo, [repo_factory.make_task(repo, path, deletion, tests, "held_out")])
+    new = tmp_path / "new.jsonl"
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.make_tasks", f"--from_set={old}", f"--out={new}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    (task,) = read_task_set(new)
+    assert (task.task_id, task.split) == ("tinypkg/tinypkg/core.py:add_all", "held_out")
+    assert [c["test"] for c in task.grader["replay"]["calls"]] == tests
 
 
 def test_a_folder_without_a_package_is_refused_in_one_line(tmp_path):

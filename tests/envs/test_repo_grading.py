@@ -1,6 +1,7 @@
-"""Repository tasks graded by the repository's own pytest suite: the shipped sets hold (original
-1.0, deletion 0), and every attack on the grading scores 0 and is flagged, on each isolating
-backend usable here, on tasks of two packages."""
+"""Repository tasks graded by the repository's own pytest suite and the replay of the calls its
+tests make: the shipped sets hold (original 1.0, deletion 0), every attack on the grading
+scores 0 from the grading alone (and those a monitor can see are flagged), on each isolating
+backend usable here, on tasks of two packages (pytest-style and unittest-style tests)."""
 
 import importlib.util
 import json
@@ -88,11 +89,12 @@ def graded(task, files, backend):
     return result.reward, monitor.flags, 0.0 if monitor.flags else result.reward
 
 
-def test_the_shipped_sets_are_four_packages_and_at_least_200_tasks():
+def test_the_shipped_sets_are_four_packages_and_at_least_120_replayed_tasks():
     sets = shipped_sets()
     assert len(sets) >= 4
     tasks = [t for name in sets for t in shipped_tasks(name)]
-    assert len(tasks) >= 200
+    assert len(tasks) >= 120
+    assert all(t.grader["replay"]["calls"] for t in tasks)
     assert len({t.task_id for t in tasks}) == len(tasks)
     held_out = {t.metadata["repository"] for t in tasks if t.split == "held_out"}
     train = {t.metadata["repository"] for t in tasks if t.split == "train"}
@@ -109,10 +111,13 @@ def _sample(count, seed=0):
     return random.Random(seed).sample(tasks, count)
 
 
-@pytest.mark.parametrize("task", _sample(40), ids=lambda t: t.task_id)
-def test_a_sample_of_shipped_tasks_scores_1_with_the_original_and_0_deleted(task):
-    assert grade_solution(task, task.oracle_files).reward == 1.0
-    assert grade_solution(task, {}).reward == 0.0
+@pytest.mark.parametrize("backend", ISOLATING)
+@pytest.mark.parametrize("task", _sample(20), ids=lambda t: t.task_id)
+def test_a_sample_of_shipped_tasks_scores_1_with_the_original_and_0_deleted(task, backend):
+    options = {"backend": backend, "require_isolation": True}
+    assert "replay" in task.grader
+    assert grade_solution(task, task.oracle_files, **options).reward == 1.0
+    assert grade_solution(task, {}, **options).reward == 0.0
 
 
 @pytest.mark.slow
@@ -121,6 +126,7 @@ def test_every_shipped_task_scores_1_with_the_original_and_0_deleted(backend):
     for name in shipped_sets():
         for task in shipped_tasks(name):
             options = {"backend": backend}
+            assert "replay" in task.grader, task.task_id
             assert grade_solution(task, task.oracle_files, **options).reward == 1.0, task.task_id
             assert grade_solution(task, {}, **options).reward == 0.0, task.task_id
 
@@ -296,15 +302,13 @@ def test_every_attack_scores_0_and_is_flagged(package, backend):
         reward, flags, final = graded(task, files, backend)
         assert final == 0.0, name
         assert flags, f"{name}: not flagged"
-        if name != "always-equal result":  # the one a monitor alone can catch
-            assert reward == 0.0, f"{name}: the grading itself gave {reward}"
+        assert reward == 0.0, f"{name}: the grading itself gave {reward}"
 
 
 # ------------------------------------------------------------- attacks on the verdict itself
-# While the verdict is written by the process that imports the candidate's module, a candidate
-# that authors it (or rewrites the tests it runs) can pass; replay grading (issue 47) makes the
-# reward depend on values only a correct implementation produces. Each attack is real: the
-# ones marked xfail score above 0 today.
+# A candidate that authors the pytest verdict (or rewrites the tests it runs) would pass a
+# grading that trusts it; the replay of recorded calls (`envs.replay`) rewards only the
+# original's values, computed where the candidate never runs.
 _FORGE_AND_EXIT = """
 import json, os
 def _forge_and_exit(ids):
@@ -393,16 +397,6 @@ VERDICT_ATTACKS = {
     "always-equal result": "always_equal",
     "sys.exit(0) in the function": "exit_in_function",
 }
-# The attacks that still pass the tests while the verdict is authored in the candidate's process
-# (an always-equal object passes more-itertools' assertEqual, not toolz's comparison).
-PASSING_TODAY = {
-    *((attack, package) for package in ATTACK_TASKS for attack in (
-        "a forged verdict, then os._exit(0)",
-        "a forged verdict, names built at run time",
-        "a forged verdict on every descriptor",
-    )),
-    ("always-equal result", "more_itertools"),
-}
 # Those that pass every graded test against the runner without its guard (its survey mode):
 # the attacks are real, not stopped by accident. (The parent's kill is left out: on the host the
 # parent is this test process.)
@@ -425,7 +419,9 @@ def _verdict_attack(task, name):
         "a forged verdict, names built at run time": _module_attack(
             task, _FORGE_AND_EXIT_HIDDEN + forge
         ),
-        "a forged verdict on every descriptor": _module_attack(task, _FORGE_EVERY_DESCRIPTOR + forge),
+        "a forged verdict on every descriptor": _module_attack(
+            task, _FORGE_EVERY_DESCRIPTOR + forge
+        ),
         "kill the parent process": _module_attack(task, _KILL_PARENT),
         "a thread rewrites the tests": _module_attack(task, _REWRITE_TESTS),
         "swap the tests' __code__": _module_attack(task, _SWAP_TEST_CODE),
@@ -434,16 +430,6 @@ def _verdict_attack(task, name):
             task, "\nimport sys\n", in_function="sys.exit(0)"
         ),
     }[name]
-
-
-def _verdict_params():
-    for attack, short in VERDICT_ATTACKS.items():
-        for package in ATTACK_TASKS:
-            marks = ()
-            if (attack, package) in PASSING_TODAY:
-                reason = "the verdict is written in the candidate's process until replay (#47)"
-                marks = pytest.mark.xfail(strict=True, reason=reason)
-            yield pytest.param(attack, package, marks=marks, id=f"{short}-{package}")
 
 
 @pytest.mark.parametrize("package", ATTACK_TASKS)
@@ -455,9 +441,11 @@ def test_the_verdict_attacks_are_real_against_an_unguarded_runner(package):
 
 
 @pytest.mark.parametrize("backend", ISOLATING)
-@pytest.mark.parametrize("attack,package", list(_verdict_params()))
+@pytest.mark.parametrize("package", ATTACK_TASKS)
+@pytest.mark.parametrize("attack", list(VERDICT_ATTACKS), ids=list(VERDICT_ATTACKS.values()))
 def test_an_attack_on_the_verdict_scores_0_from_the_grading_alone(attack, package, backend):
     task = attack_task(package)
-    result = grade_solution(task, _verdict_attack(task, attack), backend=backend,
-                            require_isolation=True)
+    result = grade_solution(
+        task, _verdict_attack(task, attack), backend=backend, require_isolation=True
+    )
     assert result.reward == 0.0, f"{attack}: the grading gave {result.reward}"
