@@ -112,10 +112,10 @@ def grading_rates(repeats: int) -> None:
         suite_only = {k: v for k, v in task.grader.items() if k != "replay"}
         kinds[f"{name} (pytest)"] = dataclasses.replace(task, grader=suite_only)
         kinds[f"{name} (pytest+replay)"] = task
-    print("task                           backend   grading ms  grading CPU ms  gradings/s")
+    print("task                             backend   grading ms  grading CPU ms  gradings/s")
     for backend in ("unshare", "bwrap"):
         if not isolation.usable(backend):
-            print(f"{'':29}  {backend:8}  n/a: not usable here")
+            print(f"{'':31}  {backend:8}  n/a: not usable here")
             continue
         for kind, task in kinds.items():
             with Sandbox.from_files(
@@ -128,7 +128,7 @@ def grading_rates(repeats: int) -> None:
                 grade_oracle()  # the first grading of a repository warms the slot's bytecode
                 wall, cpu = _timed(grade_oracle, repeats)
             print(
-                f"{kind:29}  {backend:8}  {wall * 1e3:10.1f}  {cpu * 1e3:14.1f}  {1 / wall:10.2f}"
+                f"{kind:31}  {backend:8}  {wall * 1e3:10.1f}  {cpu * 1e3:14.1f}  {1 / wall:10.2f}"
             )
 
 
