@@ -350,8 +350,9 @@ def _forge_and_exit(ids):
     os._exit(0)
 """
 _KILL_PARENT = "\nimport os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n"
-# A thread that turns every test function the tests' modules define into one that passes.
-_REWRITE_TESTS = """
+# A thread that keeps applying REWRITE to every test function of the tests' modules (module
+# level and in classes), `owner.key` being the function `value`.
+_TEST_REWRITER = """
 import sys, threading, time, types
 def _passes(*args, **kwargs):
     return None
@@ -363,31 +364,21 @@ def _rewrite_tests():
             for owner in [module, *[v for v in list(vars(module).values()) if isinstance(v, type)]]:
                 for key, value in list(vars(owner).items()):
                     if key.startswith("test") and isinstance(value, types.FunctionType):
-                        if value is not _passes:
-                            setattr(owner, key, _passes)
+                        REWRITE
         time.sleep(0.001)
 sys.setswitchinterval(1e-5)  # so the thread runs between the runner's steps
 threading.Thread(target=_rewrite_tests, daemon=True).start()
 """
-# The same rewrite, by swapping the code objects of the functions pytest already collected.
-_SWAP_TEST_CODE = """
-import sys, threading, time, types
-def _pass(*args, **kwargs):
-    return None
-def _swap_code():
-    for _ in range(2000):
-        for name, module in list(sys.modules.items()):
-            if "test" not in name.rsplit(".", 1)[-1]:
-                continue
-            for owner in [module, *[v for v in list(vars(module).values()) if isinstance(v, type)]]:
-                for key, value in list(vars(owner).items()):
-                    if key.startswith("test") and isinstance(value, types.FunctionType):
-                        if value.__code__ is not _pass.__code__ and not value.__code__.co_freevars:
-                            value.__code__ = _pass.__code__
-        time.sleep(0.001)
-sys.setswitchinterval(1e-5)
-threading.Thread(target=_swap_code, daemon=True).start()
-"""
+# Each test function replaced by one that passes.
+_REWRITE_TESTS = _TEST_REWRITER.replace(
+    "REWRITE", "setattr(owner, key, _passes) if value is not _passes else None"
+)
+# The same, by swapping the code objects of the functions pytest already collected.
+_SWAP_TEST_CODE = _TEST_REWRITER.replace(
+    "REWRITE",
+    "if value.__code__ is not _passes.__code__ and not value.__code__.co_freevars:\n"
+    "                            value.__code__ = _passes.__code__",
+)
 
 VERDICT_ATTACKS = {
     "a forged verdict, then os._exit(0)": "forged",
