@@ -75,6 +75,7 @@ def test_original_bytecode_tests_and_cache_are_unreachable(tasks, cache_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_fifty_tasks_in_a_few_minutes(tmp_path):
     start = time.monotonic()
     tasks = synthesize_stdlib_tasks(50, seed=0, cache_dir=tmp_path, time_budget_s=600)

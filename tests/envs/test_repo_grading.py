@@ -122,6 +122,7 @@ def test_a_sample_of_shipped_tasks_scores_1_with_the_original_and_0_deleted(task
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ISOLATING)
+@pytest.mark.timeout(1500)
 def test_every_shipped_task_scores_1_with_the_original_and_0_deleted(backend):
     for name in shipped_sets():
         for task in shipped_tasks(name):
