@@ -486,5 +486,6 @@ def test_fuzzed_turns_never_crash_the_episode():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # 50 times the default tier's twin (about 10 s there)
 def test_fuzzed_turns_never_crash_the_episode_at_length():
     _fuzz(10_000, seed=random.randrange(1 << 30))
