@@ -163,8 +163,8 @@ def command(root: str | Path, replay: dict) -> tuple[str, str, str]:
         "qualname": replay["qualname"],
         "calls": [call["input"] for call in replay["calls"]],
         "lib": repo_grading.library_path(),
-        "items": replay.get("items", ITEMS),
-        "call_seconds": replay.get("call_seconds", CALL_SECONDS),
+        "items": ITEMS,
+        "call_seconds": CALL_SECONDS,
         "max_bytes": MAX_OUTCOME_BYTES,
         "marker": marker,
     }
@@ -255,11 +255,9 @@ def replayable(call: dict, outcome: dict) -> bool:
     return not (result == ["value", ["none"]] and outcome["args_after"] == call["input"])
 
 
-def reward(replay: dict, outcomes: list[dict] | None, tests: dict[str, str]) -> tuple[int, int]:
-    """(matched, total) replayed calls: a call matches when its outcome equals the expected
-    one and the test that made it passed (`outcomes` None: the replay gave nothing)."""
-    matched = 0
-    for index, call in enumerate(replay["calls"]):
-        if outcomes is not None and tests.get(call["test"]) == "pass":
-            matched += same(outcomes[index], replay["expected"][index])
-    return matched, len(replay["calls"])
+def matches(replay: dict, outcomes: list[dict] | None) -> list[bool]:
+    """Per recorded call, whether its replayed outcome equals the expected one (`outcomes`
+    None: the replay gave nothing, so none does)."""
+    if outcomes is None:
+        return [False] * len(replay["calls"])
+    return [same(got, want) for got, want in zip(outcomes, replay["expected"])]

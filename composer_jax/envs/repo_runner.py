@@ -27,8 +27,9 @@ tampered snapshot) grades as nothing passed.
 
 In `survey` mode (the task factory, on the original code) it records which source functions each
 test calls, through `sys.monitoring`; in `record` mode, the arguments of every call the tests
-make to one function (the inputs replay grading calls it on, see `replay`); in `collect` mode (the trusted warm-up of a grading slot)
-it only collects, writing the tests' bytecode to the cache.
+make to one function (the inputs replay grading calls it on, see `replay`); in `collect` mode
+(the trusted warm-up of a grading slot) it only collects, writing the tests' bytecode to the
+cache.
 """
 
 import importlib

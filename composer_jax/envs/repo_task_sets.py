@@ -8,7 +8,7 @@ files) before the tasks that use it, then one record per task:
      "path": "toolz/itertoolz.py", "deletion": ["interleave", first_line, last_line, indent],
      "graded_tests": ["toolz/tests/test_itertoolz.py::test_interleave"], "split": "train",
      "replay": {"module", "qualname", "calls": [{"test", "input"}, ...], "expected": [...]},
-     "replay_counts": {"recorded", "not_plain_data", "replayed"}}
+     "replay_counts": {"recorded", "not_plain_data", "replayed", "tests_without_replay"}}
 
 `replay` (optional) is what replay grading calls the function on and the original's outcomes
 (see `envs.replay`); a task without it is graded by its tests alone.

@@ -222,17 +222,19 @@ def grade(sandbox: Sandbox, task: Task, limits: SandboxLimits | None = None) -> 
 
 
 def _replay_result(task: Task, outcomes, log, scores, replayed) -> GradeResult:
-    """The reward of a replayed task: matched calls over recorded calls; a graded test passes
-    when pytest passed it and every call it made matched."""
+    """The reward of a replayed task: matched calls over recorded calls, a call counting only
+    when the test that made it passed; a graded test passes when pytest passed it and every call
+    it made matched."""
     calls = task.grader["replay"]
-    matched, total = replay.reward(calls, replayed, outcomes)
-    outcomes = dict(outcomes)
-    for index, call in enumerate(calls["calls"]):
-        test = call["test"]
-        if outcomes.get(test) == "pass" and (
-            replayed is None or not replay.same(replayed[index], calls["expected"][index])
-        ):
-            outcomes[test] = "replay_mismatch"
+    total = len(calls["calls"])
+    tests_passed = dict(outcomes)
+    outcomes, matched = dict(outcomes), 0
+    for call, ok in zip(calls["calls"], replay.matches(calls, replayed)):
+        if tests_passed.get(call["test"]) != "pass":
+            continue
+        matched += ok
+        if not ok:
+            outcomes[call["test"]] = "replay_mismatch"
     passed = sum(outcomes.get(test) == "pass" for test in task.graded_tests)
     scores = {**scores, "replay_matched": float(matched), "replay_calls": float(total)}
     if replayed is None:
@@ -246,17 +248,20 @@ def grade_solution(
     """Grades `files` (relative path -> content, laid over the task's files; None deletes the
     task's file) in a fresh sandbox; e.g. `grade_solution(task, task.oracle_files).reward ==
     1.0`."""
-    options = {"hidden_paths": task.hidden_paths, **sandbox_options}
-    merged = {path: text for path, text in {**task.files, **files}.items() if text is not None}
-    with Sandbox.from_files(merged, **options) as sandbox:
+    with _solution_sandbox(task, files, sandbox_options) as sandbox:
         return grade(sandbox, task, limits or GRADING_LIMITS)
 
 
 def replay_solution(task: Task, files: dict[str, str], calls: dict, **sandbox_options):
     """The outcomes of replaying `calls` on `files` laid over the task's files (the factory
     records the original's this way, through the same sandbox and tree as a grading)."""
-    options = {"hidden_paths": task.hidden_paths, **sandbox_options}
-    merged = {path: text for path, text in {**task.files, **files}.items() if text is not None}
-    with Sandbox.from_files(merged, **options) as sandbox:
+    with _solution_sandbox(task, files, sandbox_options) as sandbox:
         with repo_grading.grading_tree(task.files, sandbox.workspace, task.grader) as tree:
             return run_replay(sandbox, tree[0], calls, GRADING_LIMITS, task.grading_hidden_paths)
+
+
+def _solution_sandbox(task: Task, files: dict[str, str], sandbox_options: dict) -> Sandbox:
+    """A fresh sandbox holding `files` laid over the task's files (None deletes a file)."""
+    options = {"hidden_paths": task.hidden_paths, **sandbox_options}
+    merged = {path: text for path, text in {**task.files, **files}.items() if text is not None}
+    return Sandbox.from_files(merged, **options)
