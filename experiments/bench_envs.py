@@ -1,14 +1,12 @@
-r"""Environment throughput and task synthesis time, plus an example pass@k report.
+r"""Environment throughput and grading cost, plus an example pass@k report.
 
 Runs `--episodes` built-in episodes at once through `EpisodePool` (half scripted oracle, half
 random policy, several samples per task), prints episodes/s and the evaluation table, the cost of
 one sandboxed command and of one grading per sandbox backend usable here (median wall and the
 machine's mean busy CPU, so run it on an idle machine; against the unisolated fallback in the
-same run), gradings/s of repository tasks next to HumanEval and built-in tasks, and times
-feature-deletion synthesis (cached after the first run).
+same run), and gradings/s of repository tasks next to HumanEval and built-in tasks.
 
-  python experiments/bench_envs.py [--episodes=64] [--workers=16] [--stdlib_tasks=50] \
-      [--report=envs_report.json]
+  python experiments/bench_envs.py [--episodes=64] [--workers=16] [--report=envs_report.json]
 """
 
 import dataclasses
@@ -29,7 +27,6 @@ from composer_jax.envs import (
     isolation,
     oracle_turns,
     random_turns,
-    synthesize_stdlib_tasks,
 )
 from composer_jax.envs.humaneval import humaneval_tasks
 from composer_jax.envs.repo_task_sets import read_task_set, shipped_sets
@@ -38,9 +35,6 @@ from composer_jax.eval.passk import EpisodeRecord, evaluate, format_table, write
 _EPISODES = flags.DEFINE_integer("episodes", 64, "Concurrent episodes.")
 _WORKERS = flags.DEFINE_integer("workers", 16, "Threads stepping episodes.")
 _SAMPLES = flags.DEFINE_integer("samples", 4, "Samples per task (for pass@k).")
-_STDLIB = flags.DEFINE_integer(
-    "stdlib_tasks", 50, "Feature-deletion tasks to synthesise (0: skip)."
-)
 _REPORT = flags.DEFINE_string("report", "", "If set, write the evaluation report JSON here.")
 _COMMANDS = flags.DEFINE_integer(
     "commands", 20, "Commands and gradings timed per backend (0: skip)."
@@ -185,14 +179,6 @@ def main(argv):
     print(format_table(report))
     if _REPORT.value:
         write_report(report, _REPORT.value)
-    if _STDLIB.value:
-        start = time.monotonic()
-        tasks = synthesize_stdlib_tasks(_STDLIB.value)
-        modules = len({t.task_id.split("-")[1] for t in tasks})
-        print(
-            f"feature deletion: {len(tasks)} tasks from {modules} modules in "
-            f"{time.monotonic() - start:.1f}s (cached runs are instant)"
-        )
 
 
 if __name__ == "__main__":

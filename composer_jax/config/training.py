@@ -38,7 +38,7 @@ class DataConfig:
     extensions: tuple[str, ...] = (".py",)
     eval_fraction: float = 0.02
     # The coding tasks of SFT phases: a task source spec (`composer_jax.envs.load_task_source`:
-    # builtin[:max_ops=N], feature_deletion[:package], humaneval, jsonl:PATH, a weighted mixture
+    # builtin[:max_ops=N], builtin_repo, repositories, humaneval, jsonl:PATH, a weighted mixture
     # a:0.7,b:0.3, or pkg.module:function). RL prompts and held-out evaluation default to it.
     tasks: str = "builtin"
     # What an SFT phase learns from its first `sft_tasks` training tasks (those with an oracle

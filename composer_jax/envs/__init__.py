@@ -13,12 +13,6 @@ from composer_jax.envs.environment import (
     run_episode,
     sft_example,
 )
-from composer_jax.envs.feature_deletion import (
-    candidate_modules,
-    default_cache_dir,
-    synthesize_package_tasks,
-    synthesize_stdlib_tasks,
-)
 from composer_jax.envs.humaneval import humaneval_tasks
 from composer_jax.envs.jsonl_tasks import JsonlTaskError, load_jsonl_tasks
 from composer_jax.envs.monitors import MonitorFlag, RewardHackMonitor
@@ -87,10 +81,8 @@ __all__ = [
     "WorkspaceLimitError",
     "builtin_tasks",
     "bwrap_available",
-    "candidate_modules",
     "check_args",
     "count_bytes",
-    "default_cache_dir",
     "grade",
     "grade_solution",
     "humaneval_tasks",
@@ -108,6 +100,4 @@ __all__ = [
     "render_turn",
     "run_episode",
     "solution_source",
-    "synthesize_package_tasks",
-    "synthesize_stdlib_tasks",
 ]

@@ -5,8 +5,8 @@ input kind (text, lists or numbers); one of them has had its body removed (signa
 kept). The prompt names only the function and the file, so the agent has to find it and read its
 docstring (what it must do, with an example), implement it, and may run the repository's visible
 test; the hidden cases grade it. A tiny model can learn the whole tool-using loop on these (find,
-read, plan, edit, test, report) in a CPU budget, which the report's real repositories (and
-`feature_deletion`) are far too large for. Splits are the built-in ones, by function: a held-out
+read, plan, edit, test, report) in a CPU budget, which the report's real repositories are far
+too large for. Splits are the built-in ones, by function: a held-out
 function is never the target nor a neighbour in a training repository.
 """
 

@@ -1,5 +1,5 @@
-"""Deleting a function's body (signature and docstring kept): the edit both feature-deletion
-task families make (`feature_deletion` over the stdlib, `repo_factory` over packages)."""
+"""Deleting a function's body (signature and docstring kept): the edit `repo_factory` makes to
+a package's function to turn it into a task."""
 
 import ast
 

@@ -17,12 +17,10 @@ Kinds of grading:
   prompt: helper functions the check uses); `candidate` forwards each call to the child.
 - `file`: compare a workspace file with the expected text (nothing of the candidate runs):
   test "exact", plus a similarity score in [0, 1] (difflib's ratio of lines).
-- `unittest`: the child runs test modules (from the sandbox's system view, or sources served from
-  memory) against the workspace and reports per-test outcomes. The tests call the code under test
-  directly, so they share its process: a candidate could patch the test machinery there. That
-  is what the reward-hack monitors look for; the verdict itself still cannot be forged by output.
 - `pytest`: a repository's own tests in a fresh guarded runner (`repo_runner`, source in the
-  spec) on a tree of pristine tests plus the candidate's modules (`repo_grading`).
+  spec) on a tree of pristine tests plus the candidate's modules (`repo_grading`). The tests
+  share the candidate's process, so their verdict only gates the reward: the reward itself is
+  the share of the recorded calls (`replay`) the candidate's function answers exactly.
 
 Standard library only: this file is shipped as source text.
 """
@@ -172,69 +170,13 @@ for line in sys.stdin:
     reply.flush()
 """
 
-# A child that runs test modules and reports {test id: outcome} once, at the end.
-_UNITTEST_CHILD = r"""
-import importlib.abc, importlib.util, json, os, sys, unittest
-reply = os.fdopen(os.dup(1), "w")
-os.dup2(2, 1)
-sys.path.insert(0, os.getcwd())
-spec = json.loads(sys.stdin.readline())
-sources = spec["sources"]
-
-class Served(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    # Test modules served from memory: no file of them exists in the sandbox.
-    def find_spec(self, name, path=None, target=None):
-        if name not in sources:
-            return None
-        return importlib.util.spec_from_loader(name, self, is_package=name in spec["packages"])
-    def create_module(self, spec):
-        return None
-    def exec_module(self, module):
-        exec(compile(sources[module.__name__], "<test " + module.__name__ + ">", "exec"),
-             module.__dict__)
-
-sys.meta_path.insert(0, Served())
-
-class Recorder(unittest.TestResult):
-    def __init__(self):
-        super().__init__()
-        self.outcomes = {}
-    def addSuccess(self, test):
-        self.outcomes.setdefault(test.id(), "pass")
-    def addFailure(self, test, err):
-        self.outcomes[test.id()] = "fail"
-    def addError(self, test, err):
-        self.outcomes[getattr(test, "id", lambda: str(test))()] = "error"
-    def addSkip(self, test, reason):
-        self.outcomes[test.id()] = "skip"
-    def addExpectedFailure(self, test, err):
-        self.outcomes[test.id()] = "pass"
-    def addUnexpectedSuccess(self, test):
-        self.outcomes[test.id()] = "fail"
-    def addSubTest(self, test, subtest, err):
-        if err is not None:
-            self.outcomes[test.id()] = "fail"
-
-result = Recorder()
-for name in spec["modules"]:
-    try:
-        unittest.defaultTestLoader.loadTestsFromName(name).run(result)
-    except BaseException as error:
-        result.outcomes[name] = "error"
-reply.write(json.dumps({"tests": result.outcomes}) + "\n")
-reply.flush()
-"""
-
 
 class CandidateError(Exception):
     """The code under test raised, crashed, timed out or answered something that is not data."""
 
 
 # The child programs by name, codec included (a spawned child gets the text, the spare the name).
-_PROGRAMS = {
-    name: program.replace("CODEC", _CODEC)
-    for name, program in (("call", _CALL_CHILD), ("unittest", _UNITTEST_CHILD))
-}
+_PROGRAMS = {"call": _CALL_CHILD.replace("CODEC", _CODEC)}
 
 
 class _ChildProcess:
@@ -469,25 +411,6 @@ def grade_check(spec: dict) -> dict:
     return {spec.get("test_name", "check"): outcome}
 
 
-def grade_unittest(spec: dict) -> dict:
-    message = {
-        "modules": spec["modules"],
-        "sources": spec.get("sources", {}),
-        "packages": spec.get("packages", []),
-    }
-    child = Child("unittest", message, spec.get("suite_seconds", 600.0))
-    try:
-        reply = child.receive()
-    except CandidateError:
-        return {}
-    finally:
-        child.close()
-    tests = reply.get("tests")
-    if not isinstance(tests, dict):
-        return {}
-    return {str(k): str(v) for k, v in tests.items() if v in ("pass", "fail", "error", "skip")}
-
-
 # The repository runner (`repo_runner`, its source in the spec) runs in an interpreter without
 # site directories, so nothing planted in the workspace is imported before it.
 RUNNER_BOOT = (
@@ -573,7 +496,6 @@ def grade_file(spec: dict) -> tuple[dict, dict]:
 _KINDS = {
     "cases": grade_cases,
     "check": grade_check,
-    "unittest": grade_unittest,
     "file": grade_file,
     "pytest": grade_pytest,
 }

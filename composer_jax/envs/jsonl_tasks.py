@@ -11,13 +11,6 @@ Fields (`FIELDS` is the machine-readable form):
                         "cases": [{"args": [...], "expected": ...}, ...]}   (JSON values)
         check          {"module", "function", "check": source defining check(candidate),
                         "prelude": source run before it (helpers the check calls)}
-        unittest       {"modules": ["tests.test_x", ...]}: test modules, from `hidden_files`
-                       (served from memory at grading, never in the workspace) or from the
-                       sandbox's system view
-    hidden_files       {path: text}: test sources for a unittest grader ("tests/test_x.py" is
-                       module "tests.test_x"; an __init__.py makes a package)
-    graded_tests       [test id, ...]: required for unittest (e.g.
-                       "tests.test_x.TestX.test_y"); cases grade "case_0".., check grades "check"
     visible_test_command  str: what the agent's run_tests tool runs
     protected_paths    [path, ...]: workspace files the agent must not change
     oracle_files       {path: text}: a reference solution (SFT data, oracle checks)
@@ -25,8 +18,9 @@ Fields (`FIELDS` is the machine-readable form):
     test_literals      [str, ...]: reprs of hidden inputs (the special-casing monitor)
     group              str: what evaluation reports break results down by (e.g. "difficulty=hard")
 
-A `test_command` whose printed output decides the grade is not supported: output of a process
-that runs the code under test can be forged (see `harness`). A repository task set (what
+A `test_command` whose printed output decides the grade, or test modules run beside the
+candidate, are not supported: a process that runs the code under test can forge its own verdict
+(see `harness`); a repository's tests grade through replay instead (`replay`). A repository task set (what
 `launch.make_tasks` writes; format in `repo_task_sets`) reads through `jsonl:PATH` too.
 """
 
@@ -44,8 +38,6 @@ FIELDS = {
     "prompt": (str, True),
     "files": (dict, False),
     "grader": (dict, True),
-    "hidden_files": (dict, False),
-    "graded_tests": (list, False),
     "visible_test_command": (str, False),
     "protected_paths": (list, False),
     "oracle_files": (dict, False),
@@ -120,8 +112,7 @@ def parse_task(record: object, where: str, family: str = "jsonl") -> Task:
     if not _ID.match(record["id"]):
         _fail(where, "id", f"{record['id']!r} must match {_ID.pattern}")
     files = _text_map(record.get("files", {}), where, "files")
-    hidden = _text_map(record.get("hidden_files", {}), where, "hidden_files")
-    grader, graded = _grader(record, hidden, where)
+    grader, graded = _grader(record, where)
     try:
         return Task(
             task_id=record["id"],
@@ -141,10 +132,9 @@ def parse_task(record: object, where: str, family: str = "jsonl") -> Task:
         raise JsonlTaskError(f"{where}: {error}") from None
 
 
-def _grader(record: dict, hidden: dict[str, str], where: str) -> tuple[dict, tuple[str, ...]]:
+def _grader(record: dict, where: str) -> tuple[dict, tuple[str, ...]]:
     spec = dict(record["grader"])
     kind = spec.pop("kind", None)
-    graded = record.get("graded_tests")
     if kind == "cases":
         for key in ("module", "function"):
             if not isinstance(spec.get(key), str):
@@ -180,32 +170,8 @@ def _grader(record: dict, hidden: dict[str, str], where: str) -> tuple[dict, tup
             "prelude": spec.get("prelude", ""),
         }
         return grader, ("check",)
-    if kind == "unittest":
-        modules = spec.get("modules")
-        if not isinstance(modules, list) or not modules:
-            _fail(where, "grader.modules", "must be a non-empty list of module names")
-        if not isinstance(graded, list) or not graded:
-            _fail(where, "graded_tests", "a unittest grader must name its graded tests")
-        sources, packages = {}, []
-        for path, text in hidden.items():
-            if not path.endswith(".py"):
-                _fail(where, "hidden_files", f"{path!r}: only Python test modules are served")
-            dotted = path[: -len(".py")].replace("/", ".")
-            if dotted.endswith(".__init__"):
-                dotted = dotted[: -len(".__init__")]
-                packages.append(dotted)
-            sources[dotted] = text
-        for dotted in list(sources):  # parents without an __init__.py: empty packages
-            parts = dotted.split(".")
-            for i in range(1, len(parts)):
-                parent = ".".join(parts[:i])
-                if parent not in sources:
-                    sources[parent], packages = "", [*packages, parent]
-        grader = {
-            "kind": "unittest",
-            "modules": list(_strings(modules, where, "grader.modules")),
-            "sources": sources,
-            "packages": sorted(set(packages)),
-        }
-        return grader, _strings(graded, where, "graded_tests")
-    _fail(where, "grader.kind", "must be one of cases, check, unittest")
+    _fail(
+        where,
+        "grader.kind",
+        "must be cases or check (a repository graded by its own tests: launch.make_tasks)",
+    )

@@ -6,8 +6,6 @@ is finite. Specs (the same in config flags and in notebooks):
     builtin                       generated function tasks (infinite); builtin:max_ops=2
     builtin_repo                  those functions in a small repository, found, read, edited
                                   and tested by a multi-turn agent; builtin_repo:neighbours=3
-    feature_deletion              stdlib feature deletion; feature_deletion:simplejson for a
-                                  third-party package graded by its own tests
     humaneval                     the 164 HumanEval problems (splits test / train / held_out)
     state_tracking                reproduce a file from its edit history (see state_tracking)
     jsonl:PATH                    tasks in a JSONL file (see jsonl_tasks for the schema)
@@ -33,7 +31,6 @@ from collections.abc import Callable, Iterable, Iterator
 from composer_jax.config.base import ConfigError
 from composer_jax.envs import (
     builtin_repo,
-    feature_deletion,
     humaneval,
     jsonl_tasks,
     repo_task_sets,
@@ -83,38 +80,6 @@ class BuiltinRepoSource(TaskSource):
         return builtin_repo.repo_task_variant(task, seed) if task.family == "builtin_repo" else None
 
 
-class FeatureDeletionSource(TaskSource):
-    """Verified feature-deletion tasks over the stdlib or an installed package (cached)."""
-
-    def __init__(self, package: str = "stdlib", count: int | str = 64, budget_s: float | str = 600):
-        self.name = f"feature_deletion:{package}"
-        self.package, self.count, self.budget_s = package, int(count), float(budget_s)
-        if package != "stdlib" and package not in feature_deletion.PACKAGES:
-            raise TaskSourceError(
-                f"feature_deletion: package must be stdlib or one of {feature_deletion.PACKAGES}"
-            )
-        self._tasks: list[Task] | None = None
-
-    def _all(self) -> list[Task]:
-        """Synthesised (or read from the cache) on first use."""
-        if self._tasks is None:
-            if self.package == "stdlib":
-                self._tasks = feature_deletion.synthesize_stdlib_tasks(
-                    self.count, time_budget_s=self.budget_s
-                )
-            else:
-                self._tasks = feature_deletion.synthesize_package_tasks(
-                    self.package, self.count, time_budget_s=self.budget_s
-                )
-        return self._tasks
-
-    def tasks(self, split: str = "train", seed: int = 0) -> Iterator[Task]:
-        return ListSource(self.name, self._all(), self.splits).tasks(split, seed)
-
-    def size(self, split: str = "train") -> int | None:
-        return ListSource(self.name, self._all(), self.splits).size(split)
-
-
 class HumanEvalSource(TaskSource):
     name = "humaneval"
 
@@ -162,7 +127,8 @@ class MixtureSource(TaskSource):
 
 class RepositorySource(ListSource):
     """Repository tasks from task sets (`repo_task_sets`): the shipped ones by name (all of them
-    when none is named) or files by path."""
+    when none is named) or files by path. Every task must carry its replay: a set graded by its
+    tests alone (whose verdict the candidate's process writes) is refused."""
 
     def __init__(self, *sets: str):
         shipped = repo_task_sets.shipped_sets()
@@ -181,6 +147,12 @@ class RepositorySource(ListSource):
             tasks = [t for path in paths for t in repo_task_sets.read_task_set(path)]
         except repo_task_sets.TaskSetError as error:
             raise TaskSourceError(str(error)) from None
+        unreplayed = [t.task_id for t in tasks if "replay" not in t.grader]
+        if unreplayed:
+            raise TaskSourceError(
+                f"repositories: {len(unreplayed)} tasks have no replay (e.g. {unreplayed[0]}); "
+                "add it with python -m launch.make_tasks --from_set=PATH --out=NEW"
+            )
         super().__init__("repositories", tasks, ("train", "held_out"))
 
 
@@ -193,7 +165,6 @@ def _jsonl(path: str, *args, **options) -> TaskSource:
 SOURCES: dict[str, Callable[..., TaskSource]] = {
     "builtin": BuiltinSource,
     "builtin_repo": BuiltinRepoSource,
-    "feature_deletion": FeatureDeletionSource,
     "humaneval": HumanEvalSource,
     "state_tracking": state_tracking.StateTrackingSource,
     "jsonl": _jsonl,
@@ -263,5 +234,5 @@ def task_source(spec: str, field: str) -> TaskSource:
 def drawn_tasks(spec: str, field: str, count: int, split: str, seed: int) -> tuple[Task, ...]:
     """`task_source(spec, field).take(count, split, seed)`, drawn once per process: a run's SFT
     examples and RL prompts are drawn again to keep them out of its held-out check, and some
-    sources build each task at a cost (feature deletion: about 0.7 s a task)."""
+    sources read or build their tasks at a cost (a repository set's file, HumanEval's package)."""
     return tuple(task_source(spec, field).take(count, split, seed))

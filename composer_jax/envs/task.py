@@ -17,8 +17,8 @@ from pathlib import Path
 from composer_jax.envs import harness, replay, repo_grading
 from composer_jax.envs.sandbox import Sandbox, SandboxLimits
 
-GRADER_KINDS = ("cases", "check", "unittest", "file", "pytest")
-# Grading gets the room of a test suite (stdlib suites print a lot and take seconds).
+GRADER_KINDS = ("cases", "check", "file", "pytest")
+# Grading gets the room of a test suite (a repository's tests print a lot and take seconds).
 GRADING_LIMITS = SandboxLimits(
     cpu_seconds=30, wall_seconds=60, memory_bytes=2 << 30, output_bytes=4 << 20
 )
@@ -30,7 +30,6 @@ _HARNESS_COMMAND = "exec python3 -I -B -c " + shlex.quote(
 _REQUIRED = {
     "cases": ("module", "function", "cases"),
     "check": ("module", "function", "check"),
-    "unittest": ("modules",),
     "file": ("path", "expected"),
     "pytest": ("source_roots", "test_paths"),
 }
@@ -47,11 +46,11 @@ class Task:
     files: the initial workspace. grader: how the hidden tests run (see `harness`):
       {"kind": "cases", "module", "function", "cases": [[args, expected], ...]} (encoded values),
       {"kind": "check", "module", "function", "check": source, "prelude": source},
-      {"kind": "unittest", "modules": [...], "sources": {module: source}, "packages": [...]},
       {"kind": "file", "path", "expected": text} (test "exact", score "similarity"),
       {"kind": "pytest", "source_roots", "test_paths", "ini"}: the repository's own tests
       (pytest node ids in graded_tests), run on the task's pristine tests with the agent's
-      source modules (see `repo_grading`).
+      source modules (see `repo_grading`), gating the replay of their recorded calls
+      ("replay", see `replay`) that sets the reward.
     graded_tests: the test ids that count (never empty).
     visible_test_command: what the `run_tests` tool runs (None: the tool reports no tests).
     protected_paths: workspace files the agent must not modify or delete.

@@ -10,7 +10,7 @@ import pytest
 
 from composer_jax.envs import repo_factory
 from composer_jax.envs.repo_task_sets import read_task_set, write_task_set
-from composer_jax.envs.sources import load_task_source
+from composer_jax.envs.sources import TaskSourceError, load_task_source
 from composer_jax.envs.task import grade_solution
 
 REPO = Path(__file__).resolve().parents[2]
@@ -116,6 +116,8 @@ def test_a_set_made_without_replay_gets_it_with_the_same_ids_and_splits(tmp_path
     )
     old = tmp_path / "old.jsonl"
     write_task_set(old, repo, [repo_factory.make_task(repo, path, deletion, tests, "held_out")])
+    with pytest.raises(TaskSourceError, match="1 tasks have no replay.*--from_set"):
+        load_task_source(f"repositories:{old}")  # graded by its tests alone: never used
     new = tmp_path / "new.jsonl"
     result = subprocess.run(
         [sys.executable, "-m", "launch.make_tasks", f"--from_set={old}", f"--out={new}"],

@@ -1,5 +1,5 @@
 """Task sources: specs, determinism by seed, sizes, mixtures, plug-ins by import path, JSONL
-files (and their errors, naming line and field), package feature deletion."""
+files (and their errors, naming line and field)."""
 
 import json
 
@@ -89,21 +89,6 @@ GOOD = [
         "oracle_files": {"solution.py": "def f(x):\n    return x * 2\n"},
     },
     {
-        "id": "lib/add",
-        "prompt": "Implement add in lib.py.",
-        "files": {"lib.py": "def add(a, b):\n    raise NotImplementedError\n"},
-        "grader": {"kind": "unittest", "modules": ["tests.test_lib"]},
-        "hidden_files": {
-            "tests/test_lib.py": "import unittest\nfrom lib import add\n"
-            "class T(unittest.TestCase):\n"
-            "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n"
-            "    def test_neg(self):\n        self.assertEqual(add(-2, 1), -1)\n"
-        },
-        "graded_tests": ["tests.test_lib.T.test_add", "tests.test_lib.T.test_neg"],
-        "oracle_files": {"lib.py": "def add(a, b):\n    return a + b\n"},
-        "split": "held_out",
-    },
-    {
         "id": "check",
         "prompt": "Write inc.",
         "files": {"solution.py": "def inc(x):\n    raise NotImplementedError\n"},
@@ -114,6 +99,7 @@ GOOD = [
             "check": "def check(candidate):\n    assert candidate(1) == 2\n",
         },
         "oracle_files": {"solution.py": "def inc(x):\n    return x + 1\n"},
+        "split": "held_out",
     },
 ]
 
@@ -121,13 +107,12 @@ GOOD = [
 def test_jsonl_tasks_grade_by_their_oracles(tmp_path):
     path = _write(tmp_path / "tasks.jsonl", ["# a comment", "", *GOOD])
     tasks = load_jsonl_tasks(path)
-    assert ids(tasks) == ["double", "lib/add", "check"]
+    assert ids(tasks) == ["double", "check"]
     for task in tasks:
         assert grade_solution(task, task.oracle_files).reward == 1.0, task.task_id
         assert grade_solution(task, {}).reward == 0.0, task.task_id
-    assert "tests" not in " ".join(tasks[1].files)  # hidden tests never in the workspace
     source = load_task_source(f"jsonl:{path}")
-    assert source.size("train") == 2 and source.size("held_out") == 1
+    assert source.size("train") == 1 and source.size("held_out") == 1
 
 
 @pytest.mark.parametrize(
@@ -142,7 +127,11 @@ def test_jsonl_tasks_grade_by_their_oracles(tmp_path):
             2,
             "grader.cases[0].args",
         ),
-        ({**GOOD[1], "graded_tests": []}, 2, "graded_tests"),
+        (
+            {**GOOD[0], "grader": {"kind": "unittest", "modules": ["tests.test_x"]}},
+            2,
+            "grader.kind",
+        ),
         ({**GOOD[0], "files": {"/etc/passwd": "x"}}, 2, "files"),
         ({**GOOD[0], "colour": "blue"}, 2, "colour"),
         (GOOD[0], 2, "id"),  # a duplicate of line 1
@@ -155,20 +144,3 @@ def test_jsonl_errors_name_the_line_and_field(tmp_path, record, line, field):
     assert f"tasks.jsonl:{line}:" in str(error.value)
     if field:
         assert f"field {field!r}" in str(error.value)
-
-
-def test_package_feature_deletion_is_verified_by_its_own_tests(tmp_path):
-    from composer_jax.envs.feature_deletion import synthesize_package_tasks
-
-    tasks = synthesize_package_tasks("simplejson", 2, seed=1, cache_dir=tmp_path)
-    assert len(tasks) == 2
-    for task in tasks:
-        assert task.task_id.startswith("simplejson-") and task.graded_tests
-        assert all(t.startswith("simplejson.tests.") for t in task.graded_tests)
-        assert not any("/tests/" in path for path in task.files)
-        assert not any(path.endswith(".so") for path in task.files)
-        assert grade_solution(task, task.oracle_files).reward == 1.0
-        assert grade_solution(task, {}).reward == 0.0
-    assert load_task_source("feature_deletion:simplejson").name == "feature_deletion:simplejson"
-    with pytest.raises(TaskSourceError, match="package"):
-        load_task_source("feature_deletion:numpy")
