@@ -99,6 +99,7 @@ def main(argv):
     runtime.initialize()
     from composer_jax import agent, envs
     from composer_jax import config as config_lib
+    from composer_jax.agent.stages import format_stages
     from composer_jax.eval import format_table, write_report
     from composer_jax.eval.tasks import TaskEvalConfig, evaluate_tasks
     from composer_jax.train import CheckpointError
@@ -148,6 +149,10 @@ def main(argv):
         out = str(folder / (re.sub(r"[^A-Za-z0-9_.=-]+", "_", source.name)[:80] + ".json"))
     write_report(report, out)
     print(format_table(report))
+    print(
+        "Where the episodes stopped (each stage checked on its own; counted at the first missed):"
+    )
+    print(format_stages(report["stages"]))
     timing = report["timing"]
     print(
         f"{timing['total_seconds']:.0f} s in all: {timing['generation_seconds']:.0f} s "

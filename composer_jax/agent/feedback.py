@@ -130,7 +130,7 @@ class InvalidArguments:
         return None
 
 
-def _path(call: ToolCallRecord) -> str | None:
+def call_path(call: ToolCallRecord) -> str | None:
     """The workspace path a call names, normalised (optional paths default to the root)."""
     spec = TOOLS[call.tool].spec if call.tool in TOOLS else None
     if spec is None or "path" not in spec.params:
@@ -145,10 +145,10 @@ def _addresses(call: ToolCallRecord, failed: ToolCallRecord, available: tuple[st
     """Whether `call` responds to the failed call: see `IgnoredToolError`."""
     if call.tool not in available or (call.tool, call.args) == (failed.tool, failed.args):
         return False
-    involved = _path(failed)
+    involved = call_path(failed)
     if involved is None or call.tool == failed.tool:
         return True
-    return _path(call) in (involved, posixpath.dirname(involved) or ".")
+    return call_path(call) in (involved, posixpath.dirname(involved) or ".")
 
 
 class IgnoredToolError:
@@ -171,7 +171,7 @@ class IgnoredToolError:
             if failed.ok or any(_addresses(c, failed, turn.available_tools) for c in turn.calls):
                 continue
             fix = "look at the file it names or change the call"
-            if _path(failed) is None:
+            if call_path(failed) is None:
                 fix = "change the call"
             return (
                 f"Your previous call to {failed.tool} failed with: {failed.error}. "

@@ -124,6 +124,8 @@ class EpisodeOutcome:
     flags: tuple = ()  # reward-hack monitor flags
     behaviour: dict[str, float] = dataclasses.field(default_factory=dict)  # unweighted values
     grade: dict | None = None  # the grader's result (outcomes, scores)
+    # What it did: every tool call, the files it changed, its final message (`stages` reads it).
+    trace: EpisodeBehaviour | None = None
 
     @property
     def flagged(self) -> bool:
@@ -165,6 +167,7 @@ class AgentEpisode(Generation):
     flags: tuple = ()
     grade: dict | None = None
     behaviour: dict[str, float] = dataclasses.field(default_factory=dict)
+    trace: EpisodeBehaviour | None = None
     resume_from: int | None = None  # restored: the prefix's routes are already known
     done: bool = False
 
@@ -357,7 +360,7 @@ class AgentWorkflow:
     def _finish(self, episode: AgentEpisode, info: dict) -> Action:
         self._close_generation(episode)
         final = protocol.parse_turn(episode.turn_text).final if "grade" in info else None
-        behaviour = EpisodeBehaviour(
+        episode.trace = EpisodeBehaviour(
             turns=int(episode.counts.get("turns", 0)),
             tool_calls=tuple(episode.calls),
             feedback=dict(episode.feedback_counts),
@@ -367,7 +370,7 @@ class AgentWorkflow:
             flagged=bool(episode.flags),
             summaries=episode.summaries,
         )
-        episode.behaviour = self.rewards.values(behaviour)
+        episode.behaviour = self.rewards.values(episode.trace)
         episode.done = True
         return FINISH
 
@@ -415,6 +418,7 @@ class AgentWorkflow:
             flags=tuple(episode.flags),
             behaviour=dict(episode.behaviour),
             grade=episode.grade,
+            trace=episode.trace,
         )
 
 

@@ -45,7 +45,14 @@ from composer_jax.envs.sources import (
     load_task_source,
     task_source,
 )
-from composer_jax.envs.task import GradeResult, Task, TaskError, grade, grade_solution
+from composer_jax.envs.task import (
+    GradeResult,
+    Task,
+    TaskError,
+    grade,
+    grade_solution,
+    visible_test_passes,
+)
 from composer_jax.envs.tools import TOOL_SPECS, ToolBox, ToolCallRecord, ToolSpec, check_args
 
 __all__ = [
@@ -85,6 +92,7 @@ __all__ = [
     "count_bytes",
     "grade",
     "grade_solution",
+    "visible_test_passes",
     "humaneval_tasks",
     "load_jsonl_tasks",
     "load_task_source",

@@ -259,6 +259,16 @@ def replay_solution(task: Task, files: dict[str, str], calls: dict, **sandbox_op
             return run_replay(sandbox, tree[0], calls, GRADING_LIMITS, task.grading_hidden_paths)
 
 
+def visible_test_passes(task: Task, files: dict[str, str], **sandbox_options) -> bool | None:
+    """Whether the task's visible test command exits 0 on `files` laid over the task's files,
+    run as the `run_tests` tool runs it in a fresh sandbox (None: the task has no visible test)."""
+    if task.visible_test_command is None:
+        return None
+    binds = repo_grading.test_binds() if task.grader["kind"] == "pytest" else None
+    with _solution_sandbox(task, files, sandbox_options) as sandbox:
+        return sandbox.run(task.visible_test_command, extra_ro_binds=binds).ok
+
+
 def _solution_sandbox(task: Task, files: dict[str, str], sandbox_options: dict) -> Sandbox:
     """A fresh sandbox holding `files` laid over the task's files (None deletes a file)."""
     options = {"hidden_paths": task.hidden_paths, **sandbox_options}

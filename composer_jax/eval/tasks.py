@@ -1,7 +1,8 @@
 """A model on coding tasks: K sampled episodes per task through the real environments, played by
 the run's agent workflow (the episode training plays), graded, reported as pass@k / best-of-K with
 95% intervals over tasks, tokens, turns, tool calls, summaries, feedback turns, behaviour rewards,
-flags, the graders' scores (state tracking: similarity), broken down by a task's metadata."""
+flags, the graders' scores (state tracking: similarity), broken down by a task's metadata, and
+where the episodes stopped (`agent.stages`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from tqdm.auto import tqdm
 
 from composer_jax import agent, envs
+from composer_jax.agent import stages
 from composer_jax.config import RLConfig
 from composer_jax.eval.passk import EpisodeRecord, evaluate
 from composer_jax.infer import InferenceEngine, SamplingParams
@@ -56,7 +58,8 @@ def evaluate_tasks(
     rl: RLConfig = RLConfig(),
     progress: bool = True,
 ) -> dict:
-    """The report of `passk.evaluate` plus "timing" (seconds generating and in environments).
+    """The report of `passk.evaluate` plus "stages" (`agent.stages.stage_breakdown`) and
+    "timing" (seconds generating and in environments).
     `rl` gives the agent (workflow, tools of its evaluation profile, summaries, feedback,
     behaviour rewards); `cfg` the sampling and the episode budget."""
     if cfg.samples < 1:
@@ -110,8 +113,14 @@ def evaluate_tasks(
             on_finish=finished,
             step=timed_step,
         )
-    report = evaluate([_record(task, o) for (task, _), o in zip(jobs, outcomes)], ks)
+    played = [(task, outcome) for (task, _), outcome in zip(jobs, outcomes)]
+    report = evaluate([_record(task, outcome) for task, outcome in played], ks)
     total = time.perf_counter() - started
+
+    def visible(task: envs.Task, files: dict[str, str]) -> bool | None:
+        return envs.visible_test_passes(task, files, require_isolation=cfg.require_isolation)
+
+    report["stages"] = stages.stage_breakdown(played, visible)
     report["timing"] = {
         "total_seconds": total,
         "environment_seconds": env_seconds[0],  # tool commands and grading, summed

@@ -74,6 +74,9 @@ def test_launch_evaluate_writes_the_report_and_prints_the_table(run_dir, tmp_pat
         assert key in report["summary"], key
     assert report["setup"]["samples"] == 2 and report["setup"]["split"] == "train"
     assert "pass@2" in done.stdout and "in the environments" in done.stdout
+    stages = report["stages"]  # an untrained model: most stop at the first stage
+    assert stages["episodes"] == 6 and sum(stages["failed_at"].values()) == 6 - stages["unknown"]
+    assert "Where the episodes stopped" in done.stdout
 
 
 def test_launch_evaluate_runs_on_a_shipped_repository_set(run_dir, tmp_path):
@@ -88,4 +91,5 @@ def test_launch_evaluate_runs_on_a_shipped_repository_set(run_dir, tmp_path):
     report = json.loads(out.read_text())
     assert len(report["per_task"]) == 2
     assert all(task.startswith("toolz/") for task in report["per_task"])
+    assert report["stages"]["unknown"] == 0  # the deleted function is each task's target
     assert report["setup"]["split"] == "held_out"
