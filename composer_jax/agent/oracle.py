@@ -1,7 +1,8 @@
 """A scripted agent that solves a task the way the report's agent works, for SFT and tests.
 
 Given a task with an oracle solution, `OracleScript` plans the episode with the tools the profile
-offers: find the function (search_code), read it (read_file, the lines around it), plan (todo),
+offers: find the function (search_code), read it (read_file, the lines around it; both left out
+when the first observation's open tab shows the whole function), plan (todo),
 edit the removed body back (edit_file with the smallest unique hunk; write_file when the change
 is not one hunk), run the visible tests, complete the plan, and say what changed and how it was
 tested. When the workflow asks for a summary it writes one that carries what the next generation
@@ -20,7 +21,7 @@ import numpy as np
 
 from composer_jax.agent.workflow import SUMMARY_OPEN
 from composer_jax.data.tokenizer import Tokenizer
-from composer_jax.envs import Task, protocol
+from composer_jax.envs import Task, focus, protocol
 from composer_jax.infer import Completion, SamplingParams
 
 
@@ -93,14 +94,16 @@ def plan_change(task: Task) -> Change:
 class OracleScript:
     """The turns of one solved episode, in order, with the tools of the profile."""
 
-    def __init__(self, task: Task, tools: tuple[str, ...]):
+    def __init__(self, task: Task, tools: tuple[str, ...], open_tab_lines: int = 0):
         self.task, self.change = task, plan_change(task)
         self.steps: list[tuple[str, str, str]] = []  # (what it did, what it will do, the turn)
         c = self.change
         short = c.name.rsplit(".", 1)[-1]
-        if "search_code" in tools and c.old is not None:
+        tab = focus.tab_span(task, open_tab_lines)
+        shown = tab is not None and tab[0] == c.path and tab[1] <= c.line and c.end <= tab[2]
+        if "search_code" in tools and c.old is not None and not shown:
             self._add(("found it", "find it"), "search_code", query=short)
-        if "read_file" in tools:
+        if "read_file" in tools and not shown:
             span = {"start": str(c.line), "end": str(c.end)} if c.old is not None else {}
             self._add(("read it", "read it"), "read_file", path=c.path, **span)
         planned = "todo" in tools

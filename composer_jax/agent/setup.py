@@ -27,7 +27,8 @@ def tools_field(rl: RLConfig, evaluation: bool) -> str:
 
 def env_config(rl: RLConfig, evaluation: bool = False, **overrides) -> EnvConfig:
     """The environment an episode runs in: the profile's tools (`rl.tools` for training,
-    `rl.eval_tools` (else the same) for held-out checks), `rl.max_turns`, the sandbox rule."""
+    `rl.eval_tools` (else the same) for held-out checks), `rl.max_turns`, the sandbox rule, the
+    open tab."""
     field = tools_field(rl, evaluation)
     tools = _checked(field, tool_profile, getattr(rl, field.split(".")[1]))
     settings = dict(
@@ -35,6 +36,7 @@ def env_config(rl: RLConfig, evaluation: bool = False, **overrides) -> EnvConfig
         max_turns=rl.max_turns,
         require_isolation=rl.require_sandbox,
         flagged_reward=rl.flagged_reward,
+        open_tab_lines=rl.open_tab_lines,
     )
     return EnvConfig(**{**settings, **overrides})
 

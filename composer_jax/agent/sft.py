@@ -29,7 +29,7 @@ def episode_examples(cfg: ExperimentConfig, tokenizer: Tokenizer, tasks, env_thr
     """{"tokens", "loss_mask"} of every generation of the scripted agent's solved episodes."""
     rl = cfg.rl
     workflow, environment = build(rl, tokenizer, cfg.model)
-    scripts = [OracleScript(task, environment.tools) for task in tasks]
+    scripts = [OracleScript(t, environment.tools, environment.open_tab_lines) for t in tasks]
     model = cfg.model
     engine = OracleEngine(
         scripts,

@@ -20,54 +20,17 @@ episode cut short before the environment closed it, its successful edits replaye
 from __future__ import annotations
 
 import ast
-import dataclasses
 from collections.abc import Callable, Iterable
 
 from composer_jax.agent.feedback import call_path
 from composer_jax.agent.workflow import EpisodeOutcome
+from composer_jax.envs.focus import Target, find_function, target_of
 from composer_jax.envs.task import Task
 
 STAGES = ("found_file", "read_function", "body_parses", "visible_test", "hidden_tests", "report")
 COMPLETE = "complete"
 # visible(task, {path: text}) -> whether the visible test passes (None: the task has none)
 VisibleTest = Callable[[Task, dict[str, str]], bool | None]
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """The function an episode has to write: its file and qualified name."""
-
-    path: str
-    name: str
-
-
-def target_of(task: Task) -> Target | None:
-    """The file the reference solution changes and the function the grader names (None for a
-    task without both)."""
-    changed = sorted(p for p, text in task.oracle_files.items() if task.files.get(p) != text)
-    deletion = task.metadata.get("deletion")
-    name = task.grader.get("function") or (deletion[0] if deletion else None)
-    if not changed or not isinstance(name, str):
-        return None
-    return Target(changed[0], name)
-
-
-def find_function(source: str | None, qualname: str) -> ast.FunctionDef | None:
-    """The definition of `qualname` (e.g. "Class.method") in `source`, or None (also when the
-    source does not parse)."""
-    try:
-        tree = ast.parse(source or "")
-    except (SyntaxError, ValueError):
-        return None
-    pending = [(node, "") for node in tree.body]
-    while pending:
-        node, owner = pending.pop()
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            name = owner + node.name
-            if name == qualname and not isinstance(node, ast.ClassDef):
-                return node
-            pending += [(child, name + ".") for child in node.body]
-    return None
 
 
 def final_text(task: Task, outcome: EpisodeOutcome, path: str) -> str | None:

@@ -152,6 +152,9 @@ class RLConfig(RLObjectiveConfig):
     summary_budget: int = 0
     max_summaries: int = 4
     summary_max_tokens: int = 128
+    # The first observation shows up to this many lines of the task's target function, as an
+    # editor's open tab would (0: none; the agent finds and reads it with its tools).
+    open_tab_lines: int = 0
     # The agent: its workflow ("builtin", or a factory by import path, module:factory, called
     # with a `composer_jax.agent.WorkflowContext`), the tool profile its training episodes offer
     # (a name in `envs.tools.TOOL_PROFILES` or a comma list of tools) and the held-out check's
@@ -296,6 +299,7 @@ def _check_rl_values(cfg: RLConfig, where: str) -> None:
         "summary_budget",
         "max_summaries",
         "schedule_ahead_groups",
+        "open_tab_lines",
     ):
         _check(getattr(cfg, name) >= 0, f"{where}.{name}", "must be >= 0")
     _check(

@@ -12,6 +12,7 @@ import random
 import threading
 
 from composer_jax.envs import protocol, repo_grading
+from composer_jax.envs.focus import open_tab
 from composer_jax.envs.monitors import MonitorFlag, RewardHackMonitor
 from composer_jax.envs.sandbox import Sandbox, SandboxLimits, WorkspaceLimitError
 from composer_jax.envs.task import GRADING_LIMITS, GradeResult, Task, grade
@@ -46,6 +47,9 @@ class EnvConfig:
     require_isolation: bool = True
     workspace_root: str | None = None
     flagged_reward: float = 0.0  # the reward of an episode a reward-hack monitor flagged
+    # The first observation shows up to this many lines of the target function, as an editor's
+    # open tab would (`focus.open_tab`; 0: none).
+    open_tab_lines: int = 0
 
     def step_seconds(self) -> float:
         """The longest one step can legitimately take: every call of a turn running a command to
@@ -103,7 +107,7 @@ class Episode:
 
     @property
     def prompt(self) -> str:
-        """The first observation: the task and the tools."""
+        """The first observation: the task, the open tab and the tools."""
         return episode_prompt(self.task, self.config)
 
     @property
@@ -261,8 +265,9 @@ def changed_files(original: dict[str, str], final: dict[str, bytes]) -> dict[str
 
 
 def episode_prompt(task: Task, config: EnvConfig = EnvConfig()) -> str:
-    """An episode's first observation (the task and the tools), without making an episode."""
-    return f"{task.prompt}{describe_tools(config.tools)}\n"
+    """An episode's first observation (the task, the open tab, the tools), without making an
+    episode."""
+    return f"{task.prompt}{open_tab(task, config.open_tab_lines)}{describe_tools(config.tools)}\n"
 
 
 def sft_example(task: Task, config: EnvConfig = EnvConfig()) -> tuple[str, str]:

@@ -50,7 +50,7 @@ def _played(rl, tasks, tokenizer=TOKENIZER):
     model = presets.rl_tiny().model
     workflow, env = agent.build(rl, tokenizer, model)
     engine = OracleEngine(
-        [OracleScript(t, env.tools) for t in tasks],
+        [OracleScript(t, env.tools, env.open_tab_lines) for t in tasks],
         tokenizer,
         4,
         rl.context_len,
@@ -72,6 +72,24 @@ def test_scripted_episodes_solve_repository_tasks_through_the_workflow():
     chain = outcomes[0].sequences
     after = tokenizer.decode(chain[1].tokens)
     assert SUMMARY_OPEN in after and "Done: " in after and "Next: " in after
+
+
+def test_with_the_function_in_an_open_tab_the_script_edits_at_once():
+    rl = dataclasses.replace(presets.rl_agent_tiny().rl, open_tab_lines=40, summary_budget=0)
+    tokenizer = data.load_tokenizer("code_bpe_2k")
+    tasks = envs.load_task_source("builtin_repo:max_ops=2").take(2, "train", seed=5)
+    tools = [
+        [
+            envs.parse_turn(t).calls[0].tool
+            for _, _, t in OracleScript(task, rl.tools.split(","), 40).steps[:-1]
+        ]
+        for task in tasks
+    ]
+    assert tools == [["todo", "edit_file", "run_tests", "todo"]] * 2
+    outcomes = _played(rl, tasks, tokenizer)
+    assert [o.reward for o in outcomes] == [1.0] * 2 and all(o.num_turns == 5 for o in outcomes)
+    first = tokenizer.decode(outcomes[0].sequences[0].tokens)
+    assert "Open in the editor: helpers/" in first and 'tool="search_code"' not in first
 
 
 def test_episode_examples_train_on_the_agents_tokens_only(tmp_path):
