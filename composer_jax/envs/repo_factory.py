@@ -3,8 +3,9 @@ the task when those tests then fail and pass again with the original.
 
 Steps (`build_tasks`): fetch the package's source distribution from the registry (or take a
 local folder), find its source modules, tests and pytest settings (`find_layout`), run the whole
-suite once on the original through the runner's `survey` mode, which also records which source
-functions each test calls, then for each covered function (signature and docstring kept, body
+suite once on the original through the runner's `survey` mode, in a sandbox like an episode's
+commands (no network, writes only to its tree), which also records which source functions each
+test calls, then for each covered function (signature and docstring kept, body
 replaced by `raise NotImplementedError`) grade the deletion and the original through the real
 grading path, then record the graded tests' calls to the function for replay grading
 (`attach_replay`, see `replay`) and check it the same way. Every candidate dropped is counted
@@ -17,6 +18,7 @@ import collections
 import dataclasses
 import json
 import random
+import shlex
 import shutil
 import subprocess
 import sys
@@ -28,6 +30,7 @@ from pathlib import Path
 
 from composer_jax.envs import harness, isolation, replay, repo_grading
 from composer_jax.envs.deletion import deletable_functions, delete_body
+from composer_jax.envs.sandbox import Sandbox, SandboxLimits
 from composer_jax.envs.task import GradeResult, Task, grade_solution, replay_solution
 
 _INI_FILES = (
@@ -88,23 +91,33 @@ def fetch_source(requirement: str, cache: Path) -> Path:
         result = subprocess.run(command, capture_output=True, text=True, timeout=600)
         archives = sorted(Path(download).iterdir())
         if result.returncode != 0 or not archives:
-            raise FactoryError(f"pip could not download {requirement}: {result.stderr[-500:]}")
+            why = (result.stderr.strip().splitlines() or ["no archive"])[-1]
+            raise FactoryError(
+                f"pip found no source distribution of {requirement} (a wheel-only package has "
+                f"none): {why}"
+            )
         archive = archives[0]
         target = cache / archive.name.removesuffix(".tar.gz").removesuffix(".zip")
         if not target.exists():
-            _unpack(archive, target)
+            unpack_archive(archive, target)
     return target
 
 
-def _unpack(archive: Path, target: Path) -> None:
+def unpack_archive(archive: Path, target: Path) -> None:
+    """The archive's tree at `target` (a member that would land outside it is refused by the
+    "data" filter); a corrupt archive is a FactoryError."""
     staging = Path(tempfile.mkdtemp(dir=target.parent))
     try:
-        if archive.name.endswith(".zip"):
-            with zipfile.ZipFile(archive) as z:
-                z.extractall(staging)
-        else:
-            with tarfile.open(archive) as t:
-                t.extractall(staging, filter="data")
+        try:
+            if archive.name.endswith(".zip"):
+                with zipfile.ZipFile(archive) as z:
+                    z.extractall(staging)
+            else:
+                with tarfile.open(archive) as t:
+                    t.extractall(staging, filter="data")
+        except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as error:
+            why = " ".join(str(error).split())[:200]
+            raise FactoryError(f"{archive.name}: not a readable archive ({why})") from None
         tops = list(staging.iterdir())
         (tops[0] if len(tops) == 1 and tops[0].is_dir() else staging).rename(target)
     finally:
@@ -165,42 +178,66 @@ def _keep(files: dict[str, str], path: Path, relative: str) -> None:
             pass
 
 
-def _run_runner(files: dict[str, str], settings: dict, name: str, seconds: float) -> tuple:
-    """(the verdict, the tree's root) of the runner on a temporary copy of `files`, on the
-    host; `settings` says the mode (see `repo_runner`)."""
-    with tempfile.TemporaryDirectory(prefix="cj_survey_") as work:
-        root = Path(work) / "repo"
-        for path, text in files.items():
-            (root / path).parent.mkdir(parents=True, exist_ok=True)
-            (root / path).write_text(text, encoding="utf-8")
+# A survey runs a whole suite: a test suite's room, and its verdict (every test's outcome and
+# coverage) can run to megabytes.
+def _survey_limits(seconds: float) -> SandboxLimits:
+    return SandboxLimits(
+        cpu_seconds=int(seconds),
+        wall_seconds=seconds,
+        memory_bytes=4 << 30,
+        output_bytes=256 << 20,
+        max_processes=256,
+        workspace_bytes=1 << 30,
+        workspace_files=100_000,
+        tmp_bytes=256 << 20,
+    )
+
+
+def _run_runner(files: dict[str, str], settings: dict, name: str, seconds: float, backend: str):
+    """(the verdict, the tree's root as the runner saw it) of the runner on `files`, in a
+    sandbox as an episode's commands run (no network, writes only to its tree and /tmp);
+    `settings` says the mode (see `repo_runner`). The backend "rlimit" runs it unisolated, as
+    the caller asked."""
+    limits = _survey_limits(seconds)
+    options = dict(limits=limits, backend=backend, require_isolation=backend != "rlimit")
+    with Sandbox.from_files(files, **options) as sandbox:
+        root = Path(isolation.WORKSPACE_MOUNT if sandbox.isolated else sandbox.workspace)
         settings = {
             "runner": repo_grading.runner_source(),
             "root": str(root),
             "lib": repo_grading.library_path(),
-            "tmp": work,
+            "tmp": "/tmp" if sandbox.isolated else str(sandbox.workspace.parent),
             **{k: v(root) if callable(v) else v for k, v in settings.items()},
         }
-        command = [isolation.python_executable(), "-I", "-S", "-B", "-c", harness.RUNNER_BOOT]
-        try:
-            result = subprocess.run(
-                command,
-                input=json.dumps(settings) + "\n",
-                capture_output=True,
-                text=True,
-                timeout=seconds,
-                cwd=work,
-            )
-        except subprocess.TimeoutExpired:
-            raise FactoryError(f"{name}: the suite ran past {seconds:.0f}s") from None
-        try:
-            return json.loads(result.stdout.strip().splitlines()[-1]), root
-        except (ValueError, IndexError):
-            raise FactoryError(f"{name}: the suite did not run: {result.stderr[-800:]}") from None
+        result = sandbox.run(
+            "exec python3 -I -S -B -c " + shlex.quote(harness.RUNNER_BOOT),
+            stdin=json.dumps(settings) + "\n",
+            extra_ro_binds=repo_grading.test_binds() if sandbox.isolated else None,
+        )
+    if result.killed_reason in ("wall", "cpu"):
+        raise FactoryError(f"{name}: the suite ran past {seconds:.0f}s")
+    verdict = _last_verdict(result.output)
+    if verdict is None:
+        tail = " ".join(result.output[-300:].split())
+        raise FactoryError(f"{name}: the suite did not run (exit {result.returncode}): {tail}")
+    return verdict, root
 
 
-def survey(repo: Repository, seconds: float = 600.0) -> tuple[dict[str, str], dict, list]:
+def _last_verdict(output: str) -> dict | None:
+    """The runner's verdict: its last line (the suite's own output comes before it)."""
+    lines = output.strip().splitlines()
+    try:
+        verdict = json.loads(lines[-1])
+    except (ValueError, IndexError):
+        return None
+    return verdict if isinstance(verdict, dict) and "tests" in verdict else None
+
+
+def survey(
+    repo: Repository, seconds: float = 600.0, backend: str = "auto"
+) -> tuple[dict[str, str], dict, list]:
     """(outcome of every test on the original, {test: [(module path, qualname), ...]}, the
-    collectors that failed to collect)."""
+    collectors that failed to collect), the suite run in a sandbox."""
     sources = [p for p in repo.files if repo_grading.is_source_module(p, repo.source_roots)]
     settings = {
         "mode": "survey",
@@ -209,7 +246,7 @@ def survey(repo: Repository, seconds: float = 600.0) -> tuple[dict[str, str], di
         "select": None,
         "trace_files": lambda root: [str(root / p) for p in sources],
     }
-    verdict, root = _run_runner(repo.files, settings, repo.name, seconds)
+    verdict, root = _run_runner(repo.files, settings, repo.name, seconds, backend)
     prefix = str(root) + "/"
     coverage = {
         test: [tuple(c.removeprefix(prefix).split(":", 1)) for c in calls]
@@ -222,9 +259,12 @@ MAX_CALLS_PER_TEST = 16
 MAX_CALL_BYTES = 16_384
 
 
-def record_calls(task: Task, seconds: float = 300.0) -> tuple[dict[str, list], dict[str, int]]:
+def record_calls(
+    task: Task, seconds: float = 300.0, backend: str = "auto"
+) -> tuple[dict[str, list], dict[str, int]]:
     """({graded test: [encoded (args, kwargs) of each call it makes to the task's function]},
-    {graded test: calls whose arguments are not plain data}), on the original code."""
+    {graded test: calls whose arguments are not plain data}), on the original code, in a
+    sandbox."""
     path, qualname = task.metadata["path"], task.metadata["deletion"][0]
     settings = {
         "mode": "record",
@@ -236,7 +276,8 @@ def record_calls(task: Task, seconds: float = 300.0) -> tuple[dict[str, list], d
         "max_calls": MAX_CALLS_PER_TEST,
         "max_bytes": MAX_CALL_BYTES,
     }
-    verdict, _ = _run_runner({**task.files, **task.oracle_files}, settings, task.task_id, seconds)
+    files = {**task.files, **task.oracle_files}
+    verdict, _ = _run_runner(files, settings, task.task_id, seconds, backend)
     calls = {t: verdict.get("calls", {}).get(t, []) for t in task.graded_tests}
     opaque = {t: int(verdict.get("opaque_calls", {}).get(t, 0)) for t in task.graded_tests}
     return calls, opaque
@@ -250,7 +291,7 @@ def attach_replay(task: Task, backend: str) -> tuple[Task, str]:
     outcomes, see `replay`), narrowed to the graded tests that make a replayable call, and
     "kept"; or the task unchanged and why nothing can be replayed (arguments or results that
     are not plain data, outcomes that differ between two runs of the original)."""
-    recorded, opaque = record_calls(task)
+    recorded, opaque = record_calls(task, backend=backend)
     calls = {
         "module": replay.module_name(task.metadata["path"]),
         "qualname": task.metadata["deletion"][0],
@@ -401,7 +442,7 @@ def build_tasks(
 ) -> tuple[Repository, list[Task], BuildReport]:
     """Verified tasks of `repo` (at most `max_tasks`), deterministic by seed, and the
     repository as the tasks use it (test files that do not collect on the original left out)."""
-    outcomes, coverage, errors = survey(repo)
+    outcomes, coverage, errors = survey(repo, backend=backend)
     if not any(o == "pass" for o in outcomes.values()):
         raise FactoryError(f"{repo.name}: no test passes on the original code")
     repo = dataclasses.replace(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_jax.envs import repo_factory
+from composer_jax.envs import isolation, repo_factory
 from composer_jax.envs.repo_task_sets import read_task_set, write_task_set
 from composer_jax.envs.sources import TaskSourceError, load_task_source
 from composer_jax.envs.task import grade_solution
@@ -172,3 +172,49 @@ def test_a_package_from_the_registry_becomes_verified_tasks(tmp_path):
     for task in tasks[:2]:
         assert grade_solution(task, task.oracle_files).reward == 1.0
         assert grade_solution(task, {}).reward == 0.0
+
+
+_ESCAPING_TEST = """
+
+def test_writes_outside_its_tree():
+    with open({outside!r}, "w") as f:
+        f.write("the survey ran on the host")
+
+
+def test_reaches_the_network():
+    import socket
+
+    socket.create_connection(("1.1.1.1", 53), timeout=2).close()
+"""
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param(name, marks=pytest.mark.skipif(not isolation.usable(name), reason="unusable"))
+        for name in ("bwrap", "unshare")
+    ],
+)
+def test_the_survey_runs_sandboxed(tmp_path, backend):
+    outside = tmp_path / "escaped.txt"
+    package = write_package(tmp_path / "src", _TESTS + _ESCAPING_TEST.format(outside=str(outside)))
+    repo = repo_factory.find_layout(package, "tinypkg", "0", "path")
+    outcomes, coverage, _ = repo_factory.survey(repo, backend=backend)
+    assert outcomes["tests/test_core.py::test_add_all"] == "pass"
+    assert coverage["tests/test_core.py::test_add_all"] == [("tinypkg/core.py", "add_all")]
+    assert outcomes["tests/test_core.py::test_writes_outside_its_tree"] != "pass"
+    assert outcomes["tests/test_core.py::test_reaches_the_network"] != "pass"
+    assert not outside.exists()
+    # The control: run unisolated (as the survey ran before), the same suite writes the file.
+    outcomes, _, _ = repo_factory.survey(repo, backend="rlimit")
+    assert outcomes["tests/test_core.py::test_writes_outside_its_tree"] == "pass"
+    assert outside.exists()
+
+
+def test_a_corrupt_archive_is_refused_in_one_line(tmp_path):
+    archive = tmp_path / "broken-1.0.tar.gz"
+    archive.write_bytes(b"\x1f\x8b\x08 not a tar stream")
+    with pytest.raises(repo_factory.FactoryError) as error:
+        repo_factory.unpack_archive(archive, tmp_path / "broken-1.0")
+    assert str(error.value).startswith("broken-1.0.tar.gz: not a readable archive")
+    assert "\n" not in str(error.value) and not (tmp_path / "broken-1.0").exists()
