@@ -3,8 +3,9 @@
 The stages, in the order an episode has to pass them:
 
     found_file     a successful tool call named the file that holds the target function
-    read_function  a successful `read_file` of that file showed a line of the function
-                   (passed when the file does not exist at the start)
+    read_function  a successful `read_file` of that file showed a line of the function, or the
+                   first observation's open tab showed it whole (passed when the file does not
+                   exist at the start)
     body_parses    the file at the end parses, defines the function, and it is not the stub
     visible_test   the task's visible test command passes on that file (a fresh sandbox, as
                    `run_tests` runs it; passed when the task has none)
@@ -24,7 +25,7 @@ from collections.abc import Callable, Iterable
 
 from composer_jax.agent.feedback import call_path
 from composer_jax.agent.workflow import EpisodeOutcome
-from composer_jax.envs.focus import Target, find_function, target_of
+from composer_jax.envs.focus import Target, find_function, tab_span, target_of
 from composer_jax.envs.task import Task
 
 STAGES = ("found_file", "read_function", "body_parses", "visible_test", "hidden_tests", "report")
@@ -67,9 +68,16 @@ def _read_function(outcome: EpisodeOutcome, target: Target, stub: ast.FunctionDe
     return False
 
 
-def episode_stages(task: Task, outcome: EpisodeOutcome, visible: VisibleTest) -> dict[str, bool]:
-    """Whether the episode reached each stage (see the module's docstring); the visible test
-    runs only on a body that parses."""
+def _tab_shows(task: Task, stub: ast.FunctionDef, open_tab_lines: int) -> bool:
+    span = tab_span(task, open_tab_lines)
+    return span is not None and span[1] <= stub.lineno and stub.end_lineno <= span[2]
+
+
+def episode_stages(
+    task: Task, outcome: EpisodeOutcome, visible: VisibleTest, open_tab_lines: int = 0
+) -> dict[str, bool]:
+    """Whether the episode reached each stage (see the module's docstring), its environment's
+    open tab showing `open_tab_lines`; the visible test runs only on a body that parses."""
     target = target_of(task)
     if target is None or outcome.trace is None:
         raise ValueError(f"{task.task_id}: no target function or no trace to check stages on")
@@ -81,7 +89,11 @@ def episode_stages(task: Task, outcome: EpisodeOutcome, visible: VisibleTest) ->
     grade = outcome.grade or {}
     return {
         "found_file": any(call_path(c) == target.path for c in calls),
-        "read_function": stub is None or _read_function(outcome, target, stub),
+        "read_function": (
+            stub is None
+            or _tab_shows(task, stub, open_tab_lines)
+            or _read_function(outcome, target, stub)
+        ),
         "body_parses": parses,
         "visible_test": parses and visible(task, {target.path: text}) is not False,
         "hidden_tests": (
@@ -98,10 +110,10 @@ def first_missed(stages: dict[str, bool]) -> str:
 
 
 def stage_breakdown(
-    played: Iterable[tuple[Task, EpisodeOutcome]], visible: VisibleTest
+    played: Iterable[tuple[Task, EpisodeOutcome]], visible: VisibleTest, open_tab_lines: int = 0
 ) -> dict[str, object]:
     """{"episodes", "unknown", "reached": {stage: n}, "failed_at": {stage or "complete": n}}
-    over the episodes with a target function."""
+    over the episodes with a target function (played with `open_tab_lines` of open tab)."""
     reached = dict.fromkeys(STAGES, 0)
     failed_at = dict.fromkeys((*STAGES, COMPLETE), 0)
     episodes = unknown = 0
@@ -110,7 +122,7 @@ def stage_breakdown(
         if target_of(task) is None or outcome.trace is None:
             unknown += 1
             continue
-        stages = episode_stages(task, outcome, visible)
+        stages = episode_stages(task, outcome, visible, open_tab_lines)
         for stage, met in stages.items():
             reached[stage] += met
         failed_at[first_missed(stages)] += 1

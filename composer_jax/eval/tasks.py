@@ -120,7 +120,7 @@ def evaluate_tasks(
     def visible(task: envs.Task, files: dict[str, str]) -> bool | None:
         return envs.visible_test_passes(task, files, require_isolation=cfg.require_isolation)
 
-    report["stages"] = stages.stage_breakdown(played, visible)
+    report["stages"] = stages.stage_breakdown(played, visible, environment.open_tab_lines)
     report["timing"] = {
         "total_seconds": total,
         "environment_seconds": env_seconds[0],  # tool commands and grading, summed

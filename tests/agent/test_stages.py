@@ -88,6 +88,13 @@ def test_an_episode_cut_short_is_judged_by_its_edits_replayed(task):
     assert got["visible_test"] and not got["report"]
 
 
+def test_an_open_tab_that_shows_the_function_counts_as_reading_it(task):
+    outcome = play(task, scripts(task)["read_function"])  # searched, never read
+    assert not stages.episode_stages(task, outcome, visible)["read_function"]
+    assert stages.episode_stages(task, outcome, visible, open_tab_lines=40)["read_function"]
+    assert not stages.episode_stages(task, outcome, visible, open_tab_lines=2)["read_function"]
+
+
 def test_a_task_without_a_target_function_is_unknown():
     task = envs.load_task_source("state_tracking").take(1, "test", seed=0)[0]
     outcome = agent.EpisodeOutcome(sequences=[], reward=0.0)
