@@ -65,13 +65,15 @@ def define_config(default_preset: str | None) -> flags.FlagHolder:
 
 
 def experiment_config(holder: flags.FlagHolder) -> config_lib.ExperimentConfig:
-    """The typed config: the loaded config with every override applied, checked field by field.
-    With `--print_config`, prints it and exits."""
+    """The typed config: the loaded config with every override applied, checked field by field
+    and as a whole (`config.validate`, as every run does; whether it fits the devices is the
+    run's check). With `--print_config`, prints it and exits."""
     data = holder.value.to_dict()
     try:
         for path, raw in _TYPED_OVERRIDES:
             _apply_typed_override(data, path, raw)
         cfg = config_lib.from_dict(config_lib.ExperimentConfig, data)
+        config_lib.validate(cfg)
     except (CommandLineError, config_lib.ConfigError) as error:
         fail(str(error))
     if flags.FLAGS.print_config:
@@ -274,15 +276,27 @@ def _apply_typed_override(data: dict, path: str, raw: str) -> None:
 
 
 def _message(error: Exception) -> str:
-    """ml_collections reports an unknown field as a KeyError of its quoted name: name the whole
-    override it came from."""
-    text = str(error).strip("\"'")
+    """ml_collections reports an unknown field as a KeyError (possibly wrapped) whose text is the
+    quoted name, a newline and a suggestion: name the whole override it came from, on one line,
+    with the suggestion."""
+    while isinstance(error, (AttributeError, KeyError)) and error.args:
+        inner = error.args[0]
+        if not isinstance(inner, BaseException):
+            break
+        error = inner
+    text = str(error.args[0]) if error.args else str(error)
     if not isinstance(error, (AttributeError, KeyError)):
-        return text
+        return " ".join(text.split())
+    first, _, rest = text.partition("\n")
+    quoted = re.search(r"[\"']([^\"']+)[\"']", first)
+    name = quoted.group(1) if quoted else first.strip("\"' ")
+    hint = re.search(r'Did you mean "([^"]+)"', rest)
+    suggestion = f'; did you mean "{hint.group(1)}"?' if hint else ""
     culprit = next(
-        (a.split("=")[0] for a in sys.argv if a.startswith("--config.") and f".{text}" in a), None
+        (a.split("=")[0] for a in sys.argv if a.startswith("--config.") and f".{name}" in a), None
     )
-    return f"{culprit}: no such field" if culprit else f"no field {text!r}"
+    where = culprit or f"field {name!r}"
+    return f"{where}: no such field{suggestion}"
 
 
 def fail(message: str) -> typing.NoReturn:
@@ -320,7 +334,49 @@ def _parse(argv: list[str], positional: bool = False) -> list[str]:
     return rest
 
 
+# The top-level fields of ExperimentConfig that are not sections (dataclasses, described by their
+# docstrings): what `--help` says of each.
+_SCALAR_FIELDS = {
+    "steps": "training steps (pretraining), or RL steps",
+    "seed": "the run's seed (initialisation, data order, sampling)",
+    "workdir": "the run's folder (a local path or gs://bucket/path); starting again resumes",
+    "init_from": "a Hugging Face folder whose weights start a fresh run",
+    "print_sharding": "print every parameter's sharding at start-up",
+    "resume": "auto | never | must: what to do on a workdir that holds a run",
+}
+
+
+def config_help() -> str:
+    """The config's top-level sections and fields, one line each, for `--help`."""
+    lines = ["", "The config (--config=PRESET|FILE.py|FILE.json, then --config.<field>=<value>):"]
+    for field in dataclasses.fields(config_lib.ExperimentConfig):
+        section = getattr(config_lib, str(field.type), None)
+        if dataclasses.is_dataclass(section):
+            text = (section.__doc__ or "").strip().split("\n")[0]
+        else:
+            text = _SCALAR_FIELDS[field.name]
+        lines.append(f"  {field.name:<15} {text}")
+    lines.append("The whole tree with its values: --print_config. Every flag: --helpfull.")
+    return "\n".join(lines) + "\n"
+
+
+def _adopt_launch_flags() -> None:
+    """The flags this package's modules define (`--config`, `--print_config`, progress and log
+    flags) become the entry point's own, so `--help` lists them (absl lists only the flags the
+    main module defines; `--helpfull` lists all)."""
+    main = sys.argv[0]
+    for module, defined in flags.FLAGS.flags_by_module_dict().items():
+        if module != main and module.split(".")[0] == "launch":
+            for flag in defined:
+                flags.FLAGS.register_key_flag_for_module(main, flag)
+
+
 def run(main, positional: bool = False) -> None:
     """`absl.app.run(main)` with this module's flag parsing; `positional`: main takes positional
-    arguments (in its argv) instead of refusing them."""
+    arguments (in its argv) instead of refusing them. `--help` lists the entry point's flags and,
+    where it takes `--config`, the config's sections."""
+    _adopt_launch_flags()
+    if "config" in flags.FLAGS:
+        entry = sys.modules["__main__"]
+        entry.__doc__ = (entry.__doc__ or "") + config_help()
     app.run(main, flags_parser=lambda argv: _parse(argv, positional))

@@ -8,7 +8,9 @@ tokenizer files and generation_config.json. `launch.convert --hf_dir=OUT` checks
 
 import sys
 
-from absl import app, flags
+from absl import flags
+
+from launch import cli
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training run's folder.", required=True)
 _OUT = flags.DEFINE_string("out", None, "Folder to write the HF checkpoint into.", required=True)
@@ -38,4 +40,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -23,6 +23,7 @@ from composer_jax.envs.repo_task_sets import (
     read_task_set,
     write_task_set,
 )
+from launch import cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("package", None, "a requirement for pip, e.g. toolz==1.2.0")
@@ -107,4 +108,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -90,7 +90,9 @@ class _Follower:
         path = epath.Path(self.path)  # a bucket workdir's metrics too
         try:
             size = path.stat().length
-        except OSError:
+        # Not there yet, or a file system this machine cannot reach (a scheme without its
+        # client): the run itself says why in one line.
+        except (OSError, ImportError, ValueError):
             return
         if size < self.offset:
             self.offset = 0

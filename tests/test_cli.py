@@ -3,6 +3,7 @@
 start) with nothing left behind."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -50,10 +51,19 @@ def test_presets_by_name_and_config_files_work_from_any_folder(tmp_path):
         (["--config.steps=abc"], ["--config.steps"]),
         (["--config=no_such_preset"], ["neither a preset"]),
         (["extra"], ["positional", "extra"]),
+        (["--config.stepz=1"], ['--config.stepz: no such field; did you mean "steps"?']),
     ],
 )
 def test_bad_command_lines_are_one_line_errors(tmp_path, args, needles):
-    one_line_error(launch("pretrain", *args, cwd=tmp_path), *needles)
+    line = one_line_error(launch("pretrain", *args, cwd=tmp_path), *needles)
+    assert "\\" not in line  # printed as text, not as a repr
+
+
+@pytest.mark.parametrize("module", ["pretrain", "rl"])
+@pytest.mark.parametrize("progress", ["--progress", "--noprogress"])
+def test_an_unsupported_bucket_is_one_line_with_and_without_progress(tmp_path, module, progress):
+    result = launch(module, "--config.workdir=s3://bucket/run", progress, cwd=tmp_path)
+    one_line_error(result, "workdir", "s3://")
 
 
 def test_a_workdir_that_is_a_file_is_named(tmp_path):
@@ -145,3 +155,46 @@ def test_typed_override_parsing_in_process():
     assert data == {"mesh": {"ep": ["cp"]}, "data": {"extensions": [".py", ".pyi"]}}
     with pytest.raises(cli.CommandLineError, match="no such field"):
         cli._apply_typed_override(data, "mesh.bogus", "1")
+
+
+ENTRY_POINTS = sorted(
+    name[: -len(".py")]
+    for name in os.listdir(os.path.join(REPO, "launch"))
+    if name.endswith(".py")
+    and 'if __name__ == "__main__"' in open(os.path.join(REPO, "launch", name)).read()
+)
+
+
+def expected_flags(module: str) -> set[str]:
+    """The flags an entry point defines in its own source, plus those of the helpers it calls."""
+    source = open(os.path.join(REPO, "launch", f"{module}.py")).read()
+    names = set(re.findall(r"DEFINE_\w+\(\s*\"(\w+)\"", source))
+    if "cli.define_config(" in source:
+        names |= {"config", "print_config"}
+    if "plain_log.define_flags()" in source:
+        names |= {"progress", "log_every_s", "log_every_steps"}
+    return names
+
+
+@pytest.mark.parametrize("module", ENTRY_POINTS)
+def test_help_lists_the_entry_points_own_flags(tmp_path, module):
+    result = launch(module, "--help", cwd=tmp_path)
+    assert result.returncode == 1 and not result.stderr, result.stderr[-2000:]  # absl's --help
+    listed = set(re.findall(r"^  --(?:\[no\])?(\w+)", result.stdout, re.MULTILINE))
+    wanted = expected_flags(module)
+    assert wanted and wanted <= listed, wanted - listed
+    if "config" in wanted:  # the config's sections, one line each
+        assert "The config (" in result.stdout and "  rl " in result.stdout
+        assert "--print_config" in result.stdout
+
+
+def test_print_config_refuses_what_a_run_would_refuse(tmp_path):
+    result = launch(
+        "rl",
+        "--config=rl_tiny",
+        "--config.model.num_experts_per_tok=99",
+        "--print_config",
+        cwd=tmp_path,
+    )
+    one_line_error(result, "num_experts_per_tok")
+    assert not os.listdir(tmp_path)

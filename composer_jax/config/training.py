@@ -7,6 +7,8 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
+    """The optimizer (AdamW, or Muon for matrices with AdamW for the rest), its schedule and clip."""
+
     name: str = "adamw"
     learning_rate: float = 3e-3
     warmup_steps: int = 20
@@ -27,6 +29,8 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
+    """The tokenizer, the documents pretraining reads and the coding tasks SFT and RL use."""
+
     # "auto" (the init_from checkpoint's tokenizer when its folder has one, else the RL warm
     # start run's, else "byte"), "byte", a tokenizer shipped in composer_jax/data/tokenizers/, or
     # a folder with tokenizer.json (HF) or tiktoken.model. Saved with the run.
@@ -68,6 +72,8 @@ class PhaseConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
+    """The training phases and the step's settings: losses, logging, evaluation, checkpoints."""
+
     phases: tuple[PhaseConfig, ...] = (PhaseConfig(),)
     mtp_weight: float = 0.3
     mtp_loss: str = (
