@@ -124,6 +124,18 @@ class JsonlDocuments(_Documents):
         return self._field(record, f"{path} document {row}")
 
 
+def _parquet():
+    """pyarrow's Parquet module, imported on first use: only Parquet documents need it (the
+    `parquet` extra), so a missing pyarrow is an error that names the extra."""
+    try:
+        import pyarrow.parquet
+    except ImportError:
+        raise ValueError(
+            "Parquet documents need pyarrow: pip install 'composer-jax[parquet]'"
+        ) from None
+    return pyarrow.parquet
+
+
 class ParquetDocuments(_Documents):
     kind = "Parquet"
     CACHED_GROUPS = 4
@@ -135,9 +147,7 @@ class ParquetDocuments(_Documents):
         super().__init__(*args, **kwargs)
 
     def _count(self, path):
-        import pyarrow.parquet as pq
-
-        parquet = pq.ParquetFile(path)
+        parquet = _parquet().ParquetFile(path)
         if self.text_field not in parquet.schema_arrow.names:
             raise KeyError(f"{path}: no column {self.text_field!r} (set data.text_field)")
         meta = parquet.metadata
@@ -146,14 +156,12 @@ class ParquetDocuments(_Documents):
         return int(sum(sizes))
 
     def _group(self, file_index: int, group: int) -> list:
-        import pyarrow.parquet as pq
-
         key = (file_index, group)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        parquet = pq.ParquetFile(self.paths[file_index])
+        parquet = _parquet().ParquetFile(self.paths[file_index])
         texts = parquet.read_row_group(group, columns=[self.text_field]).column(0).to_pylist()
         with self._lock:
             self._cache[key] = texts

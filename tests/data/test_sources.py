@@ -3,6 +3,7 @@ real BPE tokenizer: every document piece once per epoch, disjoint shards, exact 
 
 import collections
 import json
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -85,6 +86,14 @@ def test_sources_return_every_document_in_order(tmp_path, kind):
     assert sorted([*train, *held_out]) == sorted(first + second)
     assert 0 < len(held_out) < 30
     assert list(train) == list(type(source)(paths, "text", "train", 0.3))  # deterministic
+
+
+def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
+    path = tmp_path / "docs.parquet"
+    _write_parquet(path, ["a"])
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # as if pyarrow were missing
+    with pytest.raises(ValueError, match=r"composer-jax\[parquet\]"):
+        ParquetDocuments([str(path)], "text", "all", 0.1)
 
 
 def test_missing_field_is_named(tmp_path):
