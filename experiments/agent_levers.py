@@ -38,7 +38,7 @@ def _evaluate(warm_start: str, out: str) -> dict:
             sys.executable,
             "-m",
             "launch.evaluate",
-            f"--workdir={warm_start}",
+            f"--config.workdir={warm_start}",
             f"--num_tasks={_NUM_TASKS.value}",
             f"--samples={_SAMPLES.value}",
             f"--ks=1,{_SAMPLES.value}",

@@ -42,7 +42,7 @@ def evaluate(workdir: str, out: str, samples: int, num_tasks: int) -> dict:
             sys.executable,
             "-m",
             "launch.evaluate",
-            f"--workdir={workdir}",
+            f"--config.workdir={workdir}",
             f"--samples={samples}",
             f"--ks={','.join(str(k) for k in ks(samples))}",
             f"--num_tasks={num_tasks}",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -62,6 +63,24 @@ def define_config(default_preset: str | None) -> flags.FlagHolder:
         )
     except (AttributeError, KeyError, TypeError, ValueError) as error:
         fail(f"bad --config override: {_message(error)}")
+
+
+def define_run_folder(help_text: str) -> typing.Callable[[], str]:
+    """`--config.workdir` for an entry point that reads a run (evaluate, eval, export): the run's
+    folder has the one name it has everywhere. `--workdir`, its old spelling here, still works
+    and warns once. Returns the folder given ("" when none)."""
+    new = flags.DEFINE_string("config.workdir", "", help_text)
+    old = flags.DEFINE_string("workdir", "", "Old spelling of --config.workdir.")
+
+    @functools.cache
+    def value() -> str:
+        if old.value and new.value and old.value != new.value:
+            fail("give the run folder once, as --config.workdir (--workdir is its old spelling)")
+        if old.value and not new.value:
+            print("warning: --workdir is now --config.workdir", file=sys.stderr)
+        return new.value or old.value
+
+    return value
 
 
 def experiment_config(holder: flags.FlagHolder) -> config_lib.ExperimentConfig:

@@ -1,6 +1,6 @@
 r"""Codebase perplexity of a trained run (the report's base-model metric).
 
-  python -m launch.eval --workdir=runs/tiny [--eval_dir=path/to/code] [--window=256 --stride=128]
+  python -m launch.eval --config.workdir=runs/tiny [--eval_dir=path/to/code] [--window=256 --stride=128]
 
 Concatenates the directory's source files in alphabetical order and scores them with rolling
 windows under the run's tokenizer; prints total NLL, bits per byte and perplexity. Defaults to the
@@ -13,7 +13,7 @@ from absl import flags
 
 from launch import cli, malloc
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "A pretraining run's folder.", required=True)
+_RUN = cli.define_run_folder("A pretraining run's folder.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
 _EVAL_DIR = flags.DEFINE_string("eval_dir", "", "Code to score (default: the standard library).")
 _WINDOW = flags.DEFINE_integer("window", 256, "Tokens per window.")
@@ -24,6 +24,7 @@ _MAX_BYTES = flags.DEFINE_integer("max_bytes", 200_000, "Score only this many by
 
 def main(argv):
     del argv
+    workdir = _RUN() or cli.fail("--config.workdir: the run's folder is required")
     from launch import runtime
 
     runtime.initialize()
@@ -35,8 +36,8 @@ def main(argv):
     from composer_jax.train.runs import run_tokenizer
 
     try:
-        m, step = load_trained_model(_WORKDIR.value, _STEP.value)
-        tokenizer = run_tokenizer(_WORKDIR.value)
+        m, step = load_trained_model(workdir, _STEP.value)
+        tokenizer = run_tokenizer(workdir)
     except (CheckpointError, config_lib.ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -52,7 +53,7 @@ def main(argv):
         progress=True,
     )
     print(
-        f"{_WORKDIR.value} step {step} on {root}: total NLL {result.total_nll:.1f} nats over "
+        f"{workdir} step {step} on {root}: total NLL {result.total_nll:.1f} nats over "
         f"{result.num_tokens} tokens ({result.num_bytes} bytes); {result.bits_per_byte:.4f} "
         f"bits/byte; perplexity {result.perplexity:.3f}"
     )

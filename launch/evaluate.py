@@ -1,9 +1,9 @@
 r"""A model on coding tasks: pass@1 / pass@k with 95% intervals, best-of-K, tokens, turns and tool
 calls per task, a per-task JSON and a table.
 
-  python -m launch.evaluate --workdir=runs/rl_tiny                        # its held-out tasks
-  python -m launch.evaluate --workdir=runs/rl_tiny --tasks=humaneval --samples=4
-  python -m launch.evaluate --workdir=runs/rl_tiny --tasks=state_tracking:per_length=4
+  python -m launch.evaluate --config.workdir=runs/rl_tiny                        # its held-out tasks
+  python -m launch.evaluate --config.workdir=runs/rl_tiny --tasks=humaneval --samples=4
+  python -m launch.evaluate --config.workdir=runs/rl_tiny --tasks=state_tracking:per_length=4
   python -m launch.evaluate --hf_dir=path/to/hf --tasks=jsonl:tasks.jsonl --split=train
 
 `--tasks` takes any task source spec (composer_jax.envs.load_task_source); without it a run is
@@ -21,7 +21,7 @@ from etils import epath
 
 from launch import cli, malloc
 
-_WORKDIR = flags.DEFINE_string("workdir", "", "A run's folder (pretraining, SFT or RL).")
+_RUN = cli.define_run_folder("A run's folder (pretraining, SFT or RL).")
 _HF_DIR = flags.DEFINE_string("hf_dir", "", "Or a Hugging Face folder (model + tokenizer).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step of the run (default: the latest).")
 _TASKS = flags.DEFINE_string("tasks", "", "Task source spec (default: the run's held-out tasks).")
@@ -51,12 +51,12 @@ _ENDLESS_DEFAULT = 32
 
 def _load(config_lib):
     """(model, tokenizer, run config or None)."""
-    if bool(_WORKDIR.value) == bool(_HF_DIR.value):
-        raise config_lib.ConfigError("give exactly one of --workdir and --hf_dir")
-    if _WORKDIR.value:
+    if bool(_RUN()) == bool(_HF_DIR.value):
+        raise config_lib.ConfigError("give exactly one of --config.workdir and --hf_dir")
+    if _RUN():
         from composer_jax.train import load_run
 
-        run = load_run(_WORKDIR.value, _STEP.value)
+        run = load_run(_RUN(), _STEP.value)
         return run.model, run.tokenizer, run.config
     from composer_jax import data, interop
 
@@ -137,14 +137,14 @@ def main(argv):
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     report["setup"] = {
-        "model": _WORKDIR.value or _HF_DIR.value,
+        "model": _RUN() or _HF_DIR.value,
         "tasks": source.name,
         "split": split,
         **dataclasses.asdict(cfg),
     }
     out = _OUT.value
     if not out:
-        folder = epath.Path(_WORKDIR.value or ".") / "eval"  # a bucket run's folder too
+        folder = epath.Path(_RUN() or ".") / "eval"  # a bucket run's folder too
         folder.mkdir(parents=True, exist_ok=True)
         out = str(folder / (re.sub(r"[^A-Za-z0-9_.=-]+", "_", source.name)[:80] + ".json"))
     write_report(report, out)

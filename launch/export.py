@@ -1,6 +1,6 @@
 r"""Exports a run to a Hugging Face DeepSeek-V3-format folder that `transformers` loads.
 
-  python -m launch.export --workdir=runs/tiny --out=exported/tiny [--step=N]
+  python -m launch.export --config.workdir=runs/tiny --out=exported/tiny [--step=N]
 
 Writes config.json, model.safetensors (float32; MTP heads are not part of the format), the run's
 tokenizer files and generation_config.json. `launch.convert --hf_dir=OUT` checks the result here.
@@ -12,13 +12,14 @@ from absl import flags
 
 from launch import cli
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "A training run's folder.", required=True)
+_RUN = cli.define_run_folder("A training run's folder.")
 _OUT = flags.DEFINE_string("out", None, "Folder to write the HF checkpoint into.", required=True)
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
 
 
 def main(argv):
     del argv
+    workdir = _RUN() or cli.fail("--config.workdir: the run's folder is required")
     from launch import runtime
 
     runtime.initialize()
@@ -28,13 +29,13 @@ def main(argv):
     from composer_jax.train import CheckpointError, load_run
 
     try:
-        run = load_run(_WORKDIR.value, _STEP.value)
+        run = load_run(workdir, _STEP.value)
         interop.export_hf_checkpoint(run.model, _OUT.value, run.tokenizer)
     except (CheckpointError, config_lib.ConfigError, TokenizerError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     print(
-        f"exported {_WORKDIR.value} step {run.step} with tokenizer {run.tokenizer.spec!r} "
+        f"exported {workdir} step {run.step} with tokenizer {run.tokenizer.spec!r} "
         f"({run.tokenizer.vocab_size} ids) to {_OUT.value}"
     )
 

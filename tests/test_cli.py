@@ -171,6 +171,8 @@ def expected_flags(module: str) -> set[str]:
     names = set(re.findall(r"DEFINE_\w+\(\s*\"(\w+)\"", source))
     if "cli.define_config(" in source:
         names |= {"config", "print_config"}
+    if "cli.define_run_folder(" in source:
+        names |= {"config.workdir"}
     if "plain_log.define_flags()" in source:
         names |= {"progress", "log_every_s", "log_every_steps"}
     return names
@@ -180,12 +182,20 @@ def expected_flags(module: str) -> set[str]:
 def test_help_lists_the_entry_points_own_flags(tmp_path, module):
     result = launch(module, "--help", cwd=tmp_path)
     assert result.returncode == 1 and not result.stderr, result.stderr[-2000:]  # absl's --help
-    listed = set(re.findall(r"^  --(?:\[no\])?(\w+)", result.stdout, re.MULTILINE))
+    listed = set(re.findall(r"^  --(?:\[no\])?([\w.]+)", result.stdout, re.MULTILINE))
     wanted = expected_flags(module)
     assert wanted and wanted <= listed, wanted - listed
     if "config" in wanted:  # the config's sections, one line each
         assert "The config (" in result.stdout and "  rl " in result.stdout
         assert "--print_config" in result.stdout
+
+
+def test_a_run_folder_is_config_workdir_and_the_old_spelling_warns(tmp_path):
+    new = launch("export", f"--config.workdir={tmp_path / 'none'}", "--out=x", cwd=tmp_path)
+    old = launch("export", f"--workdir={tmp_path / 'none'}", "--out=x", cwd=tmp_path)
+    assert new.returncode == old.returncode == 2
+    assert "--config.workdir" not in new.stderr and "warning: --workdir is now" in old.stderr
+    one_line_error(launch("export", "--out=x", cwd=tmp_path), "--config.workdir", "required")
 
 
 def test_print_config_refuses_what_a_run_would_refuse(tmp_path):

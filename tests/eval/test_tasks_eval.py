@@ -54,7 +54,7 @@ def test_launch_evaluate_writes_the_report_and_prints_the_table(run_dir, tmp_pat
         sys.executable,
         "-m",
         "launch.evaluate",
-        f"--workdir={run_dir}",
+        f"--config.workdir={run_dir}",
         "--tasks=tests.envs.task_plugin:make_source:count=3",
         "--samples=2",
         "--ks=1,2",
@@ -81,7 +81,7 @@ def test_launch_evaluate_writes_the_report_and_prints_the_table(run_dir, tmp_pat
 
 def test_launch_evaluate_runs_on_a_shipped_repository_set(run_dir, tmp_path):
     out = tmp_path / "report.json"
-    args = [sys.executable, "-m", "launch.evaluate", f"--workdir={run_dir}"]
+    args = [sys.executable, "-m", "launch.evaluate", f"--config.workdir={run_dir}"]
     args += ["--tasks=repositories:toolz", "--split=held_out", "--num_tasks=2", "--samples=1"]
     args += ["--ks=1", "--max_turns=1", "--max_new_tokens=8", "--context_len=1024"]
     args += ["--num_slots=2", f"--out={out}", "--noprogress"]

@@ -197,7 +197,7 @@ def test_command_line_pretrain_export_convert(tmp_path):
         "--progress=false",
     )
     assert run_tokenizer(str(tmp_path / "run")).fingerprint() == tokenizer.fingerprint()
-    run("launch.export", f"--workdir={tmp_path / 'run'}", f"--out={tmp_path / 'out'}")
+    run("launch.export", f"--config.workdir={tmp_path / 'run'}", f"--out={tmp_path / 'out'}")
     code = tmp_path / "code"
     code.mkdir()
     (code / "a.py").write_text("def f(x):\n    return x * 2\n" * 20)
