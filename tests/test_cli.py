@@ -208,3 +208,57 @@ def test_print_config_refuses_what_a_run_would_refuse(tmp_path):
     )
     one_line_error(result, "num_experts_per_tok")
     assert not os.listdir(tmp_path)
+
+
+BAD_INPUTS = {
+    "unknown field": (["--config.model.bogus=1"], "no such field"),
+    "typo": (["--config.stepz=1"], "did you mean"),
+    "wrong type": (["--config.steps=abc"], "--config.steps"),
+    "unsupported bucket": (["--config.workdir=s3://bucket/run"], "s3://"),
+    "workdir is a file": (["--config.workdir={file}"], "not a folder"),
+}
+RUN_INPUTS = {  # the entry points that read a run
+    "unsupported bucket": (["--config.workdir=s3://bucket/run"], "s3://"),
+    "no such run": (["--config.workdir={missing}"], "{missing}"),
+    "workdir is a file": (["--config.workdir={file}"], "{file}"),
+    "unknown flag": (["--config.bogus=1"], "bogus"),
+}
+RL_INPUTS = {  # paths only the RL run takes
+    "trace under a file": (["--config.rl.trace={file}/trace.json"], "rl.trace"),
+    "trace is a folder": (["--config.rl.trace={folder}"], "rl.trace"),
+}
+CASES = [
+    (module, name, args, needle, progress)
+    for module, table in (("pretrain", BAD_INPUTS), ("rl", BAD_INPUTS), ("evaluate", RUN_INPUTS))
+    for name, (args, needle) in table.items()
+    for progress in ("--progress", "--noprogress")
+]
+CASES += [
+    ("export", name, [*args, "--out=out"], needle, None)
+    for name, (args, needle) in RUN_INPUTS.items()
+]
+CASES += [
+    ("rl", name, [*args, "--config.workdir={missing}"], needle, "--noprogress")
+    for name, (args, needle) in RL_INPUTS.items()
+]
+
+
+@pytest.mark.parametrize(
+    "module,name,args,needle,progress", CASES, ids=[f"{c[0]}-{c[1]}-{c[4]}" for c in CASES]
+)
+def test_bad_inputs_are_one_line_errors_that_write_nothing(
+    tmp_path, module, name, args, needle, progress
+):
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "a_folder").mkdir()
+    names = {
+        "file": str(tmp_path / "a_file"),
+        "missing": str(tmp_path / "missing"),
+        "folder": str(tmp_path / "a_folder"),
+    }
+    args = [a.format(**names) for a in args] + ([progress] if progress else [])
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = launch(module, *args, cwd=tmp_path)
+    one_line_error(result, needle.format(**names))
+    assert "Traceback" not in result.stdout + result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -64,6 +64,7 @@ from composer_jax.train.metrics import MetricsWriter
 from composer_jax.train.runs import resolve_tokenizer, save_run_tokenizer
 from composer_jax.train.step import split_model
 from composer_jax.train.workdir import (
+    check_local_output,
     check_resume,
     check_run_folder,
     prepare_workdir,
@@ -99,6 +100,8 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
     rl = cfg.rl
     if rl.warm_start:  # before the workdir exists: a typo must not leave an empty run behind
         check_run_folder(rl.warm_start, "rl.warm_start")
+    if rl.trace:  # written at the end: a bad path must not cost the run
+        check_local_output(rl.trace, "rl.trace")
     check_resume(str(run_path(cfg.workdir, "workdir")), cfg)  # before the folder is made
     if jax.process_count() > 1:  # every process has judged the folder before process 0 writes
         multihost_utils.sync_global_devices("checked the RL workdir")

@@ -279,6 +279,22 @@ def check_run_folder(path: str, what: str) -> str:
     return path
 
 
+def check_local_output(path: str, field: str) -> None:
+    """A local file a run writes at its end (e.g. `rl.trace`) can be written there: its nearest
+    existing folder is a writable folder and the path itself is not a folder; else a ConfigError
+    naming `field`, before anything runs (nothing is created here)."""
+    target = os.path.abspath(path)
+    if os.path.isdir(target):
+        raise config_lib.ConfigError(f"{field}: {path!r} is a folder, not a file")
+    parent = os.path.dirname(target)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise config_lib.ConfigError(f"{field}: {path!r} cannot be written ({parent} is a file)")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise config_lib.ConfigError(f"{field}: {path!r} cannot be written ({parent} is read-only)")
+
+
 def append_line(path: epath.Path, line: str) -> None:
     """Appends one line; object stores cannot append, so there the object is rewritten whole."""
     if is_remote(path):
