@@ -6,8 +6,10 @@ import ast
 import configparser
 import functools
 import importlib.metadata
+import os
 import pathlib
 import re
+import subprocess
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -82,3 +84,34 @@ def test_every_requirement_is_used():
     used = set().union(*(distributions_of(m) for m in imported_modules()))
     unused = required - used - set(USED_OTHERWISE)
     assert not unused, f"declared in install_requires but never imported: {sorted(unused)}"
+
+
+def test_every_module_of_the_package_imports():
+    """Each module of composer_jax and kernels_pallas imports in a fresh interpreter with what
+    setup.cfg installs (the entry points in launch/ import in their --help test)."""
+    modules = []
+    for package in ("composer_jax", "kernels_pallas"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            modules.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    code = (
+        "import importlib, sys\n"
+        "failed = []\n"
+        "for name in sys.argv[1:]:\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except Exception as error:\n"
+        "        failed.append(f'{name}: {type(error).__name__}: {error}')\n"
+        "print('\\n'.join(failed))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    result = subprocess.run(
+        [sys.executable, "-c", code, *modules],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert not result.stdout.strip(), result.stdout
+    assert len(modules) > 100

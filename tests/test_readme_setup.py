@@ -1,6 +1,7 @@
 """The README's set-up is two command lines on a fresh clone (virtualenv, install and main job;
 tests), and .ci/run installs exactly as the first says and runs the second."""
 
+import configparser
 import os
 import re
 
@@ -19,7 +20,7 @@ def setup_commands() -> list[str]:
 def test_readme_setup_is_two_lines_starting_with_the_virtualenv():
     install, tests = setup_commands()
     assert install.startswith("python3.12 -m venv .venv && source .venv/bin/activate && ")
-    assert 'pip install -e ".[dev]"' in install
+    assert 'pip install -e ".[dev]" -c constraints.txt' in install
     assert tests == "python -m pytest -q"
 
 
@@ -31,3 +32,21 @@ def test_ci_installs_as_the_readme_says_and_runs_its_test_command():
     assert install_only in ci
     assert tests in ci
     assert ci.index(install_only) < ci.index(tests)
+
+
+def test_the_constraints_pin_every_requirement():
+    """constraints.txt (the versions CI tested) pins every requirement and dev tool."""
+    parser = configparser.ConfigParser()
+    parser.read(os.path.join(REPO, "setup.cfg"))
+    wanted = parser["options"]["install_requires"] + parser["options.extras_require"]["dev"]
+    names = {
+        re.sub(r"[-_.]+", "-", m).lower()
+        for m in re.findall(r"^\s*([A-Za-z0-9_.-]+)", wanted, re.M)
+    }
+    with open(os.path.join(REPO, "constraints.txt")) as f:
+        pinned = {
+            re.sub(r"[-_.]+", "-", line.split("==")[0]).lower()
+            for line in f
+            if "==" in line and not line.startswith("#")
+        }
+    assert names <= pinned, sorted(names - pinned)
