@@ -318,10 +318,11 @@ def _message(error: Exception) -> str:
     return f"{where}: no such field{suggestion}"
 
 
-def fail(message: str) -> typing.NoReturn:
-    """Ends the program with a one-line error (exit status 2)."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+def fail(message: str, status: int = 2) -> typing.NoReturn:
+    """Ends the program with a one-line error: exit status 2 for bad input (flags, config, run
+    folders), 1 for a failure once the run has started."""
+    print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
+    sys.exit(status)
 
 
 def _flag_error(error: flags.Error) -> str:

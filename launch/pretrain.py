@@ -38,9 +38,10 @@ def main(argv):
                 pretrained=lambda: interop.load_pretrained(cfg),
                 sft_examples=agent.sft_examples(cfg),
             )
-    except (config_lib.ConfigError, NonFiniteLossError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except (config_lib.ConfigError, CheckpointError) as e:
+        cli.fail(str(e))
+    except NonFiniteLossError as e:
+        cli.fail(str(e), status=1)
     if result.interrupted:
         sys.exit(128 + int(getattr(signal, result.interrupted)))  # The shell's convention.
 

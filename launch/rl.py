@@ -45,16 +45,10 @@ def main(argv):
             runtime.initialize_ray()
         with plain_log.progress_context(_metrics_files(cfg), _PROGRESS.value, _LOG_EVERY_S.value):
             result = run_rl(cfg, progress=_PROGRESS.value)
-    except (
-        config_lib.ConfigError,
-        NonFiniteLossError,
-        NonFiniteRLLossError,
-        CheckpointError,
-        RayPlacementError,
-        ProcessZeroFailed,
-    ) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except (config_lib.ConfigError, CheckpointError, ProcessZeroFailed) as e:
+        cli.fail(str(e))  # bad input (process 0's, for the other processes)
+    except (NonFiniteLossError, NonFiniteRLLossError, RayPlacementError) as e:
+        cli.fail(str(e), status=1)
     sys.exit(exit_code(result))
 
 

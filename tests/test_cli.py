@@ -262,3 +262,21 @@ def test_bad_inputs_are_one_line_errors_that_write_nothing(
     one_line_error(result, needle.format(**names))
     assert "Traceback" not in result.stdout + result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_a_run_that_fails_once_started_exits_1_in_one_line(tmp_path):
+    result = launch(
+        "pretrain",
+        "--config=tiny",
+        "--config.steps=3",
+        "--config.optim.learning_rate=1e30",  # the parameters blow up at the first update
+        "--config.optim.warmup_steps=0",
+        f"--config.workdir={tmp_path / 'run'}",
+        "--noprogress",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "non-finite loss" in errors[0]
+    assert "no checkpoint was saved before it" in errors[0]
+    assert "Traceback" not in result.stderr

@@ -452,9 +452,14 @@ def nll_summary(cfg: config_lib.ExperimentConfig, start: float, end: float) -> s
 def _check_finite(metrics: dict, step: int, ckpt: Checkpointer, last_saved: int | None) -> None:
     loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
     if not (np.isfinite(loss) and np.isfinite(grad_norm)):
+        last = (
+            f"the last good checkpoint is {ckpt.directory}/{last_saved}"
+            if last_saved is not None
+            else "no checkpoint was saved before it"
+        )
         raise NonFiniteLossError(
-            f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at step {step}; stopping. "
-            f"The last good checkpoint is {ckpt.directory}/{last_saved}"
+            f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at step {step}; "
+            f"stopping: {last}"
         )
 
 
