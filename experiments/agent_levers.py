@@ -4,16 +4,16 @@ r"""What a change to the agent's warm start does to its held-out skill, before a
       --config.workdir=runs/levers/baseline [--config.X=...] [--num_tasks=32 --samples=8]
 
 Runs the config's warm start (`rl.warm_start_steps` of its SFT phases in `<workdir>/warm_start`,
-as `launch.rl` would; a finished one is reused), then `launch.evaluate` on it: `--samples`
-episodes on each of `--num_tasks` held-out tasks neither SFT nor RL would see, the per-stage
-breakdown (`agent.stages`) included. Appends one row to `--table` (JSONL: the lever, the overrides,
+as `launch.rl` would; a finished one is reused), then evaluates it as `launch.evaluate` does
+(`eval.tasks.evaluate_tasks`): `--samples` episodes at the RL temperature on each of
+`--num_tasks` held-out tasks neither SFT nor the RL run would see, the per-stage breakdown
+(`agent.stages`) included. Appends one row to `--table` (JSONL: the lever, the overrides,
 pass@1 and best-of-K with their 95% intervals, where the episodes stopped, wall times) and prints
 it as a markdown row for experiments/RESULTS.md's lever table.
 """
 
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -27,29 +27,40 @@ _NUM_TASKS = flags.DEFINE_integer("num_tasks", 32, "Held-out tasks.")
 _SAMPLES = flags.DEFINE_integer("samples", 8, "Episodes per task.")
 _TABLE = flags.DEFINE_string("table", "runs/levers/levers.jsonl", "The JSONL table to append to.")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+def _evaluate(cfg, out: str) -> dict:
+    """`launch.evaluate`'s report (the same `evaluate_tasks`) of the warm start on the RL run's
+    held-out tasks: those neither its SFT nor its RL prompts hold (drawn by the RL config, whose
+    prompts the warm start's own config cannot know); an existing report is reused."""
+    if os.path.isfile(out):
+        with open(out) as f:
+            return json.load(f)
+    from composer_jax.actor.setup import rl_task_source, untrained_tasks
+    from composer_jax.agent.stages import format_stages
+    from composer_jax.eval import format_table
+    from composer_jax.eval.tasks import TaskEvalConfig, evaluate_tasks
+    from composer_jax.train import load_run
 
-def _evaluate(warm_start: str, out: str) -> dict:
-    """launch.evaluate's report on the warm start's held-out tasks (its own process, as a user
-    would run it; an existing report is reused)."""
-    if not os.path.isfile(out):
-        command = [
-            sys.executable,
-            "-m",
-            "launch.evaluate",
-            f"--config.workdir={warm_start}",
-            f"--num_tasks={_NUM_TASKS.value}",
-            f"--samples={_SAMPLES.value}",
-            f"--ks=1,{_SAMPLES.value}",
-            f"--out={out}",
-            "--noprogress",
-        ]
-        print("$", " ".join(command), flush=True)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-        subprocess.run(command, check=True, env=env)
-    with open(out) as f:
-        return json.load(f)
+    run = load_run(os.path.join(cfg.workdir, "warm_start"))
+    rl, k = cfg.rl, _SAMPLES.value
+    tasks = untrained_tasks(cfg, rl_task_source(cfg), rl.heldout_split, _NUM_TASKS.value)
+    settings = TaskEvalConfig(
+        samples=k,
+        ks=(1, k),
+        temperature=rl.temperature,
+        max_turns=rl.max_turns,
+        max_new_tokens=rl.max_new_tokens,
+        context_len=rl.context_len,
+        num_slots=max(rl.num_slots, k),
+        seed=cfg.seed,
+        require_isolation=rl.require_sandbox,
+    )
+    report = evaluate_tasks(run.model, run.tokenizer, tasks, settings, rl, progress=False)
+    with open(out, "w") as f:
+        json.dump(report, f)
+    print(format_table(report))
+    print(format_stages(report["stages"]), flush=True)
+    return report
 
 
 def _row(cfg, report: dict, seconds: dict) -> dict:
@@ -93,8 +104,7 @@ def main(argv):
     begun = time.monotonic()
     warm_start(cfg, progress=False)
     trained = time.monotonic()
-    warm = os.path.join(cfg.workdir, "warm_start")
-    report = _evaluate(warm, os.path.join(cfg.workdir, "eval_levers.json"))
+    report = _evaluate(cfg, os.path.join(cfg.workdir, "eval_levers.json"))
     seconds = {"warm_start": trained - begun, "evaluate": time.monotonic() - trained}
     row = _row(cfg, report, seconds)
     os.makedirs(os.path.dirname(os.path.abspath(_TABLE.value)), exist_ok=True)

@@ -1,5 +1,5 @@
-"""The coding agent (`python -m launch.rl --config=rl_agent_tiny`: 400 SFT steps on the scripted
-agent's episodes, then 12 asynchronous RL steps of multi-turn episodes in small repositories)
+"""The coding agent (`python -m launch.rl --config=rl_agent_tiny`: 800 SFT steps on the scripted
+agent's episodes, then 16 asynchronous RL steps of multi-turn episodes in small repositories)
 with three seeds. The comparison's held-out table is the report's fig. 5 over the seeds: reward,
 pass@1, best-of-8, turns, tool calls, summaries, feedback turns and each behaviour reward before
 and after RL.

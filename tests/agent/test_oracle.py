@@ -61,7 +61,7 @@ def _played(rl, tasks, tokenizer=TOKENIZER):
 
 
 def test_scripted_episodes_solve_repository_tasks_through_the_workflow():
-    rl = presets.rl_agent_tiny().rl
+    rl = dataclasses.replace(presets.rl_agent_tiny().rl, open_tab_lines=0)  # every tool used
     tokenizer = data.load_tokenizer("code_bpe_2k")
     tasks = envs.load_task_source("builtin_repo:max_ops=2").take(4, "train", seed=5)
     outcomes = _played(rl, tasks, tokenizer)
@@ -94,6 +94,7 @@ def test_with_the_function_in_an_open_tab_the_script_edits_at_once():
 
 def test_episode_examples_train_on_the_agents_tokens_only(tmp_path):
     cfg = presets.rl_agent_tiny()
+    cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, open_tab_lines=0))
     tokenizer = data.load_tokenizer("code_bpe_2k")
     tasks = envs.load_task_source(cfg.data.tasks).take(3, "train", seed=0)
     examples = episode_examples(cfg, tokenizer, tasks)
