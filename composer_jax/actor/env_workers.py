@@ -75,7 +75,11 @@ class EnvironmentPool:
 
     tracer = NULL_TRACER
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float | None):
+        """`timeout_s`: how long one call may run before its worker counts as hung; None, the
+        longest a step of the default environment may legitimately take
+        (`EnvConfig.step_seconds`, from which the RL launcher derives its own)."""
+        timeout_s = EnvConfig().step_seconds() if timeout_s is None else timeout_s
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.timeout_s = timeout_s
@@ -146,7 +150,7 @@ class WorkerPool(EnvironmentPool):
     to launch a worker: a handle with `call(request, timeout_s)` (raising `WorkerCrash` or
     `WorkerTimeout`), `kill()` and `stop(timeout_s)`."""
 
-    def __init__(self, num_workers: int, timeout_s: float):
+    def __init__(self, num_workers: int, timeout_s: float | None):
         super().__init__(timeout_s)
         if num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
@@ -329,7 +333,7 @@ class WorkerPool(EnvironmentPool):
 class ProcessEnvironmentPool(WorkerPool):
     """Workers are child processes running `python -m composer_jax.envs.worker`."""
 
-    def __init__(self, num_workers: int = 2, timeout_s: float = 60.0):
+    def __init__(self, num_workers: int = 2, timeout_s: float | None = None):
         super().__init__(num_workers, timeout_s)
 
     def _launch(self) -> WorkerProcess:

@@ -235,7 +235,7 @@ class RayEnvironmentPool(WorkerPool):
     def __init__(
         self,
         num_workers: int = 2,
-        timeout_s: float = 60.0,
+        timeout_s: float | None = None,
         resources: dict[str, float] | None = None,
         placement_timeout_s: float = 300.0,
     ):

@@ -27,7 +27,7 @@ class ThreadEnvironmentPool(EnvironmentPool):
     `timeout_s` cannot be stopped: its thread is abandoned (a fresh one takes its place, the
     abandoned one frees the episode if it ever returns) and its episode is lost."""
 
-    def __init__(self, max_workers: int = 8, timeout_s: float = 60.0):
+    def __init__(self, max_workers: int = 8, timeout_s: float | None = None):
         super().__init__(timeout_s)
         if max_workers < 1:
             raise ValueError(f"max_workers must be at least 1, got {max_workers}")

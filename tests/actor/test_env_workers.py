@@ -104,6 +104,17 @@ def test_flags_and_config_cross_the_pipe(tasks):
         assert play(pool, {"flagged": (tasks[0], turns)}, config)["flagged"] == reference
 
 
+def test_a_pools_default_timeout_covers_the_slowest_legitimate_step():
+    """Without a timeout, a pool waits as long as a step of the default environment may take
+    (slow commands on every call of a turn, then grading), not a fixed minute."""
+    slowest = envs.EnvConfig().step_seconds()
+    assert slowest > 60
+    with ThreadEnvironmentPool(max_workers=1) as threads:
+        assert threads.timeout_s == slowest
+    with ProcessEnvironmentPool(num_workers=1) as processes:
+        assert processes.timeout_s == slowest
+
+
 @pytest.mark.parametrize("kind", ["process", "thread"])
 def test_unknown_and_duplicate_ids(kind, tasks):
     with make_environment_pool(kind, num_workers=1, timeout_s=60.0) as pool:
