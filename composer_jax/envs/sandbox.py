@@ -118,10 +118,18 @@ class Sandbox:
                 + isolation.HOW_TO_ISOLATE,
             )
         if not cgroups.available():
+            if os.geteuid() == 0 and require_isolation:
+                raise IsolationUnavailable(
+                    "running as root where no cgroup can be created: a sandboxed command could "
+                    "start processes without limit (root is exempt from RLIMIT_NPROC); run as a "
+                    "normal user, or give this process a writable cgroup (a delegated cgroup v2 "
+                    "subtree, or a container with its own cgroup namespace)"
+                )
             _warn_once(
                 "cgroups",
                 "no cgroup can be created here: memory and process caps apply per process "
-                "(RLIMIT_AS / RLIMIT_NPROC), not to a command as a whole",
+                "(RLIMIT_AS / RLIMIT_NPROC), not to a command as a whole"
+                + ("; as root there is NO process cap at all" if os.geteuid() == 0 else ""),
             )
         self.workspace = Path(workspace)
         self.limits = limits

@@ -134,6 +134,21 @@ def test_fork_bomb_is_contained(sandbox):
     assert subprocess.run(["true"]).returncode == 0  # the host can still fork
 
 
+@pytest.mark.parametrize("backend", ISOLATING)
+@pytest.mark.parametrize("uid", [0, 1000])
+def test_root_without_a_cgroup_is_refused_not_left_uncapped(backend, uid, monkeypatch):
+    """Root is exempt from RLIMIT_NPROC, so without a pids cgroup nothing would cap a command's
+    processes: an isolating sandbox refuses to start as root, a normal user gets the rlimit."""
+    monkeypatch.setattr(sandbox_module.cgroups, "available", lambda: False)
+    monkeypatch.setattr(sandbox_module.os, "geteuid", lambda: uid)
+    if uid == 0:
+        with pytest.raises(IsolationUnavailable, match="as root where no cgroup"):
+            Sandbox.from_files({"a.txt": "x"}, backend=backend)
+    else:
+        with Sandbox.from_files({"a.txt": "x"}, backend=backend) as box:
+            assert box.isolated
+
+
 def test_fork_and_snapshot(sandbox):
     child = sandbox.fork()
     try:
