@@ -84,14 +84,20 @@ def define_run_folder(help_text: str) -> typing.Callable[[], str]:
 
 
 def experiment_config(holder: flags.FlagHolder) -> config_lib.ExperimentConfig:
-    """The typed config: the loaded config with every override applied, checked field by field
-    and as a whole (`config.validate`, as every run does; whether it fits the devices is the
-    run's check). With `--print_config`, prints it and exits."""
+    """The typed config: the loaded config with every override applied, the architecture of an
+    `init_from` checkpoint adopted, checked field by field and as a whole (`config.validate`, as
+    every run does; whether it fits the devices is the run's check). With `--print_config`,
+    prints it and exits."""
     data = holder.value.to_dict()
     try:
         for path, raw in _TYPED_OVERRIDES:
             _apply_typed_override(data, path, raw)
         cfg = config_lib.from_dict(config_lib.ExperimentConfig, data)
+        if cfg.init_from:  # the architecture comes from the checkpoint's config.json
+            # Imported here: interop needs JAX, which no other command line should pay for.
+            from composer_jax import interop
+
+            cfg = interop.with_checkpoint_architecture(cfg)
         config_lib.validate(cfg)
     except (CommandLineError, config_lib.ConfigError) as error:
         fail(str(error))

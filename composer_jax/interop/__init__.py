@@ -8,7 +8,11 @@ from composer_jax.interop.hf import (
     load_hf_checkpoint,
     params_from_hf,
 )
-from composer_jax.interop.init import check_same_architecture, load_pretrained
+from composer_jax.interop.init import (
+    check_same_architecture,
+    load_pretrained,
+    with_checkpoint_architecture,
+)
 from composer_jax.interop.safetensors_io import read_hf_checkpoint
 
 __all__ = [
@@ -20,4 +24,5 @@ __all__ = [
     "load_hf_checkpoint",
     "params_from_hf",
     "read_hf_checkpoint",
+    "with_checkpoint_architecture",
 ]

@@ -33,19 +33,42 @@ _REQUIRED = {
 }
 
 
+def unsupported_fields(hf: dict) -> list[str]:
+    """Every setting of an HF `config.json` this implementation cannot represent (each would
+    silently compute another model), as "key=value (expected ...)" lines."""
+    problems = [
+        f"{key}={hf[key]!r} (expected {want!r})"
+        for key, want in _REQUIRED.items()
+        if key in hf and hf[key] != want
+    ]
+    scaling = hf.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type")) != "yarn":
+        kind = scaling.get("rope_type", scaling.get("type"))
+        problems.append(f"rope_scaling type {kind!r} (expected 'yarn' or none)")
+    quant = hf.get("quantization_config") or {}
+    if quant and quant.get("quant_method") != "fp8":
+        problems.append(
+            f"quantization_config.quant_method={quant.get('quant_method')!r} (expected 'fp8')"
+        )
+    block = quant.get("weight_block_size")
+    if block is not None and not (
+        isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) for b in block)
+    ):
+        problems.append(f"quantization_config.weight_block_size={block!r} (expected [rows, cols])")
+    if hf.get("attention_bias"):
+        problems.append("attention_bias=True (expected False)")
+    return problems
+
+
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
-    """ModelConfig of an HF `config.json` (as normalised by `read_hf_config`)."""
-    for key, want in _REQUIRED.items():
-        if key in hf and hf[key] != want:
-            raise CheckpointMismatchError(
-                f"config.json: {key}={hf[key]!r} is unsupported (expected {want!r})"
-            )
+    """ModelConfig of an HF `config.json` (as normalised by `read_hf_config`); every setting it
+    cannot represent is named in one error."""
+    problems = unsupported_fields(hf)
+    if problems:
+        raise CheckpointMismatchError(f"config.json: unsupported {'; '.join(problems)}")
     scaling = hf.get("rope_scaling")
     yarn = None
     if scaling:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind != "yarn":
-            raise CheckpointMismatchError(f"config.json: rope_scaling type {kind!r} is unsupported")
         yarn = YarnConfig(
             factor=float(scaling["factor"]),
             original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),

@@ -1,10 +1,13 @@
-"""Starting a run from a Hugging Face checkpoint: the model of `init_from`, checked to be the
-config's architecture (`train.loop.run_pretraining(cfg, pretrained=...)` copies its tensors)."""
+"""Starting a run from a Hugging Face checkpoint: the architecture read from its `config.json`
+(`with_checkpoint_architecture`: no model field by hand), then the model of `init_from`, checked
+to be the config's architecture (`train.loop.run_pretraining(cfg, pretrained=...)` copies its
+tensors)."""
 
 import dataclasses
 
 from composer_jax import config as config_lib
-from composer_jax.interop.hf import load_hf_checkpoint
+from composer_jax.interop.hf import config_from_hf, load_hf_checkpoint
+from composer_jax.interop.safetensors_io import read_hf_config
 from composer_jax.model.transformer import Transformer
 
 # Fields that may differ between a pretrained checkpoint and the model trained from it.
@@ -23,6 +26,26 @@ FREE_FIELDS = frozenset(
         "expert_gemm_impl",
     }
 )
+
+
+def with_checkpoint_architecture(cfg: config_lib.ExperimentConfig) -> config_lib.ExperimentConfig:
+    """`cfg` with the architecture of its `init_from` checkpoint (every model field but
+    `FREE_FIELDS`, which stay the config's: numerics, execution, MTP heads trained from scratch);
+    unchanged without `init_from`. A folder without a readable config.json, or one with settings
+    the model cannot represent, is a ConfigError naming all of them."""
+    if not cfg.init_from:
+        return cfg
+    try:
+        hf = read_hf_config(cfg.init_from)
+        free = {name: getattr(cfg.model, name) for name in FREE_FIELDS}
+        model = config_from_hf(hf, **free)
+    except FileNotFoundError:
+        raise config_lib.ConfigError(
+            f"init_from: {cfg.init_from!r} has no config.json (not a Hugging Face checkpoint)"
+        ) from None
+    except (ValueError, KeyError, TypeError) as error:
+        raise config_lib.ConfigError(f"init_from: {cfg.init_from}: {error}") from None
+    return dataclasses.replace(cfg, model=model)
 
 
 def check_same_architecture(ours: config_lib.ModelConfig, theirs: config_lib.ModelConfig) -> None:
