@@ -6,8 +6,6 @@ Writes config.json, model.safetensors (float32; MTP heads are not part of the fo
 tokenizer files and generation_config.json. `launch.convert --hf_dir=OUT` checks the result here.
 """
 
-import sys
-
 from absl import flags
 
 from launch import cli
@@ -27,13 +25,14 @@ def main(argv):
     from composer_jax import interop
     from composer_jax.data import TokenizerError
     from composer_jax.train import CheckpointError, load_run
+    from composer_jax.train.workdir import run_path
 
     try:
+        out = run_path(_OUT.value, "--out")  # a bucket needs its client before anything runs
         run = load_run(workdir, _STEP.value)
-        interop.export_hf_checkpoint(run.model, _OUT.value, run.tokenizer)
+        interop.export_hf_checkpoint(run.model, str(out), run.tokenizer)
     except (CheckpointError, config_lib.ConfigError, TokenizerError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        cli.fail(str(e))
     print(
         f"exported {workdir} step {run.step} with tokenizer {run.tokenizer.spec!r} "
         f"({run.tokenizer.vocab_size} ids) to {_OUT.value}"

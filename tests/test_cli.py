@@ -237,6 +237,16 @@ CASES += [
     ("export", name, [*args, "--out=out"], needle, None)
     for name, (args, needle) in RUN_INPUTS.items()
 ]
+CASES += [  # a bucket target the machine cannot write: refused before anything is read
+    (
+        "export",
+        "unwritable bucket",
+        ["--config.workdir={missing}", "--out=gs://b/x"],
+        "--out: ",
+        None,
+    ),
+    ("export", "unknown scheme", ["--config.workdir={missing}", "--out=s3://b/x"], "--out: ", None),
+]
 CASES += [
     ("rl", name, [*args, "--config.workdir={missing}"], needle, "--noprogress")
     for name, (args, needle) in RL_INPUTS.items()

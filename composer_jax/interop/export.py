@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import tempfile
 
 import jax
 import numpy as np
+from etils import epath
 from flax import nnx
 from safetensors.numpy import save_file
 
@@ -146,7 +149,23 @@ def export_hf_checkpoint(
     m: Transformer, path: str | os.PathLike, tokenizer: Tokenizer | None = None
 ) -> None:
     """Writes `config.json` and `model.safetensors` (float32) into `path`; with `tokenizer`, also
-    its files and `generation_config.json`."""
+    its files and `generation_config.json`. A bucket `path` (gs://) gets the files written to a
+    local temporary folder first, then copied one by one (the safetensors and tokenizer writers
+    take local paths)."""
+    if "://" not in str(path):
+        _write_folder(m, os.fspath(path), tokenizer)
+        return
+    target = epath.Path(path)
+    with tempfile.TemporaryDirectory(prefix="cj_export_") as local:
+        _write_folder(m, local, tokenizer)
+        for file in sorted(pathlib.Path(local).rglob("*")):
+            if file.is_file():
+                destination = target / file.relative_to(local).as_posix()
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                destination.write_bytes(file.read_bytes())
+
+
+def _write_folder(m: Transformer, path: str, tokenizer: Tokenizer | None) -> None:
     os.makedirs(path, exist_ok=True)
     config = hf_config(m.cfg)
     if tokenizer is not None:
@@ -154,7 +173,7 @@ def export_hf_checkpoint(
         config.update(
             {k: v for k, v in generation_config(tokenizer).items() if k.endswith("token_id")}
         )
-        tokenizer.save(os.fspath(path))
+        tokenizer.save(path)
         with open(os.path.join(path, "generation_config.json"), "w") as f:
             json.dump(generation_config(tokenizer), f, indent=2)
     with open(os.path.join(path, "config.json"), "w") as f:

@@ -53,7 +53,7 @@ def run_path(path: str, field: str) -> epath.Path:
         return epath.Path(os.path.abspath(path))
     if scheme not in _SCHEMES:
         raise config_lib.ConfigError(
-            f"{field}: {path!r} has the scheme {scheme}://; a run folder is a local path or "
+            f"{field}: {path!r} has the scheme {scheme}://; a folder here is a local path or "
             f"{', '.join(s + '://' for s in _SCHEMES)} (where orbax can write checkpoints)"
         )
     remote = epath.Path(path)

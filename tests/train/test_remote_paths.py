@@ -26,7 +26,7 @@ from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from orbax.checkpoint._src.path import gcs_utils
 
-from composer_jax import config, presets
+from composer_jax import config, interop, model, presets
 from composer_jax.actor import run as run_lib
 from composer_jax.actor.inflight import GroupState, InFlightStore
 from composer_jax.actor.ledger import Group, GroupLedger
@@ -236,3 +236,18 @@ def test_an_unserved_scheme_is_a_one_line_error(tmp_path, monkeypatch):
             prepare_workdir("gs://b/run")
         assert "\n" not in str(error.value)
     assert os.listdir(tmp_path) == []
+
+
+def test_an_export_to_a_bucket_writes_the_same_files_there_and_nothing_here(bucket, tmp_path):
+    tokenizer = load_tokenizer("code_bpe_2k")
+    m = model.init_model(dataclasses.replace(presets.tiny().model, vocab_size=2048), seed=3)
+    interop.export_hf_checkpoint(m, "gs://exports/tiny", tokenizer)
+    local = tmp_path / "local"
+    interop.export_hf_checkpoint(m, local, tokenizer)
+    remote = bucket / "exports" / "tiny"
+    names = sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file())
+    assert names and names == sorted(
+        str(p.relative_to(remote)) for p in remote.rglob("*") if p.is_file()
+    )
+    for name in names:
+        assert (remote / name).read_bytes() == (local / name).read_bytes(), name
