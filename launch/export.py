@@ -1,6 +1,7 @@
 r"""Exports a run to a Hugging Face DeepSeek-V3-format folder that `transformers` loads.
 
-  python -m launch.export --config.workdir=runs/tiny --out=exported/tiny [--step=N]
+  python -m launch.export --config.workdir=runs/tiny --out=exported/tiny [--step=N] \
+      [--dtype=bfloat16] [--shard_size_mb=5120]
 
 Writes config.json, model.safetensors (float32; MTP heads are not part of the format), the run's
 tokenizer files and generation_config.json. `launch.convert --hf_dir=OUT` checks the result here.
@@ -13,6 +14,12 @@ from launch import cli
 _RUN = cli.define_run_folder("A training run's folder.")
 _OUT = flags.DEFINE_string("out", None, "Folder to write the HF checkpoint into.", required=True)
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+_DTYPE = flags.DEFINE_enum(
+    "dtype", "float32", ["float32", "bfloat16"], "Weights' dtype (float32: the exact inverse)."
+)
+_SHARD_MB = flags.DEFINE_integer(
+    "shard_size_mb", 5120, "Largest weight shard (one model.safetensors when all fit)."
+)
 
 
 def main(argv):
@@ -30,7 +37,9 @@ def main(argv):
     try:
         out = run_path(_OUT.value, "--out")  # a bucket needs its client before anything runs
         run = load_run(workdir, _STEP.value)
-        interop.export_hf_checkpoint(run.model, str(out), run.tokenizer)
+        interop.export_hf_checkpoint(
+            run.model, str(out), run.tokenizer, _DTYPE.value, _SHARD_MB.value << 20
+        )
     except (CheckpointError, config_lib.ConfigError, TokenizerError, OSError) as e:
         cli.fail(str(e))
     print(

@@ -1,5 +1,5 @@
-"""composer-jax models -> Hugging Face DeepSeek-V3 format (config.json + model.safetensors, and
-with a tokenizer its files and generation_config.json).
+"""composer-jax models -> Hugging Face DeepSeek-V3 format (config.json + model.safetensors, or
+shards with their index; with a tokenizer its files and generation_config.json).
 
 The exact inverse of `hf.params_from_hf`, so a model survives an export/import round trip, and a
 model trained here can be served by tools that read DeepSeek-V3 checkpoints (`transformers` loads
@@ -16,6 +16,7 @@ import pathlib
 import tempfile
 
 import jax
+import ml_dtypes
 import numpy as np
 from etils import epath
 from flax import nnx
@@ -23,6 +24,7 @@ from safetensors.numpy import save_file
 
 from composer_jax.config import ModelConfig
 from composer_jax.data.tokenizer import Tokenizer, check_vocab
+from composer_jax.interop.safetensors_io import INDEX_FILE
 from composer_jax.model.transformer import Transformer
 
 
@@ -145,19 +147,32 @@ def generation_config(tokenizer: Tokenizer) -> dict:
     return out
 
 
+EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+
 def export_hf_checkpoint(
-    m: Transformer, path: str | os.PathLike, tokenizer: Tokenizer | None = None
+    m: Transformer,
+    path: str | os.PathLike,
+    tokenizer: Tokenizer | None = None,
+    dtype: str = "float32",
+    shard_bytes: int = 5 << 30,
 ) -> None:
-    """Writes `config.json` and `model.safetensors` (float32) into `path`; with `tokenizer`, also
-    its files and `generation_config.json`. A bucket `path` (gs://) gets the files written to a
-    local temporary folder first, then copied one by one (the safetensors and tokenizer writers
-    take local paths)."""
+    """Writes `config.json` and the weights in `dtype` (float32, the exact inverse of import, or
+    bfloat16) into `path`: one `model.safetensors`, or shards of at most `shard_bytes` (a tensor
+    larger than that gets a shard of its own) with `model.safetensors.index.json`; with
+    `tokenizer`, also its files and `generation_config.json`. A bucket `path` (gs://) gets the
+    files written to a local temporary folder first, then copied one by one (the safetensors and
+    tokenizer writers take local paths)."""
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype must be one of {sorted(EXPORT_DTYPES)}, got {dtype!r}")
+    if shard_bytes <= 0:
+        raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
     if "://" not in str(path):
-        _write_folder(m, os.fspath(path), tokenizer)
+        _write_folder(m, os.fspath(path), tokenizer, dtype, shard_bytes)
         return
     target = epath.Path(path)
     with tempfile.TemporaryDirectory(prefix="cj_export_") as local:
-        _write_folder(m, local, tokenizer)
+        _write_folder(m, local, tokenizer, dtype, shard_bytes)
         for file in sorted(pathlib.Path(local).rglob("*")):
             if file.is_file():
                 destination = target / file.relative_to(local).as_posix()
@@ -165,9 +180,44 @@ def export_hf_checkpoint(
                 destination.write_bytes(file.read_bytes())
 
 
-def _write_folder(m: Transformer, path: str, tokenizer: Tokenizer | None) -> None:
+def shard_names(tensors: dict[str, np.ndarray], shard_bytes: int) -> list[list[str]]:
+    """Tensor names grouped, in name order, into shards of at most `shard_bytes`."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].nbytes
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _write_weights(tensors: dict[str, np.ndarray], path: str, shard_bytes: int) -> None:
+    shards = shard_names(tensors, shard_bytes)
+    if len(shards) == 1:
+        save_file(tensors, os.path.join(path, "model.safetensors"))
+        return
+    weight_map = {}
+    for number, names in enumerate(shards, start=1):
+        file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        save_file({name: tensors[name] for name in names}, os.path.join(path, file))
+        weight_map.update(dict.fromkeys(names, file))
+    index = {
+        "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+        "weight_map": weight_map,
+    }
+    with open(os.path.join(path, INDEX_FILE), "w") as f:
+        json.dump(index, f, indent=2)
+
+
+def _write_folder(
+    m: Transformer, path: str, tokenizer: Tokenizer | None, dtype: str, shard_bytes: int
+) -> None:
     os.makedirs(path, exist_ok=True)
     config = hf_config(m.cfg)
+    config["torch_dtype"] = dtype
     if tokenizer is not None:
         check_vocab(tokenizer, m.cfg.vocab_size)
         config.update(
@@ -178,4 +228,5 @@ def _write_folder(m: Transformer, path: str, tokenizer: Tokenizer | None) -> Non
             json.dump(generation_config(tokenizer), f, indent=2)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    save_file(hf_tensors(m), os.path.join(path, "model.safetensors"))
+    tensors = {k: v.astype(EXPORT_DTYPES[dtype]) for k, v in hf_tensors(m).items()}
+    _write_weights(tensors, path, shard_bytes)
