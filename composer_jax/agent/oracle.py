@@ -53,16 +53,11 @@ def _enclosing(source: str, line: int) -> tuple[str, int, int, str] | None:
     except (SyntaxError, ValueError):
         return None
     found = None
-    stack = [(node, "") for node in tree.body]
-    while stack:
-        node, owner = stack.pop()
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            name = f"{owner}{node.name}"
-            if node.lineno <= line <= (node.end_lineno or node.lineno):
-                if not isinstance(node, ast.ClassDef):
-                    doc = (ast.get_docstring(node) or "").split("\n\n")[0].strip()
-                    found = (name, node.lineno, node.end_lineno or node.lineno, doc)
-                stack += [(child, f"{name}.") for child in node.body]
+    for name, node in focus.definitions(tree):  # a container before what it holds
+        end = node.end_lineno or node.lineno
+        if not isinstance(node, ast.ClassDef) and node.lineno <= line <= end:
+            doc = (ast.get_docstring(node) or "").split("\n\n")[0].strip()
+            found = (name, node.lineno, end, doc)
     return found
 
 
@@ -99,8 +94,7 @@ class OracleScript:
         self.steps: list[tuple[str, str, str]] = []  # (what it did, what it will do, the turn)
         c = self.change
         short = c.name.rsplit(".", 1)[-1]
-        tab = focus.tab_span(task, open_tab_lines)
-        shown = tab is not None and tab[0] == c.path and tab[1] <= c.line and c.end <= tab[2]
+        shown = focus.tab_shows_target(task, open_tab_lines)
         if "search_code" in tools and c.old is not None and not shown:
             self._add(("found it", "find it"), "search_code", query=short)
         if "read_file" in tools and not shown:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 
 from composer_jax.agent.feedback import call_path
 from composer_jax.agent.workflow import EpisodeOutcome
-from composer_jax.envs.focus import Target, find_function, tab_span, target_of
+from composer_jax.envs.focus import Target, find_function, tab_shows_target, target_of
 from composer_jax.envs.task import Task
 
 STAGES = ("found_file", "read_function", "body_parses", "visible_test", "hidden_tests", "report")
@@ -36,12 +36,11 @@ VisibleTest = Callable[[Task, dict[str, str]], bool | None]
 
 def final_text(task: Task, outcome: EpisodeOutcome, path: str) -> str | None:
     """The file at the end of the episode (None: it does not exist)."""
-    trace = outcome.trace
-    change = trace.changes.get(path) if trace is not None else None
+    change = outcome.trace.changes.get(path)
     if change is not None and change.get("after") is not None:
         return change["after"]
     text = task.files.get(path)
-    for call in trace.tool_calls if trace is not None else ():
+    for call in outcome.trace.tool_calls:
         if not call.ok or call_path(call) != path:
             continue
         if call.tool == "write_file":
@@ -68,11 +67,6 @@ def _read_function(outcome: EpisodeOutcome, target: Target, stub: ast.FunctionDe
     return False
 
 
-def _tab_shows(task: Task, stub: ast.FunctionDef, open_tab_lines: int) -> bool:
-    span = tab_span(task, open_tab_lines)
-    return span is not None and span[1] <= stub.lineno and stub.end_lineno <= span[2]
-
-
 def episode_stages(
     task: Task, outcome: EpisodeOutcome, visible: VisibleTest, open_tab_lines: int = 0
 ) -> dict[str, bool]:
@@ -91,7 +85,7 @@ def episode_stages(
         "found_file": any(call_path(c) == target.path for c in calls),
         "read_function": (
             stub is None
-            or _tab_shows(task, stub, open_tab_lines)
+            or tab_shows_target(task, open_tab_lines)
             or _read_function(outcome, target, stub)
         ),
         "body_parses": parses,

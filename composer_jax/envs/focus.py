@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+from collections.abc import Iterator
 
 from composer_jax.envs.task import Task
 
@@ -34,6 +35,18 @@ def target_of(task: Task) -> Target | None:
     return Target(changed[0], name)
 
 
+def definitions(tree: ast.Module) -> Iterator[tuple[str, ast.AST]]:
+    """Every function and class of a module with its qualified name ("Class.method"), each
+    container before what it holds."""
+    pending = [(node, "") for node in tree.body]
+    while pending:
+        node, owner = pending.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = owner + node.name
+            yield name, node
+            pending += [(child, name + ".") for child in node.body]
+
+
 def find_function(source: str | None, qualname: str) -> ast.FunctionDef | None:
     """The definition of `qualname` (e.g. "Class.method") in `source`, or None (also when the
     source does not parse)."""
@@ -41,21 +54,18 @@ def find_function(source: str | None, qualname: str) -> ast.FunctionDef | None:
         tree = ast.parse(source or "")
     except (SyntaxError, ValueError):
         return None
-    pending = [(node, "") for node in tree.body]
-    while pending:
-        node, owner = pending.pop()
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            name = owner + node.name
-            if name == qualname and not isinstance(node, ast.ClassDef):
-                return node
-            pending += [(child, name + ".") for child in node.body]
-    return None
+    return next(
+        (
+            node
+            for name, node in definitions(tree)
+            if name == qualname and not isinstance(node, ast.ClassDef)
+        ),
+        None,
+    )
 
 
-def tab_span(task: Task, max_lines: int) -> tuple[str, int, int] | None:
-    """(path, first line, last line) of the open tab: the target function's lines in the
-    workspace, at most `max_lines` of them from its first (decorators included); None without a
-    target in the workspace or with `max_lines` 0."""
+def _tab(task: Task, max_lines: int) -> tuple[str, int, int, int] | None:
+    """(path, first line, last line shown, last line of the function) of the open tab."""
     target = target_of(task)
     if max_lines <= 0 or target is None:
         return None
@@ -63,7 +73,22 @@ def tab_span(task: Task, max_lines: int) -> tuple[str, int, int] | None:
     if node is None:
         return None
     first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
-    return target.path, first, min(node.end_lineno or node.lineno, first + max_lines - 1)
+    end = node.end_lineno or node.lineno
+    return target.path, first, min(end, first + max_lines - 1), end
+
+
+def tab_span(task: Task, max_lines: int) -> tuple[str, int, int] | None:
+    """(path, first line, last line) of the open tab: the target function's lines in the
+    workspace, at most `max_lines` of them from its first (decorators included); None without a
+    target in the workspace or with `max_lines` 0."""
+    tab = _tab(task, max_lines)
+    return None if tab is None else tab[:3]
+
+
+def tab_shows_target(task: Task, max_lines: int) -> bool:
+    """Whether the open tab shows the whole target function (nothing left to find or read)."""
+    tab = _tab(task, max_lines)
+    return tab is not None and tab[2] == tab[3]
 
 
 def open_tab(task: Task, max_lines: int) -> str:

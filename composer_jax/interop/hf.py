@@ -41,9 +41,9 @@ def unsupported_fields(hf: dict) -> list[str]:
         for key, want in _REQUIRED.items()
         if key in hf and hf[key] != want
     ]
-    scaling = hf.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) != "yarn":
-        kind = scaling.get("rope_type", scaling.get("type"))
+    scaling = hf.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if scaling and kind != "yarn":
         problems.append(f"rope_scaling type {kind!r} (expected 'yarn' or none)")
     quant = hf.get("quantization_config") or {}
     if quant and quant.get("quant_method") != "fp8":

@@ -191,7 +191,10 @@ def test_reaches_the_network():
 @pytest.mark.parametrize(
     "backend",
     [
-        pytest.param(name, marks=pytest.mark.skipif(not isolation.usable(name), reason="unusable"))
+        pytest.param(
+            name,
+            marks=pytest.mark.skipif(not isolation.usable(name), reason=f"{name} not usable here"),
+        )
         for name in ("bwrap", "unshare")
     ],
 )
