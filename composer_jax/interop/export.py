@@ -194,7 +194,9 @@ def shard_names(tensors: dict[str, np.ndarray], shard_bytes: int) -> list[list[s
     return shards
 
 
-def _write_weights(tensors: dict[str, np.ndarray], path: str, shard_bytes: int) -> None:
+def write_shards(tensors: dict[str, np.ndarray], path: str, shard_bytes: int) -> None:
+    """`tensors` as one `model.safetensors`, or as shards of at most `shard_bytes` with
+    `model.safetensors.index.json`."""
     shards = shard_names(tensors, shard_bytes)
     if len(shards) == 1:
         save_file(tensors, os.path.join(path, "model.safetensors"))
@@ -229,4 +231,4 @@ def _write_folder(
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     tensors = {k: v.astype(EXPORT_DTYPES[dtype]) for k, v in hf_tensors(m).items()}
-    _write_weights(tensors, path, shard_bytes)
+    write_shards(tensors, path, shard_bytes)

@@ -1,8 +1,9 @@
 """Hugging Face DeepSeek-V3 / Kimi-K2 checkpoints -> composer-jax models.
 
-`read_hf_checkpoint` gives HF-named numpy tensors (dequantized, experts per expert); this module
-maps them onto the model's stacked parameters. Every HF tensor must be used and every model
-parameter filled, or the error names the ones that are not.
+`streaming.hf_sources` gives HF-named lazy tensors (dequantized, experts per expert); this module
+maps them onto the model's stacked parameters without reading data, then each device's shard of
+each parameter is read and placed piece by piece (`load_hf_checkpoint`). Every HF tensor must be
+used and every model parameter filled, or the error names the ones that are not.
 """
 
 from __future__ import annotations
@@ -11,12 +12,28 @@ import dataclasses
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import lax
 
 from composer_jax.config import ModelConfig, YarnConfig, validate_model
-from composer_jax.interop.safetensors_io import read_hf_checkpoint
+from composer_jax.interop.streaming import (
+    DEFAULT_BUFFER_BYTES,
+    ArraySource,
+    CheckpointReader,
+    Source,
+    SplitAxis,
+    Stacked,
+    Transposed,
+    full_index,
+    hf_sources,
+    normalize,
+    pieces,
+)
+from composer_jax.model.layers import logical_axes_of
 from composer_jax.model.transformer import Transformer
+from composer_jax.parallel.mesh import Layout
 
 
 class CheckpointMismatchError(ValueError):
@@ -110,40 +127,46 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
 
 
 class _Tensors:
-    """HF tensors that records which names were consumed."""
+    """HF sources by name, recording which names were consumed."""
 
-    def __init__(self, tensors: dict[str, np.ndarray]):
-        self._tensors = tensors
+    def __init__(self, sources: dict[str, Source]):
+        self._sources = sources
         self.used: set[str] = set()
 
-    def __call__(self, name: str) -> np.ndarray:
-        if name not in self._tensors:
+    def __call__(self, name: str) -> Source:
+        if name not in self._sources:
             raise CheckpointMismatchError(f"checkpoint lacks tensor {name!r}")
         self.used.add(name)
-        return np.asarray(self._tensors[name], np.float32)
+        return self._sources[name]
 
     def unused(self) -> list[str]:
-        return sorted(set(self._tensors) - self.used)
+        return sorted(set(self._sources) - self.used)
 
 
-def _linear(w_out_in: np.ndarray) -> np.ndarray:
+def _linear(w_out_in: Source) -> Source:
     """HF Linear weights are [out, in]; ours are [in, out]."""
-    return w_out_in.T
+    return Transposed(w_out_in)
+
+
+def _heads(w: Source, *parts: int) -> Source:
+    """A linear's output axis split per head: [in, h * d] -> [in, h, d]."""
+    return SplitAxis(w, 1, parts)
 
 
 def _attention(get: _Tensors, prefix: str, cfg: ModelConfig) -> dict:
     h = cfg.num_heads
     a = {}
     if cfg.q_lora_rank is None:
-        a["q_proj"] = _linear(get(prefix + "q_proj.weight")).reshape(cfg.hidden_size, h, -1)
+        a["q_proj"] = _heads(_linear(get(prefix + "q_proj.weight")), h, -1)
     else:
         a["q_a_proj"] = _linear(get(prefix + "q_a_proj.weight"))
         a["q_a_norm"] = {"scale": get(prefix + "q_a_layernorm.weight")}
-        a["q_b_proj"] = _linear(get(prefix + "q_b_proj.weight")).reshape(cfg.q_lora_rank, h, -1)
+        a["q_b_proj"] = _heads(_linear(get(prefix + "q_b_proj.weight")), h, -1)
     a["kv_a_proj"] = _linear(get(prefix + "kv_a_proj_with_mqa.weight"))
     a["kv_a_norm"] = {"scale": get(prefix + "kv_a_layernorm.weight")}
-    a["kv_b_proj"] = _linear(get(prefix + "kv_b_proj.weight")).reshape(cfg.kv_lora_rank, h, -1)
-    a["o_proj"] = _linear(get(prefix + "o_proj.weight")).reshape(h, cfg.v_head_dim, -1)
+    a["kv_b_proj"] = _heads(_linear(get(prefix + "kv_b_proj.weight")), h, -1)
+    # o_proj's input axis is the heads': [h * v, D] -> [h, v, D].
+    a["o_proj"] = SplitAxis(_linear(get(prefix + "o_proj.weight")), 0, (h, cfg.v_head_dim))
     return a
 
 
@@ -166,7 +189,7 @@ def _layer(get: _Tensors, index: int, cfg: ModelConfig) -> dict:
     layer["mlp"] = {
         "router": _linear(get(mlp + "gate.weight")),
         "expert_bias": get(mlp + "gate.e_score_correction_bias"),
-        **{name: np.stack([e[name] for e in experts]) for name in ("gate", "up", "down")},
+        **{name: Stacked([e[name] for e in experts]) for name in ("gate", "up", "down")},
     }
     if cfg.num_shared_experts:
         layer["mlp"]["shared"] = _swiglu(get, mlp + "shared_experts.")
@@ -174,12 +197,13 @@ def _layer(get: _Tensors, index: int, cfg: ModelConfig) -> dict:
 
 
 def _stack(layers: list[dict]) -> dict:
-    return jax.tree.map(lambda *xs: np.stack(xs), *layers)
+    return jax.tree.map(lambda *xs: Stacked(list(xs)), *layers)
 
 
-def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
-    """Pure-dict model state (params and expert biases) from HF-named tensors."""
-    get = _Tensors(tensors)
+def param_sources(sources: dict[str, Source], cfg: ModelConfig) -> dict:
+    """Pure-dict model state (params and expert biases) as lazy sources over HF-named ones;
+    nothing is read."""
+    get = _Tensors(sources)
     state = {
         "embed": get("model.embed_tokens.weight"),
         "final_norm": {"scale": get("model.norm.weight")},
@@ -205,31 +229,101 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
     return state
 
 
-def load_hf_checkpoint(
-    path: str | os.PathLike, dtype: str = "float32", param_dtype: str = "float32"
-) -> Transformer:
-    """A ready-to-run model from an HF DeepSeek-V3-format folder (config.json + safetensors)."""
-    hf_config, tensors = read_hf_checkpoint(path)
-    cfg = config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype)
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    expected = nnx.to_pure_dict(state)
-    loaded = params_from_hf(tensors, cfg)
-    expected_paths = {
-        jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(expected)
-    }
-    loaded_paths = {
-        jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(loaded)
-    }
-    missing = sorted(set(expected_paths) - set(loaded_paths))
+def params_from_hf(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
+    """Pure-dict model state as float32 numpy arrays from HF-named in-memory tensors."""
+    sources = param_sources({k: ArraySource(v) for k, v in tensors.items()}, cfg)
+    return jax.tree.map(lambda s: s.read(full_index(s.shape), np.float32), sources)
+
+
+def _write_piece(shard: jax.Array, piece: jax.Array, offsets: tuple) -> jax.Array:
+    return lax.dynamic_update_slice(shard, piece, offsets)
+
+
+# Donated, so the shard is updated in place (no second copy of it, on CPU or GPU).
+_write_piece_in_place = jax.jit(_write_piece, donate_argnums=0)
+
+
+def _device_shard(source: Source, index, dtype, device) -> jax.Array:
+    """One device's shard of a parameter: read straight into `dtype`, and a stacked parameter
+    (layers, experts) written into a donated device buffer one piece at a time, so host memory
+    holds one HF tensor's slice at most."""
+    parts = list(pieces(source, index))
+    if len(parts) == 1 and not parts[0][0]:
+        return jax.device_put(source.read(index, dtype), device)
+    shape = tuple(s.stop - s.start for s in index)
+    shard = jnp.zeros(shape, dtype, device=device)
+    for offset, part, sub in parts:
+        piece = part.read(sub, dtype)
+        piece = jax.device_put(piece.reshape((1,) * len(offset) + piece.shape), device)
+        padded = tuple(offset) + (0,) * piece.ndim
+        shard = _write_piece_in_place(shard, piece, padded[: len(shape)])
+    return shard
+
+
+def place(source: Source, shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding):
+    """A global array of `source` with `sharding`: this process reads and places only its own
+    devices' shards (a shard several devices hold is read once and copied)."""
+    shards, read = [], {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        index = normalize(index, shape)
+        key = tuple((s.start, s.stop) for s in index)
+        if key in read:
+            shards.append(jax.device_put(read[key], device))
+        else:
+            read[key] = _device_shard(source, index, dtype, device)
+            shards.append(read[key])
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+
+
+def _flat(tree: dict) -> dict[str, object]:
+    return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _checked_sources(sources: dict, expected: dict) -> dict:
+    """`sources` keyed like `expected`'s leaves, after checking names and shapes."""
+    flat_sources, flat_expected = _flat(sources), _flat(expected)
+    missing = sorted(set(flat_expected) - set(flat_sources))
     if missing:
         raise CheckpointMismatchError(f"model parameters not found in the checkpoint: {missing}")
-    for key, spec in expected_paths.items():
-        if tuple(loaded_paths[key].shape) != tuple(spec.shape):
+    for key, spec in flat_expected.items():
+        if tuple(flat_sources[key].shape) != tuple(spec.shape):
             raise CheckpointMismatchError(
-                f"parameter {key}: checkpoint gives shape {loaded_paths[key].shape}, "
+                f"parameter {key}: checkpoint gives shape {tuple(flat_sources[key].shape)}, "
                 f"the config implies {spec.shape}"
             )
-    typed = jax.tree.map(lambda x, spec: np.asarray(x, spec.dtype), loaded, expected)
-    nnx.replace_by_pure_dict(state, typed)
+    return flat_sources
+
+
+def load_hf_checkpoint(
+    path: str | os.PathLike,
+    dtype: str = "float32",
+    param_dtype: str = "float32",
+    layout: Layout | None = None,
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+) -> Transformer:
+    """A ready-to-run model from an HF DeepSeek-V3-format folder (config.json + safetensors, local
+    or in a bucket), the architecture read from its config.json.
+
+    Parameters are read tensor slice by tensor slice straight into `param_dtype` and their
+    sharding under `layout` (the default device without one): each process reads only what its
+    devices hold, and host memory peaks near one tensor slice plus `buffer_bytes`."""
+    with CheckpointReader(path, buffer_bytes) as reader:
+        cfg = config_from_hf(reader.config, dtype=dtype, param_dtype=param_dtype)
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
+        expected = nnx.to_pure_dict(state)
+        sources = _checked_sources(param_sources(hf_sources(reader), cfg), expected)
+        if layout is None:
+            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            shardings = jax.tree.map(lambda _: device, expected)
+        else:
+            shardings = nnx.to_pure_dict(layout.tree_shardings(logical_axes_of(state), state))
+        flat_shardings = _flat(shardings)
+        arrays = {
+            key: place(sources[key], spec.shape, spec.dtype, flat_shardings[key])
+            for key, spec in _flat(expected).items()
+        }
+    loaded = jax.tree_util.tree_unflatten(
+        jax.tree.structure(expected), [arrays[key] for key in _flat(expected)]
+    )
+    nnx.replace_by_pure_dict(state, loaded)
     return nnx.merge(graphdef, state)

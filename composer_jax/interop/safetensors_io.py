@@ -5,6 +5,7 @@ quantization undone and the experts in one layout, so the mapping into model par
 single form whichever tool wrote the checkpoint.
 """
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -12,6 +13,7 @@ import re
 
 import ml_dtypes
 import numpy as np
+from etils import epath
 
 INDEX_FILE = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"
@@ -36,7 +38,7 @@ _DTYPES = {
     "U8": np.uint8,
     "BOOL": np.bool_,
 }
-_FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
+FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 _FUSED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
@@ -47,7 +49,7 @@ def read_hf_config(path) -> dict:
     transformers >= 5 writes both into `rope_parameters` (key "rope_type"). Either way the result has
     `rope_theta` and `rope_scaling`: None for plain RoPE, else a dict with "rope_type".
     """
-    config = json.loads((pathlib.Path(path) / "config.json").read_text())
+    config = json.loads((epath.Path(path) / "config.json").read_text())
     params = dict(config.pop("rope_parameters", None) or {})
     scaling = dict(config.get("rope_scaling") or params)
     theta = config.get("rope_theta", params.get("rope_theta"))
@@ -85,7 +87,7 @@ def read_hf_tensors(path) -> dict[str, np.ndarray]:
         raise FileNotFoundError(f"{folder}: no *.safetensors files")
     tensors, source = {}, {}
     for file in files:
-        for name, array in _read_safetensors_file(folder / file).items():
+        for name, array in read_safetensors_file(folder / file).items():
             if name in tensors:
                 raise ValueError(f"tensor {name!r} is in both {source[name]} and {file}")
             tensors[name], source[name] = array, file
@@ -97,34 +99,58 @@ def read_hf_tensors(path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _read_safetensors_file(file: pathlib.Path) -> dict[str, np.ndarray]:
-    """Parses the safetensors header directly: safetensors' numpy loader cannot return fp8."""
-    with open(file, "rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(header_len))
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor's bytes lie: `file`, from absolute byte `start`, `nbytes` long."""
+
+    name: str
+    file: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    start: int
+    nbytes: int
+
+
+def read_header(f, file_name: str, file_size: int) -> dict[str, TensorEntry]:
+    """The tensors of one open safetensors file, checked against its size: a truncated shard or
+    an unsupported dtype is a one-line error naming the tensor and the file."""
+    header_len = int.from_bytes(f.read(8), "little")
+    if not 0 < header_len <= file_size - 8:
+        raise ValueError(f"{file_name}: not a safetensors file (header of {header_len} bytes)")
+    header = json.loads(f.read(header_len))
     header.pop("__metadata__", None)
     data_start = 8 + header_len
-    data_len = file.stat().st_size - data_start
-    data = (
-        np.memmap(file, np.uint8, mode="r", offset=data_start)
-        if data_len
-        else np.empty(0, np.uint8)
-    )
-    tensors = {}
+    data_len = file_size - data_start
+    entries = {}
     for name, info in header.items():
         dtype = _DTYPES.get(info["dtype"])
         if dtype is None:
-            raise ValueError(f"{file.name}: tensor {name!r} has unsupported dtype {info['dtype']}")
+            raise ValueError(f"{file_name}: tensor {name!r} has unsupported dtype {info['dtype']}")
         shape = tuple(info["shape"])
         begin, end = info["data_offsets"]
         expected = math.prod(shape) * np.dtype(dtype).itemsize
         if end - begin != expected or not 0 <= begin <= end <= data_len:
             raise ValueError(
-                f"{file.name}: tensor {name!r} has bytes [{begin}, {end}) of a {data_len}-byte data section, "
-                f"but {info['dtype']}{list(shape)} needs {expected}"
+                f"{file_name}: tensor {name!r} has bytes [{begin}, {end}) of a {data_len}-byte "
+                f"data section, but {info['dtype']}{list(shape)} needs {expected} "
+                "(a truncated or corrupt shard)"
             )
-        tensors[name] = data[begin:end].view(dtype).reshape(shape)
-    return tensors
+        entries[name] = TensorEntry(
+            name, file_name, np.dtype(dtype), shape, data_start + begin, expected
+        )
+    return entries
+
+
+def read_safetensors_file(file: pathlib.Path) -> dict[str, np.ndarray]:
+    """Every tensor of one file as a read-only memory map (safetensors' numpy loader cannot
+    return fp8)."""
+    with open(file, "rb") as f:
+        entries = read_header(f, file.name, file.stat().st_size)
+    data = np.memmap(file, np.uint8, mode="r") if entries else None
+    return {
+        name: data[e.start : e.start + e.nbytes].view(e.dtype).reshape(e.shape)
+        for name, e in entries.items()
+    }
 
 
 def dequantize_fp8_blocks(
@@ -135,7 +161,7 @@ def dequantize_fp8_blocks(
     Blocks are fixed-size from the top-left corner, so the last row and column of blocks may be
     partial; `scale_inv` is [ceil(rows / block[0]), ceil(cols / block[1])]. `name` labels errors.
     """
-    if weight_fp8.dtype not in _FP8_DTYPES or weight_fp8.ndim != 2:
+    if weight_fp8.dtype not in FP8_DTYPES or weight_fp8.ndim != 2:
         raise ValueError(
             f"{name}: expected a 2-D float8 weight, got {weight_fp8.dtype}{list(weight_fp8.shape)}"
         )
@@ -163,7 +189,7 @@ def dequantize_fp8_tensors(tensors, block=DEFAULT_FP8_BLOCK) -> dict[str, np.nda
         scale_inv = tensors.get(name + SCALE_SUFFIX)
         if scale_inv is not None:
             out[name] = dequantize_fp8_blocks(array, scale_inv, block, name=name)
-        elif array.dtype in _FP8_DTYPES:
+        elif array.dtype in FP8_DTYPES:
             raise ValueError(f"tensor {name!r} is {array.dtype} but has no {name + SCALE_SUFFIX!r}")
         else:
             out[name] = array
