@@ -7,6 +7,9 @@ channel                  a model sharded over both processes comes back whole on
                          (`host_model`); then process 0 sends commands through a LeaderChannel
                          (a multi-chunk one, more than RETAINED of them) after waiting past
                          the 30 s a gloo rendezvous allows; the others print a digest of each
+load CKPT OUT_DIR        loads an HF checkpoint sharded over both processes (fsdp=4 x cp=2):
+                         each saves its device shards and the bytes it read to
+                         OUT_DIR/<index>.npz; process 0 also the logits of the gathered model
 rl_step OUT_DIR          one RL trainer step over both processes (process 1 follows process 0's
                          commands): process 0 samples a batch, saves it, the step's metrics and
                          the new parameters to OUT_DIR; both publish their weight shards
@@ -100,6 +103,42 @@ def _channel() -> None:
             print(f"received {kind} {hashlib.sha256(payload).hexdigest()[:16]}", flush=True)
 
 
+LOAD_TOKENS = [[3, 17, 99, 4, 250, 8, 61, 2]]
+
+
+def _load(checkpoint: str, out_dir: str) -> None:
+    from absl import flags
+
+    flags.FLAGS(["probe"])
+    from launch import runtime
+
+    runtime.initialize()
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from composer_jax import model
+    from composer_jax.config import MeshConfig
+    from composer_jax.interop import hf, streaming
+    from composer_jax.parallel import make_layout
+    from composer_jax.parallel.multihost import host_model
+
+    layout = make_layout(MeshConfig(fsdp=4, cp=2))
+    with streaming.CheckpointReader(checkpoint) as reader:
+        loaded = hf.load_from_reader(reader, layout=layout)
+    out = {"bytes_read": np.int64(reader.bytes_read), "total_bytes": np.int64(reader.total_bytes)}
+    flat = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(loaded)))
+    for path, array in flat:
+        for shard in array.addressable_shards:
+            key = f"{jax.tree_util.keystr(path)}@{shard.device.id}"
+            out[key] = np.asarray(shard.data)
+            out[key + "@start"] = np.array([s.start or 0 for s in shard.index], np.int64)
+    local = host_model(loaded)
+    if jax.process_index() == 0:
+        out["logits"] = np.asarray(model.compute_logits(local, np.array(LOAD_TOKENS)))
+    np.savez(os.path.join(out_dir, f"{jax.process_index()}.npz"), **out)
+
+
 def rl_step_config(workdir: str):
     """rl_tiny in float32 (the comparison with one process is tight), its layout fitted to 8."""
     import dataclasses
@@ -181,6 +220,12 @@ def _rl_step(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    {"exit": _exit, "batch": _batch, "channel": _channel, "rl_step": _rl_step}[sys.argv[1]](
+    {
+        "exit": _exit,
+        "batch": _batch,
+        "channel": _channel,
+        "load": _load,
+        "rl_step": _rl_step,
+    }[sys.argv[1]](
         *sys.argv[2:]
     )

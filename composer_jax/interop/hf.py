@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
+from tqdm.auto import tqdm
 
 from composer_jax.config import ModelConfig, YarnConfig, validate_model
 from composer_jax.interop.streaming import (
@@ -243,45 +244,62 @@ def _write_piece(shard: jax.Array, piece: jax.Array, offsets: tuple) -> jax.Arra
 _write_piece_in_place = jax.jit(_write_piece, donate_argnums=0)
 
 
-def _device_shard(source: Source, index, dtype, device) -> jax.Array:
-    """One device's shard of a parameter: read straight into `dtype`, and a stacked parameter
-    (layers, experts) written into a donated device buffer one piece at a time, so host memory
-    holds one HF tensor's slice at most."""
-    parts = list(pieces(source, index))
-    if len(parts) == 1 and not parts[0][0]:
-        return jax.device_put(source.read(index, dtype), device)
-    shape = tuple(s.stop - s.start for s in index)
-    shard = jnp.zeros(shape, dtype, device=device)
-    for offset, part, sub in parts:
-        piece = part.read(sub, dtype)
-        piece = jax.device_put(piece.reshape((1,) * len(offset) + piece.shape), device)
-        padded = tuple(offset) + (0,) * piece.ndim
-        shard = _write_piece_in_place(shard, piece, padded[: len(shape)])
-    return shard
+def _bounds(indices: list[tuple[slice, ...]]) -> tuple[slice, ...]:
+    """The smallest region holding every index."""
+    return tuple(
+        slice(min(i[d].start for i in indices), max(i[d].stop for i in indices))
+        for d in range(len(indices[0]))
+    )
+
+
+def _within(index: tuple[slice, ...], outer: tuple[slice, ...]) -> tuple[slice, ...]:
+    """`index` relative to the region `outer`."""
+    return tuple(slice(i.start - o.start, i.stop - o.start) for i, o in zip(index, outer))
 
 
 def place(source: Source, shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding):
-    """A global array of `source` with `sharding`: this process reads and places only its own
-    devices' shards (a shard several devices hold is read once and copied)."""
-    shards, read = [], {}
+    """A global array of `source` with `sharding`, read by this process alone.
+
+    The process reads the region its devices hold together once, piece by piece (one HF tensor's
+    slice for a stacked parameter), and writes each device's part of every piece into that
+    device's donated shard buffer: host memory holds one piece, the reads cover only this
+    process's devices, and a shard several devices hold is read once and copied."""
+    by_region: dict[tuple, list] = {}
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         index = normalize(index, shape)
-        key = tuple((s.start, s.stop) for s in index)
-        if key in read:
-            shards.append(jax.device_put(read[key], device))
-        else:
-            read[key] = _device_shard(source, index, dtype, device)
-            shards.append(read[key])
-    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+        by_region.setdefault(tuple((s.start, s.stop) for s in index), [index, []])[1].append(device)
+    regions = list(by_region.values())
+    bounds = _bounds([index for index, _ in regions])
+    shards = {}
+    for index, devices in regions:
+        extent = tuple(s.stop - s.start for s in index)
+        shards[devices[0]] = jnp.zeros(extent, dtype, device=devices[0])
+    for offset, part, sub in pieces(source, bounds):
+        piece = part.read(sub, dtype)
+        position = tuple(b.start + o for b, o in zip(bounds, offset))
+        for index, devices in regions:
+            if not all(s.start <= p < s.stop for s, p in zip(index, position)):
+                continue
+            mine = piece[_within(index[len(offset) :], sub)]
+            mine = jax.device_put(mine.reshape((1,) * len(offset) + mine.shape), devices[0])
+            at = tuple(p - s.start for s, p in zip(index, position)) + (0,) * (
+                mine.ndim - len(offset)
+            )
+            shards[devices[0]] = _write_piece_in_place(shards[devices[0]], mine, at)
+    arrays = []
+    for device in sharding.addressable_devices_indices_map(shape):
+        owner = next(devices[0] for _, devices in regions if device in devices)
+        arrays.append(shards[owner] if owner == device else jax.device_put(shards[owner], device))
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 def _flat(tree: dict) -> dict[str, object]:
     return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def _checked_sources(sources: dict, expected: dict) -> dict:
-    """`sources` keyed like `expected`'s leaves, after checking names and shapes."""
-    flat_sources, flat_expected = _flat(sources), _flat(expected)
+def _checked_sources(sources: dict, flat_expected: dict) -> dict:
+    """`sources` keyed like `flat_expected`, after checking names and shapes."""
+    flat_sources = _flat(sources)
     missing = sorted(set(flat_expected) - set(flat_sources))
     if missing:
         raise CheckpointMismatchError(f"model parameters not found in the checkpoint: {missing}")
@@ -300,30 +318,40 @@ def load_hf_checkpoint(
     param_dtype: str = "float32",
     layout: Layout | None = None,
     buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    progress: bool = False,
 ) -> Transformer:
     """A ready-to-run model from an HF DeepSeek-V3-format folder (config.json + safetensors, local
-    or in a bucket), the architecture read from its config.json.
-
-    Parameters are read tensor slice by tensor slice straight into `param_dtype` and their
-    sharding under `layout` (the default device without one): each process reads only what its
-    devices hold, and host memory peaks near one tensor slice plus `buffer_bytes`."""
+    or in a bucket), the architecture read from its config.json (`load_from_reader`)."""
     with CheckpointReader(path, buffer_bytes) as reader:
-        cfg = config_from_hf(reader.config, dtype=dtype, param_dtype=param_dtype)
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
-        expected = nnx.to_pure_dict(state)
-        sources = _checked_sources(param_sources(hf_sources(reader), cfg), expected)
-        if layout is None:
-            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-            shardings = jax.tree.map(lambda _: device, expected)
-        else:
-            shardings = nnx.to_pure_dict(layout.tree_shardings(logical_axes_of(state), state))
-        flat_shardings = _flat(shardings)
-        arrays = {
-            key: place(sources[key], spec.shape, spec.dtype, flat_shardings[key])
-            for key, spec in _flat(expected).items()
-        }
-    loaded = jax.tree_util.tree_unflatten(
-        jax.tree.structure(expected), [arrays[key] for key in _flat(expected)]
-    )
+        return load_from_reader(reader, dtype, param_dtype, layout, progress)
+
+
+def load_from_reader(
+    reader: CheckpointReader,
+    dtype: str = "float32",
+    param_dtype: str = "float32",
+    layout: Layout | None = None,
+    progress: bool = False,
+) -> Transformer:
+    """Parameters read tensor slice by tensor slice straight into `param_dtype` and their sharding
+    under `layout` (the default device without one): each process reads only what its devices
+    hold, and host memory peaks near one tensor slice plus the reader's buffer. `progress` shows
+    a bar over the parameters."""
+    cfg = config_from_hf(reader.config, dtype=dtype, param_dtype=param_dtype)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
+    expected = _flat(nnx.to_pure_dict(state))
+    sources = _checked_sources(param_sources(hf_sources(reader), cfg), expected)
+    if layout is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = dict.fromkeys(expected, device)
+    else:
+        shardings = _flat(nnx.to_pure_dict(layout.tree_shardings(logical_axes_of(state), state)))
+    arrays = [
+        place(sources[key], spec.shape, spec.dtype, shardings[key])
+        for key, spec in tqdm(
+            expected.items(), "loading", unit="param", disable=not progress, leave=False
+        )
+    ]
+    loaded = jax.tree_util.tree_unflatten(jax.tree.structure(nnx.to_pure_dict(state)), arrays)
     nnx.replace_by_pure_dict(state, loaded)
     return nnx.merge(graphdef, state)

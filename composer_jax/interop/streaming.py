@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 from collections.abc import Iterator
 from typing import Protocol
@@ -65,11 +66,15 @@ def _extent(index: Index) -> tuple[int, ...]:
 class CheckpointReader:
     """A checkpoint folder indexed from its headers; reads byte ranges of its shards on demand.
 
-    Open files are kept until `close()` (or the end of a `with` block)."""
+    Open files are kept until `close()` (or the end of a `with` block); `bytes_read` counts the
+    tensor bytes read so far (headers aside; locally the regions copied, from a bucket the
+    strips fetched)."""
 
     def __init__(self, path, buffer_bytes: int = DEFAULT_BUFFER_BYTES):
         self.folder = epath.Path(path)
+        self._local = "://" not in os.fspath(path)
         self.buffer_bytes = buffer_bytes
+        self.bytes_read = 0
         self._files: dict[str, object] = {}
         self.config = read_hf_config(self.folder)
         self.entries = self._index()
@@ -120,9 +125,15 @@ class CheckpointReader:
                 )
         return entries
 
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
     def read(self, name: str, index: Index, dtype) -> np.ndarray:
-        """Region `index` of tensor `name` as `dtype`, read in strips of leading-axis rows of at
-        most `buffer_bytes` (one row at least)."""
+        """Region `index` of tensor `name` as `dtype`, a strip of leading-axis rows (at most
+        `buffer_bytes`, one row at least) at a time. A local strip is memory-mapped only while it
+        is copied, so only the region's pages are read (a column slice skips the other columns)
+        and none stay resident; a bucket's strip is read whole."""
         entry = self.entries[name]
         if not entry.shape:
             return self._bytes(entry, entry.start, entry.nbytes).view(entry.dtype).astype(dtype)
@@ -133,10 +144,19 @@ class CheckpointReader:
         first, last = index[0].start, index[0].stop
         for lo in range(first, last, rows_per_strip):
             hi = min(lo + rows_per_strip, last)
-            raw = self._bytes(entry, entry.start + lo * row_bytes, (hi - lo) * row_bytes)
-            strip = raw.view(entry.dtype).reshape((hi - lo, *entry.shape[1:]))
+            strip = self._strip(entry, lo, hi, row_bytes)
             out[lo - first : hi - first] = strip[(slice(None), *index[1:])]
+            if self._local:
+                self.bytes_read += out[lo - first : hi - first].size * entry.dtype.itemsize
         return out
+
+    def _strip(self, entry: TensorEntry, lo: int, hi: int, row_bytes: int) -> np.ndarray:
+        """Rows [lo, hi) of a tensor, as stored."""
+        shape = (hi - lo, *entry.shape[1:])
+        start = entry.start + lo * row_bytes
+        if self._local:
+            return np.memmap(self.folder / entry.file, entry.dtype, "r", start, shape)
+        return self._bytes(entry, start, (hi - lo) * row_bytes).view(entry.dtype).reshape(shape)
 
     def _bytes(self, entry: TensorEntry, start: int, length: int) -> np.ndarray:
         f = self._open(entry.file)
@@ -146,6 +166,7 @@ class CheckpointReader:
             raise CheckpointReadError(
                 f"{entry.file}: tensor {entry.name!r} ends past the end of the file (truncated shard)"
             )
+        self.bytes_read += length
         return np.frombuffer(data, np.uint8)
 
 

@@ -244,3 +244,40 @@ def test_load_memory_is_about_one_tensor(tmp_path):
     streaming_overhead = _load_overhead(folder, "streaming")
     assert streaming_overhead < bound, (streaming_overhead, bound)
     assert _load_overhead(folder, "eager") > bound
+
+
+def test_two_processes_load_like_one(checkpoint, tmp_path):
+    """2 processes x 4 devices (fsdp=4 x cp=2, experts across both): every device shard equals
+    the one-process load's slice, the logits are the same, and each process reads only what
+    its devices hold (between them, every tensor)."""
+    from tests.multiprocess_probe import LOAD_TOKENS
+    from tests.test_multiprocess import _launch
+
+    done = _launch(
+        ["--num_processes=2", "--devices_per_process=4", "--"]
+        + ["tests.multiprocess_probe", "load", str(checkpoint), str(tmp_path)]
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    one = interop.load_hf_checkpoint(checkpoint)
+    want = _pure(one)
+    covered = {key: np.zeros(x.shape, int) for key, x in want.items()}
+    read = []
+    for index in range(2):
+        with np.load(tmp_path / f"{index}.npz") as shards:
+            read.append(int(shards["bytes_read"]))
+            total = int(shards["total_bytes"])
+            for name in shards.files:
+                if "@" not in name or name.endswith("@start"):
+                    continue
+                key = name.split("@")[0]
+                piece, start = shards[name], shards[name + "@start"]
+                region = tuple(slice(a, a + n) for a, n in zip(start, piece.shape))
+                np.testing.assert_array_equal(piece, want[key][region], err_msg=name)
+                covered[key][region] += 1
+            if index == 0:
+                logits = shards["logits"]
+    assert all((c >= 1).all() for c in covered.values())  # every parameter, all of it
+    np.testing.assert_array_equal(
+        logits, np.asarray(model.compute_logits(one, np.array(LOAD_TOKENS)))
+    )
+    assert all(r < 0.8 * total for r in read) and sum(read) >= total, (read, total)
