@@ -15,7 +15,10 @@ _RUN = cli.define_run_folder("A training run's folder.")
 _OUT = flags.DEFINE_string("out", None, "Folder to write the HF checkpoint into.", required=True)
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
 _DTYPE = flags.DEFINE_enum(
-    "dtype", "float32", ["float32", "bfloat16"], "Weights' dtype (float32: the exact inverse)."
+    "dtype",
+    "float32",
+    ["float32", "bfloat16", "fp8"],
+    "Weights' dtype (float32: the exact inverse; fp8: DeepSeek-V3 128x128-block e4m3 linears).",
 )
 _SHARD_MB = flags.DEFINE_integer(
     "shard_size_mb", 5120, "Largest weight shard (one model.safetensors when all fit)."

@@ -24,7 +24,7 @@ from safetensors.numpy import save_file
 
 from composer_jax.config import ModelConfig
 from composer_jax.data.tokenizer import Tokenizer, check_vocab
-from composer_jax.interop.safetensors_io import INDEX_FILE
+from composer_jax.interop.safetensors_io import DEFAULT_FP8_BLOCK, INDEX_FILE, SCALE_SUFFIX
 from composer_jax.model.transformer import Transformer
 
 
@@ -147,7 +147,37 @@ def generation_config(tokenizer: Tokenizer) -> dict:
     return out
 
 
-EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "fp8": ml_dtypes.bfloat16}
+FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
+
+
+def quantize_fp8_blocks(w: np.ndarray, block=DEFAULT_FP8_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """DeepSeek-V3's fp8 format: e4m3 values and one float32 inverse scale per block from the
+    top-left corner (edge blocks partial), each block's largest magnitude mapped to e4m3's."""
+    (rows, cols), (b0, b1) = w.shape, block
+    padded = np.pad(np.asarray(w, np.float32), ((0, -rows % b0), (0, -cols % b1)))
+    tiles = padded.reshape(padded.shape[0] // b0, b0, padded.shape[1] // b1, b1)
+    scale_inv = (np.maximum(np.abs(tiles).max(axis=(1, 3)), 1e-12) / FP8_MAX).astype(np.float32)
+    q = (tiles / scale_inv[:, None, :, None]).reshape(padded.shape)[:rows, :cols]
+    return q.astype(ml_dtypes.float8_e4m3fn), scale_inv
+
+
+def is_fp8_linear(name: str, w: np.ndarray) -> bool:
+    """The tensors DeepSeek-V3 stores in fp8: the decoder layers' linears (not the router, norms,
+    embedding or head)."""
+    return w.ndim == 2 and name.startswith("model.layers.") and name.endswith("proj.weight")
+
+
+def stored_tensors(tensors: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
+    """float32 HF tensors as written for `dtype`: fp8 gives block-quantized linears with their
+    `_scale_inv` and bfloat16 for the rest, like DeepSeek-V3's own release."""
+    out = {}
+    for name, w in tensors.items():
+        if dtype == "fp8" and is_fp8_linear(name, w):
+            out[name], out[name + SCALE_SUFFIX] = quantize_fp8_blocks(w)
+        else:
+            out[name] = w.astype(EXPORT_DTYPES[dtype])
+    return out
 
 
 def export_hf_checkpoint(
@@ -157,8 +187,8 @@ def export_hf_checkpoint(
     dtype: str = "float32",
     shard_bytes: int = 5 << 30,
 ) -> None:
-    """Writes `config.json` and the weights in `dtype` (float32, the exact inverse of import, or
-    bfloat16) into `path`: one `model.safetensors`, or shards of at most `shard_bytes` (a tensor
+    """Writes `config.json` and the weights in `dtype` (float32, the exact inverse of import,
+    bfloat16, or fp8: DeepSeek-V3's 128x128-block e4m3 linears, bfloat16 elsewhere) into `path`: one `model.safetensors`, or shards of at most `shard_bytes` (a tensor
     larger than that gets a shard of its own) with `model.safetensors.index.json`; with
     `tokenizer`, also its files and `generation_config.json`. A bucket `path` (gs://) gets the
     files written to a local temporary folder first, then copied one by one (the safetensors and
@@ -219,7 +249,14 @@ def _write_folder(
 ) -> None:
     os.makedirs(path, exist_ok=True)
     config = hf_config(m.cfg)
-    config["torch_dtype"] = dtype
+    config["torch_dtype"] = "bfloat16" if dtype == "fp8" else dtype
+    if dtype == "fp8":
+        config["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "weight_block_size": list(DEFAULT_FP8_BLOCK),
+            "activation_scheme": "dynamic",
+        }
     if tokenizer is not None:
         check_vocab(tokenizer, m.cfg.vocab_size)
         config.update(
@@ -230,5 +267,4 @@ def _write_folder(
             json.dump(generation_config(tokenizer), f, indent=2)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    tensors = {k: v.astype(EXPORT_DTYPES[dtype]) for k, v in hf_tensors(m).items()}
-    write_shards(tensors, path, shard_bytes)
+    write_shards(stored_tensors(hf_tensors(m), dtype), path, shard_bytes)

@@ -10,10 +10,14 @@ import numpy as np
 from flax import nnx
 
 from composer_jax.config import ModelConfig, YarnConfig
-from composer_jax.interop.export import hf_config, hf_tensors, write_shards
+from composer_jax.interop.export import (
+    hf_config,
+    hf_tensors,
+    is_fp8_linear,
+    quantize_fp8_blocks,
+    write_shards,
+)
 from composer_jax.model.transformer import Transformer
-
-FP8_MAX = 448.0
 
 
 def small_config(**overrides) -> ModelConfig:
@@ -41,29 +45,6 @@ def small_config(**overrides) -> ModelConfig:
         num_mtp_layers=0,
     )
     return ModelConfig(**{**fields, **overrides})
-
-
-def quantize_fp8_blocks(w: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """DeepSeek-V3's format: e4m3 values and one float32 inverse scale per block (edge blocks
-    partial)."""
-    rows, cols = w.shape
-    grid = (-(-rows // block[0]), -(-cols // block[1]))
-    scale_inv = np.empty(grid, np.float32)
-    q = np.empty(w.shape, ml_dtypes.float8_e4m3fn)
-    for i in range(grid[0]):
-        for j in range(grid[1]):
-            tile = (
-                slice(i * block[0], (i + 1) * block[0]),
-                slice(j * block[1], (j + 1) * block[1]),
-            )
-            scale_inv[i, j] = max(float(np.abs(w[tile]).max()), 1e-12) / FP8_MAX
-            q[tile] = (w[tile] / scale_inv[i, j]).astype(ml_dtypes.float8_e4m3fn)
-    return q, scale_inv
-
-
-def _is_quantized_linear(name: str, w: np.ndarray) -> bool:
-    """The linears DeepSeek-V3 stores in fp8: attention and expert/MLP projections."""
-    return w.ndim == 2 and name.startswith("model.layers.") and name.endswith("proj.weight")
 
 
 def _mtp_tensors(cfg: ModelConfig, layer: int, rng) -> dict[str, np.ndarray]:
@@ -96,7 +77,7 @@ def write_checkpoint(
         tensors.update(_mtp_tensors(cfg, layer, rng))
     stored = {}
     for name, w in tensors.items():
-        if fp8_block is not None and _is_quantized_linear(name, w):
+        if fp8_block is not None and is_fp8_linear(name, w):
             stored[name], stored[name + "_scale_inv"] = quantize_fp8_blocks(w, fp8_block)
         else:
             stored[name] = w.astype(ml_dtypes.bfloat16)

@@ -9,6 +9,8 @@ import numpy as np
 from flax import nnx
 
 from composer_jax import config, interop, model, presets
+from composer_jax.interop.export import hf_tensors, quantize_fp8_blocks
+from composer_jax.interop.safetensors_io import dequantize_fp8_blocks, read_hf_tensors
 
 
 def _random_model(q_lora_rank):
@@ -71,4 +73,50 @@ def test_a_sharded_export_reloads_to_the_same_model_and_bfloat16_to_its_cast(tmp
         ),
         ours,
         theirs,
+    )
+
+
+def test_an_fp8_export_reloads_to_its_block_dequantization(tmp_path):
+    """Decoder linears are written as DeepSeek-V3's e4m3 128x128 blocks with float32 inverse
+    scales (the rest in bf16); reloading gives back each block within e4m3's rounding (half an
+    ulp: 1/16 relative, on the block's largest magnitude mapped to 448) and the bf16 tensors as
+    their cast."""
+    m = _random_model(32)
+    interop.export_hf_checkpoint(m, tmp_path / "fp8", dtype="fp8", shard_bytes=64 << 10)
+    written = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    assert written["quantization_config"]["weight_block_size"] == [128, 128]
+    stored = read_hf_tensors(tmp_path / "fp8")
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    assert stored[name].dtype == ml_dtypes.float8_e4m3fn and name + "_scale_inv" in stored
+    assert stored["model.layers.1.mlp.gate.weight"].dtype == ml_dtypes.bfloat16  # the router
+    back = interop.load_hf_checkpoint(tmp_path / "fp8")
+    want = hf_tensors(m)
+    got = hf_tensors(back)
+    for key, w in want.items():
+        if key + "_scale_inv" in stored:
+            scale = np.repeat(np.repeat(stored[key + "_scale_inv"], 128, 0), 128, 1)
+            bound = scale[: w.shape[0], : w.shape[1]] * 448 / 16
+            assert (np.abs(got[key] - w) <= bound + 1e-12).all(), key
+            assert not np.array_equal(got[key], w)
+        else:
+            np.testing.assert_array_equal(
+                got[key], w.astype(ml_dtypes.bfloat16).astype(np.float32), err_msg=key
+            )
+
+
+def test_quantize_fp8_blocks_matches_the_blockwise_definition():
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((70, 45)) * np.linspace(0.1, 10, 45)).astype(np.float32)
+    q, scale_inv = quantize_fp8_blocks(w, (32, 16))
+    assert q.shape == w.shape and scale_inv.shape == (3, 3)
+    for i in range(3):
+        for j in range(3):
+            tile = (slice(32 * i, 32 * i + 32), slice(16 * j, 16 * j + 16))
+            assert scale_inv[i, j] == np.abs(w[tile]).max() / np.float32(448)
+            np.testing.assert_array_equal(
+                q[tile], (w[tile] / scale_inv[i, j]).astype(ml_dtypes.float8_e4m3fn)
+            )
+    np.testing.assert_array_equal(
+        dequantize_fp8_blocks(q, scale_inv, (32, 16)),
+        q.astype(np.float32) * np.repeat(np.repeat(scale_inv, 32, 0), 16, 1)[:70, :45],
     )
