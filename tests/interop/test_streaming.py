@@ -4,9 +4,6 @@ line naming the tensor and file on a broken checkpoint."""
 
 import json
 import pathlib
-import subprocess
-import sys
-import textwrap
 
 import jax
 import numpy as np
@@ -23,6 +20,7 @@ from composer_jax.interop.safetensors_io import (
     read_safetensors_file,
 )
 from composer_jax.parallel import make_layout
+from experiments import bench_load
 
 from .deepseek_checkpoint import small_config, write_checkpoint
 
@@ -171,57 +169,11 @@ def test_a_wrong_dtype_names_tensor_and_file(tmp_path):
         interop.load_hf_checkpoint(folder)
 
 
-# Runs in a fresh process so the high-water mark (VmHWM) is the load's own: the baseline is taken after
-# JAX is warm (one tiny piece written), the result's bytes are subtracted (on CPU the loaded model
-# lives in host memory), and what is left is what the load held besides the model.
-_MEASURE = textwrap.dedent(
-    """
-    import json, re, resource, sys
-    import jax, numpy as np
-    from flax import nnx
-    from composer_jax import interop
-    from composer_jax.interop import hf, safetensors_io
-
-    def rss():
-        return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
-
-    folder, eager = sys.argv[1], sys.argv[2] == "eager"
-    hf._write_piece_in_place(jax.numpy.zeros((2, 2)), jax.numpy.ones((1, 2)), (0, 0))
-    before = rss()
-    if eager:
-        config, tensors = safetensors_io.read_hf_checkpoint(folder)
-        cfg = hf.config_from_hf(config, param_dtype="bfloat16")
-        params = jax.tree.map(
-            lambda x: jax.numpy.asarray(x, "bfloat16"), hf.params_from_hf(tensors, cfg)
-        )
-        del tensors
-    else:
-        params = nnx.state(interop.load_hf_checkpoint(folder, param_dtype="bfloat16"))
-    leaves = jax.tree.leaves(params)
-    jax.block_until_ready(leaves)
-    # VmHWM, not ru_maxrss: the latter keeps the parent's size from before exec.
-    peak = int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read())[1]) * 1024
-    print(json.dumps({"before": before, "peak": peak, "result": sum(x.nbytes for x in leaves)}))
-    """
-)
-
-
-def _load_overhead(folder, mode: str) -> int:
-    out = subprocess.run(
-        [sys.executable, "-c", _MEASURE, str(folder), mode],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
-    m = json.loads(out.stdout.strip().splitlines()[-1])
-    return m["peak"] - m["before"] - m["result"]
-
-
 @pytest.mark.timeout(600)
 def test_load_memory_is_about_one_tensor(tmp_path):
     """A 56 MiB (bf16) model whose largest tensor is 3 MiB: the streaming load holds under 1.5x
-    the largest tensor plus a fixed allowance besides the model (measured: 26 MiB, of which 23 MiB
+    the largest tensor plus a fixed allowance besides the model, measured in a fresh process
+    from its own high-water mark (measured: 26 MiB, of which 23 MiB
     is the fixed cost of compiling the piece writes, seen on a 1 MiB checkpoint too); the eager
     reference (whole float32 copies), run the same way, holds 225 MiB, so the bound has teeth."""
     cfg = small_config(
@@ -236,14 +188,11 @@ def test_load_memory_is_about_one_tensor(tmp_path):
     folder = write_checkpoint(
         tmp_path / "big", cfg, fp8_block=None, mtp_layers=0, shard_bytes=16 << 20
     )
-    largest = max(
-        int(np.prod(e.shape)) * 2  # bytes in bf16, the load dtype
-        for e in streaming.CheckpointReader(folder).entries.values()
-    )
-    bound = 1.5 * largest + (40 << 20)
-    streaming_overhead = _load_overhead(folder, "streaming")
-    assert streaming_overhead < bound, (streaming_overhead, bound)
-    assert _load_overhead(folder, "eager") > bound
+    largest, limit = bench_load.memory_limit(folder)
+    assert largest == 3072 * 512 * 2
+    held = bench_load.measure(folder, "streaming")["held"]
+    assert held < limit, (held, limit)
+    assert bench_load.measure(folder, "eager")["held"] > limit
 
 
 def test_two_processes_load_like_one(checkpoint, tmp_path):

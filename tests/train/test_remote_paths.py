@@ -19,9 +19,12 @@ import json
 import os
 import signal
 
+import jax
+import numpy as np
 import pytest
 import tensorstore as ts
 from etils.epath import backend as epath_backend
+from flax import nnx
 from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from orbax.checkpoint._src.path import gcs_utils
@@ -33,6 +36,7 @@ from composer_jax.actor.ledger import Group, GroupLedger
 from composer_jax.actor.run import run_rl
 from composer_jax.config import ConfigError
 from composer_jax.data.tokenizer import load_tokenizer
+from composer_jax.interop import hf, streaming
 from composer_jax.train import load_run, read_metrics, run_pretraining
 from composer_jax.train import workdir as workdir_lib
 from composer_jax.train.runs import run_tokenizer, save_run_tokenizer
@@ -251,3 +255,17 @@ def test_an_export_to_a_bucket_writes_the_same_files_there_and_nothing_here(buck
     )
     for name in names:
         assert (remote / name).read_bytes() == (local / name).read_bytes(), name
+
+
+def test_a_checkpoint_in_a_bucket_streams_like_a_local_one(bucket, tmp_path):
+    """A sharded fp8 export in the bucket loads through the streaming reader's remote path
+    (strips fetched, no memory map) to the model the local folder gives, reading each byte once."""
+    m = model.init_model(dataclasses.replace(presets.tiny().model, dtype="float32"), seed=4)
+    interop.export_hf_checkpoint(m, "gs://exports/fp8", dtype="fp8", shard_bytes=64 << 10)
+    local = bucket / "exports" / "fp8"
+    assert len(list(local.glob("*.safetensors"))) > 2
+    with streaming.CheckpointReader("gs://exports/fp8") as reader:
+        remote = hf.load_from_reader(reader)
+        assert reader.bytes_read == reader.total_bytes
+    want = nnx.to_pure_dict(nnx.state(interop.load_hf_checkpoint(local)))
+    jax.tree.map(np.testing.assert_array_equal, want, nnx.to_pure_dict(nnx.state(remote)))
