@@ -10,6 +10,8 @@ channel                  a model sharded over both processes comes back whole on
 load CKPT OUT_DIR        loads an HF checkpoint sharded over both processes (fsdp=4 x cp=2):
                          each saves its device shards and the bytes it read to
                          OUT_DIR/<index>.npz; process 0 also the logits of the gathered model
+export CKPT OUT_DIR      the same sharded load, then `export_hf_checkpoint` (fp8, small shards)
+                         into OUT_DIR/export from both; each prints the shard files it wrote
 rl_step OUT_DIR          one RL trainer step over both processes (process 1 follows process 0's
                          commands): process 0 samples a batch, saves it, the step's metrics and
                          the new parameters to OUT_DIR; both publish their weight shards
@@ -139,6 +141,23 @@ def _load(checkpoint: str, out_dir: str) -> None:
     np.savez(os.path.join(out_dir, f"{jax.process_index()}.npz"), **out)
 
 
+def _export(checkpoint: str, out_dir: str) -> None:
+    from absl import flags
+
+    flags.FLAGS(["probe"])
+    from launch import runtime
+
+    runtime.initialize()
+    from composer_jax import interop
+    from composer_jax.config import MeshConfig
+    from composer_jax.parallel import make_layout
+
+    loaded = interop.load_hf_checkpoint(checkpoint, layout=make_layout(MeshConfig(fsdp=4, cp=2)))
+    folder = os.path.join(out_dir, "export")
+    written = interop.export_hf_checkpoint(loaded, folder, dtype="fp8", shard_bytes=64 << 10)
+    print("wrote", " ".join(written), flush=True)
+
+
 def rl_step_config(workdir: str):
     """rl_tiny in float32 (the comparison with one process is tight), its layout fitted to 8."""
     import dataclasses
@@ -225,7 +244,6 @@ if __name__ == "__main__":
         "batch": _batch,
         "channel": _channel,
         "load": _load,
+        "export": _export,
         "rl_step": _rl_step,
-    }[sys.argv[1]](
-        *sys.argv[2:]
-    )
+    }[sys.argv[1]](*sys.argv[2:])

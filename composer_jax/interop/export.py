@@ -6,25 +6,36 @@ model trained here can be served by tools that read DeepSeek-V3 checkpoints (`tr
 the folder). MTP heads have no counterpart in that format and are not written. The tokenizer's own
 files are copied (the byte tokenizer is written as an equivalent `tokenizer.json`), and its
 bos / eos / pad ids go into config.json and generation_config.json.
+
+Export streams: every HF tensor is a `Deferred` slice of one model leaf, gathered from the devices
+only when its bytes are written, and each shard file is written header first, tensor by tensor,
+straight to the target (a local folder or a bucket). Host memory holds one tensor; on several
+processes each writes its own share of the shard files.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import json
+import math
 import os
 import pathlib
 import tempfile
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from etils import epath
 from flax import nnx
-from safetensors.numpy import save_file
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from composer_jax.config import ModelConfig
 from composer_jax.data.tokenizer import Tokenizer, check_vocab
-from composer_jax.interop.safetensors_io import DEFAULT_FP8_BLOCK, INDEX_FILE, SCALE_SUFFIX
+from composer_jax.interop.safetensors_io import DEFAULT_FP8_BLOCK, DTYPES, INDEX_FILE, SCALE_SUFFIX
 from composer_jax.model.transformer import Transformer
 
 
@@ -80,8 +91,8 @@ def hf_config(cfg: ModelConfig) -> dict:
     return out
 
 
-def _hf_linear(w_in_out: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(w_in_out.reshape(w_in_out.shape[0], -1).T)
+def _hf_linear(w_in_out: Deferred) -> Deferred:
+    return w_in_out.reshape(w_in_out.shape[0], -1).T
 
 
 def _swiglu(out: dict, prefix: str, mlp: dict) -> None:
@@ -105,7 +116,7 @@ def _layer(out: dict, index: int, layer: dict, cfg: ModelConfig) -> None:
     out[a + "kv_a_layernorm.weight"] = attn["kv_a_norm"]["scale"]
     out[a + "kv_b_proj.weight"] = _hf_linear(attn["kv_b_proj"])
     # o_proj is [heads, v_head_dim, embed] here and [embed, heads * v_head_dim] in HF.
-    out[a + "o_proj.weight"] = np.ascontiguousarray(attn["o_proj"].reshape(-1, cfg.hidden_size).T)
+    out[a + "o_proj.weight"] = attn["o_proj"].reshape(-1, cfg.hidden_size).T
     mlp, m = layer["mlp"], prefix + "mlp."
     if index < cfg.first_k_dense:
         _swiglu(out, m, mlp)
@@ -118,16 +129,68 @@ def _layer(out: dict, index: int, layer: dict, cfg: ModelConfig) -> None:
         _swiglu(out, m + "shared_experts.", mlp["shared"])
 
 
-def hf_tensors(m: Transformer) -> dict[str, np.ndarray]:
-    """HF-named float32 tensors of a model (MTP heads excluded)."""
+@dataclasses.dataclass(frozen=True)
+class Deferred:
+    """An HF tensor computed from one model leaf when it is needed: `leaf[position]`, then `ops`
+    (("reshape", shape) or ("T",)). Its shape is known without touching the devices."""
+
+    leaf: jax.Array
+    position: tuple[int, ...] = ()
+    ops: tuple = ()
+    shape: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.shape is None:
+            object.__setattr__(self, "shape", tuple(self.leaf.shape))
+
+    def __getitem__(self, i: int) -> Deferred:
+        if self.ops:
+            raise ValueError("index a leaf before reshaping it")
+        return dataclasses.replace(self, position=(*self.position, i), shape=self.shape[1:])
+
+    def reshape(self, *shape: int) -> Deferred:
+        known = math.prod(d for d in shape if d != -1)
+        shape = tuple(math.prod(self.shape) // known if d == -1 else d for d in shape)
+        return dataclasses.replace(self, ops=(*self.ops, ("reshape", shape)), shape=shape)
+
+    @property
+    def T(self) -> Deferred:
+        return dataclasses.replace(self, ops=(*self.ops, ("T",)), shape=self.shape[::-1])
+
+    def fetch(self) -> np.ndarray:
+        """The tensor in float32 on this host (every process of the job must fetch it too: on a
+        leaf sharded across processes this is a collective)."""
+        sharding = self.leaf.sharding
+        replicated = (
+            NamedSharding(sharding.mesh, P()) if isinstance(sharding, NamedSharding) else None
+        )
+        out = _fetcher(replicated)(self.leaf, self.position, ops=self.ops)
+        return np.asarray(out.addressable_data(0))
+
+
+def _compute(leaf: jax.Array, position: tuple, ops: tuple) -> jax.Array:
+    x = leaf[tuple(position)] if position else leaf
+    for op in ops:
+        x = x.reshape(op[1]) if op[0] == "reshape" else x.T
+    return x.astype(jnp.float32)
+
+
+@functools.cache
+def _fetcher(out_sharding):
+    """One jitted slice-and-gather per output sharding; positions are traced, so the layers and
+    experts of a leaf share one compilation."""
+    return jax.jit(_compute, static_argnames="ops", out_shardings=out_sharding)
+
+
+def hf_tensor_plan(m: Transformer) -> dict[str, Deferred]:
+    """HF-named tensors of a model (MTP heads excluded), each deferred until fetched."""
     cfg = m.cfg
     state = nnx.to_pure_dict(nnx.state(m))
-    state = {k: v for k, v in state.items() if k != "mtp"}
-    state = jax.tree.map(lambda x: np.asarray(x, np.float32), state)
+    state = jax.tree.map(Deferred, {k: v for k, v in state.items() if k != "mtp"})
     out = {
         "model.embed_tokens.weight": state["embed"],
         "model.norm.weight": state["final_norm"]["scale"],
-        "lm_head.weight": np.ascontiguousarray(state["lm_head"].T),
+        "lm_head.weight": state["lm_head"].T,
     }
     stacks = [
         ("dense_layers", 0, cfg.first_k_dense),
@@ -137,6 +200,11 @@ def hf_tensors(m: Transformer) -> dict[str, np.ndarray]:
         for i in range(start, stop):
             _layer(out, i, jax.tree.map(lambda x: x[i - start], state[name]), cfg)
     return out
+
+
+def hf_tensors(m: Transformer) -> dict[str, np.ndarray]:
+    """HF-named float32 tensors of a model, all on this host (small models: tests, fixtures)."""
+    return {name: d.fetch() for name, d in hf_tensor_plan(m).items()}
 
 
 def generation_config(tokenizer: Tokenizer) -> dict:
@@ -149,6 +217,7 @@ def generation_config(tokenizer: Tokenizer) -> dict:
 
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "fp8": ml_dtypes.bfloat16}
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
+_SAFETENSORS_NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
 
 
 def quantize_fp8_blocks(w: np.ndarray, block=DEFAULT_FP8_BLOCK) -> tuple[np.ndarray, np.ndarray]:
@@ -162,22 +231,32 @@ def quantize_fp8_blocks(w: np.ndarray, block=DEFAULT_FP8_BLOCK) -> tuple[np.ndar
     return q.astype(ml_dtypes.float8_e4m3fn), scale_inv
 
 
-def is_fp8_linear(name: str, w: np.ndarray) -> bool:
+def is_fp8_linear(name: str, shape: tuple[int, ...]) -> bool:
     """The tensors DeepSeek-V3 stores in fp8: the decoder layers' linears (not the router, norms,
     embedding or head)."""
-    return w.ndim == 2 and name.startswith("model.layers.") and name.endswith("proj.weight")
+    return len(shape) == 2 and name.startswith("model.layers.") and name.endswith("proj.weight")
 
 
-def stored_tensors(tensors: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
-    """float32 HF tensors as written for `dtype`: fp8 gives block-quantized linears with their
-    `_scale_inv` and bfloat16 for the rest, like DeepSeek-V3's own release."""
-    out = {}
-    for name, w in tensors.items():
-        if dtype == "fp8" and is_fp8_linear(name, w):
-            out[name], out[name + SCALE_SUFFIX] = quantize_fp8_blocks(w)
-        else:
-            out[name] = w.astype(EXPORT_DTYPES[dtype])
-    return out
+def stored_layout(
+    name: str, shape: tuple[int, ...], dtype: str
+) -> list[tuple[str, np.dtype, tuple]]:
+    """(stored name, dtype, shape) of what one HF tensor is written as: an fp8 linear is its e4m3
+    values and their float32 `_scale_inv` blocks; the rest is cast (bfloat16 under fp8, like
+    DeepSeek-V3's own release)."""
+    if dtype == "fp8" and is_fp8_linear(name, shape):
+        blocks = tuple(-(-n // b) for n, b in zip(shape, DEFAULT_FP8_BLOCK))
+        return [
+            (name, np.dtype(ml_dtypes.float8_e4m3fn), shape),
+            (name + SCALE_SUFFIX, np.dtype(np.float32), blocks),
+        ]
+    return [(name, np.dtype(EXPORT_DTYPES[dtype]), shape)]
+
+
+def stored_tensors(name: str, w: np.ndarray, dtype: str) -> list[np.ndarray]:
+    """One float32 HF tensor as written for `dtype`, in `stored_layout`'s order."""
+    if dtype == "fp8" and is_fp8_linear(name, w.shape):
+        return list(quantize_fp8_blocks(w))
+    return [w.astype(EXPORT_DTYPES[dtype])]
 
 
 def export_hf_checkpoint(
@@ -186,68 +265,121 @@ def export_hf_checkpoint(
     tokenizer: Tokenizer | None = None,
     dtype: str = "float32",
     shard_bytes: int = 5 << 30,
-) -> None:
+) -> list[str]:
     """Writes `config.json` and the weights in `dtype` (float32, the exact inverse of import,
-    bfloat16, or fp8: DeepSeek-V3's 128x128-block e4m3 linears, bfloat16 elsewhere) into `path`: one `model.safetensors`, or shards of at most `shard_bytes` (a tensor
+    bfloat16, or fp8: DeepSeek-V3's 128x128-block e4m3 linears, bfloat16 elsewhere) into `path`
+    (a folder or a bucket): one `model.safetensors`, or shards of at most `shard_bytes` (a tensor
     larger than that gets a shard of its own) with `model.safetensors.index.json`; with
-    `tokenizer`, also its files and `generation_config.json`. A bucket `path` (gs://) gets the
-    files written to a local temporary folder first, then copied one by one (the safetensors and
-    tokenizer writers take local paths)."""
+    `tokenizer`, also its files and `generation_config.json`.
+
+    Every process of a job calls it (a tensor sharded across processes is gathered
+    collectively); process i writes shard files i, i + P, ...; process 0 the rest. Returns the
+    weight files this process wrote."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype must be one of {sorted(EXPORT_DTYPES)}, got {dtype!r}")
     if shard_bytes <= 0:
         raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
-    if "://" not in str(path):
-        _write_folder(m, os.fspath(path), tokenizer, dtype, shard_bytes)
-        return
-    target = epath.Path(path)
-    with tempfile.TemporaryDirectory(prefix="cj_export_") as local:
-        _write_folder(m, local, tokenizer, dtype, shard_bytes)
-        for file in sorted(pathlib.Path(local).rglob("*")):
-            if file.is_file():
-                destination = target / file.relative_to(local).as_posix()
-                destination.parent.mkdir(parents=True, exist_ok=True)
-                destination.write_bytes(file.read_bytes())
+    folder = epath.Path(path)
+    plan = hf_tensor_plan(m)
+    layouts = {name: stored_layout(name, d.shape, dtype) for name, d in plan.items()}
+    sizes = {
+        name: sum(math.prod(shape) * dt.itemsize for _, dt, shape in layout)
+        for name, layout in layouts.items()
+    }
+    shards = shard_names(sizes, shard_bytes)
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    )
+    leader = jax.process_index() == 0
+    if leader:
+        folder.mkdir(parents=True, exist_ok=True)
+        _write_metadata(m, folder, tokenizer, dtype)
+        if len(shards) > 1:
+            _write_index(folder, files, shards, layouts, sizes)
+    written = []
+    for number, (file, names) in enumerate(zip(files, shards)):
+        mine = number % jax.process_count() == jax.process_index()
+        written += [file] if mine else []
+        entries = [entry for name in names for entry in layouts[name]]
+        with (folder / file).open("wb") if mine else contextlib.nullcontext() as f:
+            if mine:
+                f.write(safetensors_header(entries))
+            for name in names:
+                arrays = stored_tensors(name, plan[name].fetch(), dtype)  # every process fetches
+                if mine:
+                    for array in arrays:
+                        f.write(np.ascontiguousarray(array).view(np.uint8).data)
+    return written
 
 
-def shard_names(tensors: dict[str, np.ndarray], shard_bytes: int) -> list[list[str]]:
+def safetensors_header(entries: list[tuple[str, np.dtype, tuple]]) -> bytes:
+    """The header of a safetensors file holding `entries` back to back in this order, padded so
+    the data starts 8-byte aligned; written before the data, so tensors stream in one by one."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape in entries:
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {
+            "dtype": _SAFETENSORS_NAMES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def shard_names(sizes: dict[str, int], shard_bytes: int) -> list[list[str]]:
     """Tensor names grouped, in name order, into shards of at most `shard_bytes`."""
     shards: list[list[str]] = [[]]
     size = 0
-    for name in sorted(tensors):
-        nbytes = tensors[name].nbytes
-        if shards[-1] and size + nbytes > shard_bytes:
+    for name in sorted(sizes):
+        if shards[-1] and size + sizes[name] > shard_bytes:
             shards.append([])
             size = 0
         shards[-1].append(name)
-        size += nbytes
+        size += sizes[name]
     return shards
 
 
-def write_shards(tensors: dict[str, np.ndarray], path: str, shard_bytes: int) -> None:
-    """`tensors` as one `model.safetensors`, or as shards of at most `shard_bytes` with
-    `model.safetensors.index.json`."""
-    shards = shard_names(tensors, shard_bytes)
-    if len(shards) == 1:
-        save_file(tensors, os.path.join(path, "model.safetensors"))
-        return
-    weight_map = {}
-    for number, names in enumerate(shards, start=1):
-        file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        save_file({name: tensors[name] for name in names}, os.path.join(path, file))
-        weight_map.update(dict.fromkeys(names, file))
-    index = {
-        "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
-        "weight_map": weight_map,
+def _write_index(folder, files, shards, layouts, sizes) -> None:
+    weight_map = {
+        stored: file
+        for file, names in zip(files, shards)
+        for name in names
+        for stored, _, _ in layouts[name]
     }
-    with open(os.path.join(path, INDEX_FILE), "w") as f:
-        json.dump(index, f, indent=2)
+    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2))
 
 
-def _write_folder(
-    m: Transformer, path: str, tokenizer: Tokenizer | None, dtype: str, shard_bytes: int
-) -> None:
-    os.makedirs(path, exist_ok=True)
+def write_shards(tensors: dict[str, np.ndarray], path, shard_bytes: int) -> None:
+    """In-memory `tensors` (any dtype) as one `model.safetensors`, or as shards of at most
+    `shard_bytes` with `model.safetensors.index.json` (test fixtures; models use
+    `export_hf_checkpoint`)."""
+    folder = epath.Path(path)
+    layouts = {k: [(k, v.dtype, v.shape)] for k, v in tensors.items()}
+    shards = shard_names({k: v.nbytes for k, v in tensors.items()}, shard_bytes)
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    )
+    for file, names in zip(files, shards):
+        with (folder / file).open("wb") as f:
+            f.write(safetensors_header([layouts[n][0] for n in names]))
+            for name in names:
+                f.write(np.ascontiguousarray(tensors[name]).view(np.uint8).data)
+    if len(shards) > 1:
+        _write_index(folder, files, shards, layouts, {k: v.nbytes for k, v in tensors.items()})
+
+
+def _write_metadata(m: Transformer, folder, tokenizer: Tokenizer | None, dtype: str) -> None:
+    """config.json, and with a tokenizer its files and generation_config.json (the tokenizer
+    writes a local folder first: its writers take local paths)."""
     config = hf_config(m.cfg)
     config["torch_dtype"] = "bfloat16" if dtype == "fp8" else dtype
     if dtype == "fp8":
@@ -262,9 +394,14 @@ def _write_folder(
         config.update(
             {k: v for k, v in generation_config(tokenizer).items() if k.endswith("token_id")}
         )
-        tokenizer.save(path)
-        with open(os.path.join(path, "generation_config.json"), "w") as f:
-            json.dump(generation_config(tokenizer), f, indent=2)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    write_shards(stored_tensors(hf_tensors(m), dtype), path, shard_bytes)
+        with tempfile.TemporaryDirectory(prefix="cj_tokenizer_") as local:
+            tokenizer.save(local)
+            for file in sorted(pathlib.Path(local).rglob("*")):
+                if file.is_file():
+                    destination = folder / file.relative_to(local).as_posix()
+                    destination.parent.mkdir(parents=True, exist_ok=True)
+                    destination.write_bytes(file.read_bytes())
+        (folder / "generation_config.json").write_text(
+            json.dumps(generation_config(tokenizer), indent=2)
+        )
+    (folder / "config.json").write_text(json.dumps(config, indent=2))

@@ -20,7 +20,7 @@ SCALE_SUFFIX = "_scale_inv"
 DEFAULT_FP8_BLOCK = (128, 128)
 
 # safetensors dtype names -> numpy dtypes; ml_dtypes supplies the ones numpy lacks.
-_DTYPES = {
+DTYPES = {
     "F64": np.float64,
     "F32": np.float32,
     "F16": np.float16,
@@ -123,7 +123,7 @@ def read_header(f, file_name: str, file_size: int) -> dict[str, TensorEntry]:
     data_len = file_size - data_start
     entries = {}
     for name, info in header.items():
-        dtype = _DTYPES.get(info["dtype"])
+        dtype = DTYPES.get(info["dtype"])
         if dtype is None:
             raise ValueError(f"{file_name}: tensor {name!r} has unsupported dtype {info['dtype']}")
         shape = tuple(info["shape"])

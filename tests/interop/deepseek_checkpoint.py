@@ -77,7 +77,7 @@ def write_checkpoint(
         tensors.update(_mtp_tensors(cfg, layer, rng))
     stored = {}
     for name, w in tensors.items():
-        if fp8_block is not None and is_fp8_linear(name, w):
+        if fp8_block is not None and is_fp8_linear(name, w.shape):
             stored[name], stored[name + "_scale_inv"] = quantize_fp8_blocks(w, fp8_block)
         else:
             stored[name] = w.astype(ml_dtypes.bfloat16)

@@ -6,11 +6,13 @@ import json
 import jax
 import ml_dtypes
 import numpy as np
+import safetensors.numpy
 from flax import nnx
 
 from composer_jax import config, interop, model, presets
 from composer_jax.interop.export import hf_tensors, quantize_fp8_blocks
 from composer_jax.interop.safetensors_io import dequantize_fp8_blocks, read_hf_tensors
+from composer_jax.parallel import make_layout
 
 
 def _random_model(q_lora_rank):
@@ -120,3 +122,39 @@ def test_quantize_fp8_blocks_matches_the_blockwise_definition():
         dequantize_fp8_blocks(q, scale_inv, (32, 16)),
         q.astype(np.float32) * np.repeat(np.repeat(scale_inv, 32, 0), 16, 1)[:70, :45],
     )
+
+
+def test_the_files_are_standard_safetensors(tmp_path):
+    """The streamed header and data read back through the safetensors library itself."""
+    m = _random_model(32)
+    interop.export_hf_checkpoint(m, tmp_path, shard_bytes=64 << 10)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    theirs = {}
+    for file in sorted(set(index["weight_map"].values())):
+        theirs |= safetensors.numpy.load_file(tmp_path / file)
+    ours = hf_tensors(m)
+    assert sorted(theirs) == sorted(ours) == sorted(index["weight_map"])
+    for name, w in ours.items():
+        np.testing.assert_array_equal(theirs[name], w, err_msg=name)
+
+
+def test_a_sharded_model_exports_like_one_device(tmp_path):
+    """A model loaded over 8 devices (fsdp x cp, experts across all) is gathered tensor by tensor
+    into the same files, byte for byte, as the same model on one device."""
+    m = _random_model(32)
+    interop.export_hf_checkpoint(m, tmp_path / "one", dtype="fp8", shard_bytes=64 << 10)
+    layout = make_layout(config.MeshConfig(fsdp=4, cp=2), jax.devices()[:8])
+    sharded = interop.load_hf_checkpoint(tmp_path / "one", layout=layout)
+    leaves = jax.tree.leaves(nnx.to_pure_dict(nnx.state(sharded)))
+    assert sum(not x.sharding.is_fully_replicated for x in leaves) > 10
+    interop.export_hf_checkpoint(sharded, tmp_path / "eight", dtype="fp8", shard_bytes=64 << 10)
+    interop.export_hf_checkpoint(
+        interop.load_hf_checkpoint(tmp_path / "one"),
+        tmp_path / "again",
+        dtype="fp8",
+        shard_bytes=64 << 10,
+    )
+    files = sorted(p.name for p in (tmp_path / "again").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "eight").iterdir())
+    for name in files:
+        assert (tmp_path / "eight" / name).read_bytes() == (tmp_path / "again" / name).read_bytes()

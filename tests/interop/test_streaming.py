@@ -230,3 +230,29 @@ def test_two_processes_load_like_one(checkpoint, tmp_path):
         logits, np.asarray(model.compute_logits(one, np.array(LOAD_TOKENS)))
     )
     assert all(r < 0.8 * total for r in read) and sum(read) >= total, (read, total)
+
+
+def test_two_processes_export_like_one(checkpoint, tmp_path):
+    """Loaded over 2 processes x 4 devices and exported by both: each process writes its share
+    of the shard files, and together they are the one-process export byte for byte."""
+    from tests.test_multiprocess import _launch
+
+    done = _launch(
+        ["--num_processes=2", "--devices_per_process=4", "--"]
+        + ["tests.multiprocess_probe", "export", str(checkpoint), str(tmp_path)]
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    wrote = {
+        line[1]: line.split("wrote")[1].split()
+        for line in done.stdout.splitlines()
+        if "] wrote" in line
+    }
+    assert set(wrote) == {"0", "1"} and all(wrote.values())
+    assert not set(wrote["0"]) & set(wrote["1"])
+    one = interop.load_hf_checkpoint(checkpoint)
+    interop.export_hf_checkpoint(one, tmp_path / "one", dtype="fp8", shard_bytes=64 << 10)
+    files = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "export").iterdir())
+    assert sorted(wrote["0"] + wrote["1"]) == [f for f in files if f.endswith(".safetensors")]
+    for name in files:
+        assert (tmp_path / "export" / name).read_bytes() == (tmp_path / "one" / name).read_bytes()
