@@ -1,9 +1,10 @@
 """Environment worker pools for the asynchronous actor loop: episodes by id, calls as futures.
 
 An episode stays on the worker that started it (its workspace lives there). When a worker dies
-or a call runs past `timeout_s`, the worker is killed and replaced, every episode it held is lost
-(their futures fail with `EnvWorkerError`, later steps fail at once) and the pool carries on;
-`health()` counts what happened. Workers are child processes (`ProcessEnvironmentPool`), threads
+or a call runs past `timeout_s`, the worker is killed and replaced and the episode whose call it
+was is lost (its futures fail with `EnvWorkerError`, later steps fail at once); the worker's other
+episodes are re-run on the fresh worker from their start and the steps they took, so they carry
+on where they were (`WorkerPool`); the pool carries on and `health()` counts what happened. Workers are child processes (`ProcessEnvironmentPool`), threads
 of this process (`thread_pool.ThreadEnvironmentPool`: for small hosts and tests) or Ray actors
 (`ray_backend.RayEnvironmentPool`). The worker side is `composer_jax.envs.worker`, which never imports JAX;
 the parent's end of a worker process is `composer_jax.actor.worker_process`.
@@ -29,6 +30,7 @@ HEALTH_KEYS = (
     "worker_timeouts",
     "workers_replaced",
     "episodes_lost",
+    "episodes_rerun",
     "calls",
 )
 POOL_KINDS = ("process", "thread", "ray")
@@ -144,6 +146,14 @@ class _Slot:
         self.thread: threading.Thread | None = None
 
 
+@dataclasses.dataclass
+class _History:
+    """What rebuilds an episode on a fresh worker: its start's arguments and the steps taken."""
+
+    start: tuple
+    steps: list[str] = dataclasses.field(default_factory=list)
+
+
 class WorkerPool(EnvironmentPool):
     """Episodes pinned to long-lived workers (the least loaded at start); one I/O thread per
     worker serialises its calls, calls to different workers run in parallel. Subclasses say how
@@ -156,6 +166,7 @@ class WorkerPool(EnvironmentPool):
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
         self._slots = [_Slot(index) for index in range(num_workers)]
         self._where: dict[str, _Slot] = {}
+        self._history: dict[str, _History] = {}
         for slot in self._slots:
             slot.thread = threading.Thread(
                 target=self._serve, args=(slot,), name=f"env-worker-{slot.index}", daemon=True
@@ -219,6 +230,7 @@ class WorkerPool(EnvironmentPool):
     def close(self, episode_id: str) -> None:
         with self._lock:
             self._lost.discard(episode_id)
+            self._history.pop(episode_id, None)
             slot = self._where.pop(episode_id, None)
             if slot is not None:
                 slot.episodes.discard(episode_id)
@@ -238,6 +250,7 @@ class WorkerPool(EnvironmentPool):
             self._closed = True
             pending = [call for slot in self._slots for call in self._drain(slot)]
             self._where.clear()
+            self._history.clear()
             for slot in self._slots:
                 slot.episodes.clear()
                 slot.calls.put(None)
@@ -298,36 +311,96 @@ class WorkerPool(EnvironmentPool):
                 continue
             except Exception as error:  # nothing was sent (the request would not serialise)
                 ok, value = False, error
-            if not ok and call.method == "start":
-                with self._lock:
-                    slot.episodes.discard(call.episode_id)
-                    self._where.pop(call.episode_id, None)
+            self._record(call, ok)
             if call.future is not None:
                 if ok:
                     call.future.set_result(value)
                 else:
                     call.future.set_exception(value)
 
+    def _record(self, call: Call, ok: bool) -> None:
+        """Keeps what `_rerun` needs: a started episode's arguments, then each step it took; a
+        start that failed leaves no episode."""
+        with self._lock:
+            if call.method == "start":
+                slot = self._where.get(call.episode_id)
+                if ok:
+                    self._history[call.episode_id] = _History(call.args)
+                elif slot is not None:
+                    slot.episodes.discard(call.episode_id)
+                    self._where.pop(call.episode_id, None)
+            elif call.method == "step" and ok and call.episode_id in self._history:
+                self._history[call.episode_id].steps.append(call.args[1])
+
     def _lose_worker(self, slot: _Slot, call: Call, timed_out: bool, reason: str) -> None:
-        """Kills the worker, loses its episodes, starts a fresh worker, then fails the calls
-        (so whoever sees the failure also sees the counters and the new worker)."""
+        """Kills the worker, loses the episode whose call it was, starts a fresh worker and
+        re-runs the worker's other episodes on it, then fails the lost episode's calls (so
+        whoever sees the failure also sees the counters and the new worker)."""
         if slot.worker is not None:
             slot.worker.kill()
             slot.worker = None
         with self._lock:
-            lost, slot.episodes = slot.episodes, set()
-            for episode_id in lost:
-                del self._where[episode_id]
-            self._lost |= lost
             self._counters["worker_timeouts" if timed_out else "worker_crashes"] += 1
-            self._counters["episodes_lost"] += len(lost)
-            failed = [call, *self._drain(slot)]
+            failed = [call, *self._lose(slot, {call.episode_id})]
+            survivors = sorted(slot.episodes)
             closed = self._closed
         message = f"environment worker {slot.index} {reason} during {call.method}"
-        log.warning("%s: %d episode(s) lost", message, len(lost))
-        if not closed:
-            self._relaunch(slot, replacing=True)
-        fail_all(failed, f"{message}; its episodes are lost")
+        log.warning("%s: episode %s lost", message, call.episode_id)
+        if not closed and self._relaunch(slot, replacing=True):
+            self._rerun(slot, survivors)
+        elif survivors:
+            with self._lock:
+                failed += self._lose(slot, set(survivors))
+        fail_all(failed, f"{message}; its episode is lost")
+
+    def _lose(self, slot: _Slot, episodes: set[str]) -> list[Call]:
+        """Marks `episodes` of `slot` lost (the lock is held); returns their queued calls, the
+        slot's other calls staying queued in order."""
+        episodes &= slot.episodes
+        slot.episodes -= episodes
+        for episode_id in episodes:
+            del self._where[episode_id]
+            self._history.pop(episode_id, None)
+        self._lost |= episodes
+        self._counters["episodes_lost"] += len(episodes)
+        queued = []
+        while True:
+            try:
+                queued.append(slot.calls.get_nowait())
+            except queue.Empty:
+                break
+        for item in queued:  # the rest, and a shutdown marker, go back in their order
+            if item is None or item.episode_id not in episodes:
+                slot.calls.put(item)
+        return [c for c in queued if c is not None and c.episode_id in episodes]
+
+    def _rerun(self, slot: _Slot, episodes: list[str]) -> None:
+        """Rebuilds `episodes` on the slot's fresh worker by replaying their start and steps
+        (their results are already delivered); if that fails too, they are lost."""
+        for episode_id in episodes:
+            with self._lock:
+                history = self._history.get(episode_id)
+            if history is None:  # its start is still queued: it begins on the new worker
+                continue
+            try:
+                ok, _ = slot.worker.call(("start", history.start), self.timeout_s)
+                for output in history.steps:
+                    if ok:
+                        ok, _ = slot.worker.call(("step", (episode_id, output)), self.timeout_s)
+            except (WorkerTimeout, WorkerCrash) as error:
+                slot.worker.kill()
+                slot.worker = None
+                with self._lock:
+                    failed = self._lose(slot, set(episodes))
+                log.warning("re-running episodes on worker %d failed: %s", slot.index, error)
+                fail_all(failed, f"environment worker {slot.index} failed re-running episodes")
+                return
+            with self._lock:
+                if ok:
+                    self._counters["episodes_rerun"] += 1
+                    continue
+                failed = self._lose(slot, {episode_id})
+            fail_all(failed, f"episode {episode_id!r} could not be re-run on a fresh worker")
 
 
 class ProcessEnvironmentPool(WorkerPool):

@@ -149,17 +149,41 @@ def test_process_worker_killed_mid_call(tasks):
             slow.result(timeout=30)
         health = pool.health()
         assert health["worker_crashes"] == 1 and health["workers_replaced"] == 1
-        assert health["episodes_lost"] == 2 and health["workers_started"] == 3
+        assert health["episodes_lost"] == 1 and health["workers_started"] == 3
+        assert health["episodes_rerun"] == 1  # e2, the killed worker's other episode
         assert pool.worker_pids()[0] != victim
-        lost = pool.step("e2", envs.oracle_turns(tasks[2])[0])
+        lost = pool.step("e0", envs.oracle_turns(tasks[0])[0])
         assert lost.done() and isinstance(lost.exception(), EnvWorkerError)
-        pool.close("e2")
         pool.close("e0")
-        # The other worker's episode and a new one on the fresh worker still finish.
-        for turn in envs.oracle_turns(tasks[1]):
-            survivor = pool.step("e1", turn).result(timeout=60)
-        assert survivor.done and survivor.reward == 1.0
+        # The re-run episode, the other worker's and a new one on the fresh worker all finish.
+        for episode, task in (("e2", tasks[2]), ("e1", tasks[1])):
+            for turn in envs.oracle_turns(task):
+                survivor = pool.step(episode, turn).result(timeout=60)
+            assert survivor.done and survivor.reward == 1.0
         assert play(pool, {"new": oracle(tasks[3])})["new"].reward == 1.0
+
+
+def test_a_slow_step_loses_only_its_own_episode(tasks):
+    """Two episodes on one worker, one mid-way: the other's step runs past the timeout. Only the
+    slow one is lost; the first is re-run on the fresh worker from its start and its steps, so
+    its next turn sees the workspace its earlier turns left, its queued step included."""
+    turns = envs.oracle_turns(tasks[0])
+    assert len(turns) > 1
+    with ProcessEnvironmentPool(num_workers=1, timeout_s=3.0) as pool:
+        pool.start("kept", tasks[0]).result(timeout=60)
+        pool.start("slow", tasks[1]).result(timeout=60)
+        pool.step("kept", turns[0]).result(timeout=60)
+        slow = pool.step("slow", SLOW_TURN)
+        queued = pool.step("kept", turns[1])  # behind the slow step on the same worker
+        with pytest.raises(EnvWorkerError, match="timed out"):
+            slow.result(timeout=30)
+        result = queued.result(timeout=60)
+        for turn in turns[2:]:
+            result = pool.step("kept", turn).result(timeout=60)
+        assert result.done and result.reward == 1.0
+        health = pool.health()
+        assert health["worker_timeouts"] == 1 and health["episodes_lost"] == 1
+        assert health["episodes_rerun"] == 1
 
 
 def test_a_killed_worker_leaves_no_temporary_folders(tasks, tmp_path, monkeypatch):
