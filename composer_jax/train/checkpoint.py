@@ -7,6 +7,8 @@ Saves are asynchronous: training continues while the previous step is written.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import re
 from typing import Any
@@ -53,20 +55,67 @@ def _flatten(tree) -> tuple[dict[str, Any], Any]:
     return flat, treedef
 
 
+class _TolerantLoop(asyncio.SelectorEventLoop):
+    """An event loop that drops wake-ups scheduled after it closed.
+
+    Orbax reads a checkpoint on a fresh loop and closes it as soon as one read fails; the reads
+    still in flight then finish in tensorstore's threads and schedule their wake-ups on the
+    closed loop, each printing a traceback (thousands on a large state) around the one warning
+    that matters. Nobody awaits them any more, so dropping them loses nothing."""
+
+    def call_soon_threadsafe(self, callback, *args, context=None):
+        try:
+            return super().call_soon_threadsafe(callback, *args, context=context)
+        except RuntimeError:
+            if self.is_closed():
+                return None
+            raise
+
+
+class _TolerantLoops(asyncio.DefaultEventLoopPolicy):
+    def new_event_loop(self) -> asyncio.AbstractEventLoop:
+        return _TolerantLoop()
+
+
+class _DropOrbaxErrors(logging.Filter):
+    """Orbax's own error log of an unreadable file: `restore_latest` says it once, plainly."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR or "orbax" not in record.pathname
+
+
+@contextlib.contextmanager
+def _quiet_failed_reads():
+    """While a checkpoint that may be damaged is read: loops made meanwhile (orbax makes one per
+    read) tolerate late wake-ups, and orbax's error log is left out. The event loop policy is
+    the hook asyncio offers for choosing the loop class (deprecated from Python 3.14, where
+    asyncio.new_event_loop still consults it)."""
+    policy = asyncio.get_event_loop_policy()
+    quiet = _DropOrbaxErrors()
+    asyncio.set_event_loop_policy(_TolerantLoops())
+    logging.getLogger("absl").addFilter(quiet)
+    try:
+        yield
+    finally:
+        logging.getLogger("absl").removeFilter(quiet)
+        asyncio.set_event_loop_policy(policy)
+
+
 class Checkpointer:
     def __init__(self, directory: str, max_to_keep: int, async_save: bool = True):
         self.directory = str(run_path(directory, "checkpoint directory"))
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save
         )
-        self._manager = ocp.CheckpointManager(
-            self.directory,
-            options=options,
-            item_handlers={
-                "state": ocp.StandardCheckpointHandler(),
-                "metadata": ocp.JsonCheckpointHandler(),
-            },
-        )
+        with _quiet_failed_reads():  # it reads every step's metadata, damaged ones too
+            self._manager = ocp.CheckpointManager(
+                self.directory,
+                options=options,
+                item_handlers={
+                    "state": ocp.StandardCheckpointHandler(),
+                    "metadata": ocp.JsonCheckpointHandler(),
+                },
+            )
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -129,7 +178,8 @@ class Checkpointer:
         failures = []
         for step in sorted(self._manager.all_steps(), reverse=True):
             try:
-                state, metadata = self.restore(step, abstract_state)
+                with _quiet_failed_reads():
+                    state, metadata = self.restore(step, abstract_state)
             except CheckpointDamaged as error:
                 failures.append(str(error))
                 if set_aside:
