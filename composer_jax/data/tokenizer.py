@@ -44,6 +44,13 @@ _MAX_PENDING = 8
 _MAX_CONTEXT = 16
 
 
+# Settings of a tokenizer folder that only say how transformers frames an encoding.
+SERVING_ONLY = {
+    "tokenizer.json": ("post_processor",),
+    "tokenizer_config.json": ("add_bos_token", "add_eos_token"),
+}
+
+
 class TokenizerError(ValueError):
     """A tokenizer folder is incomplete or inconsistent; the message names the file and field."""
 
@@ -135,17 +142,24 @@ class Tokenizer:
         return pieces
 
     def fingerprint(self) -> str:
-        """A hash of the defining files: the same tokenizer in two folders has one fingerprint."""
+        """A hash of the defining files: the same tokenizer in two folders has one fingerprint.
+        JSON files are hashed as their content without `SERVING_ONLY` settings, which this project
+        never applies (it encodes without the tokenizer's own special-token framing and adds bos
+        itself), so an export that sets them for transformers keeps the fingerprint."""
         digest = hashlib.sha256()
         for path in sorted(self.files(), key=os.path.basename):
-            if os.path.basename(path) in (
-                "tokenizer.json",
-                "tiktoken.model",
-                "tokenizer_config.json",
-            ):
-                digest.update(os.path.basename(path).encode())
-                with open(path, "rb") as f:
-                    digest.update(f.read())
+            name = os.path.basename(path)
+            if name not in ("tokenizer.json", "tiktoken.model", "tokenizer_config.json"):
+                continue
+            digest.update(name.encode())
+            with open(path, "rb") as f:
+                data = f.read()
+            if name in SERVING_ONLY:
+                content = json.loads(data)
+                for key in SERVING_ONLY[name]:
+                    content.pop(key, None)
+                data = json.dumps(content, sort_keys=True).encode()
+            digest.update(data)
         return digest.hexdigest()
 
     def save(self, directory: str) -> None:

@@ -32,8 +32,11 @@ from etils import epath
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from tokenizers import Tokenizer as HFCore
+from tokenizers import processors
 
 from composer_jax.config import ModelConfig
+from composer_jax.data.chat import chat_format_for
 from composer_jax.data.tokenizer import Tokenizer, check_vocab
 from composer_jax.interop.safetensors_io import DEFAULT_FP8_BLOCK, DTYPES, INDEX_FILE, SCALE_SUFFIX
 from composer_jax.model.transformer import Transformer
@@ -208,11 +211,40 @@ def hf_tensors(m: Transformer) -> dict[str, np.ndarray]:
 
 
 def generation_config(tokenizer: Tokenizer) -> dict:
-    """generation_config.json: the special ids generation needs (greedy by default)."""
-    out = {"eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id, "do_sample": False}
+    """generation_config.json: greedy by default, stopping where this project's generation stops
+    (eos, and the chat template's end-of-turn token when the tokenizer has a template)."""
+    stops = list(chat_format_for(tokenizer).stop_token_ids)
+    out = {
+        "eos_token_id": stops[0] if len(stops) == 1 else stops,
+        "pad_token_id": tokenizer.pad_id,
+        "do_sample": False,
+    }
     if tokenizer.bos_id is not None:
         out["bos_token_id"] = tokenizer.bos_id
     return out
+
+
+def write_serving_tokenizer(tokenizer: Tokenizer, directory: str) -> None:
+    """The tokenizer's files as transformers should serve them: encoding a prompt puts bos first,
+    as this project's generation and pretraining do (`encode(add_bos=True)`), whatever the
+    original post-processor did. The run's own copy keeps its files unchanged (their bytes are
+    the tokenizer's fingerprint); tiktoken folders keep their own code's behaviour."""
+    tokenizer.save(directory)
+    path = os.path.join(directory, "tokenizer.json")
+    bos = tokenizer.template_tokens.get("bos_token")
+    if bos is None or not os.path.exists(path):
+        return
+    core = HFCore.from_file(path)
+    core.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B:1", special_tokens=[(bos, tokenizer.bos_id)]
+    )
+    core.save(path)
+    config_path = os.path.join(directory, "tokenizer_config.json")
+    config = (
+        json.loads(pathlib.Path(config_path).read_text()) if os.path.exists(config_path) else {}
+    )
+    config.update(add_bos_token=True, add_eos_token=False)
+    pathlib.Path(config_path).write_text(json.dumps(config, indent=2))
 
 
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "fp8": ml_dtypes.bfloat16}
@@ -392,10 +424,12 @@ def _write_metadata(m: Transformer, folder, tokenizer: Tokenizer | None, dtype: 
     if tokenizer is not None:
         check_vocab(tokenizer, m.cfg.vocab_size)
         config.update(
-            {k: v for k, v in generation_config(tokenizer).items() if k.endswith("token_id")}
+            bos_token_id=tokenizer.bos_id,
+            eos_token_id=tokenizer.eos_id,
+            pad_token_id=tokenizer.pad_id,
         )
         with tempfile.TemporaryDirectory(prefix="cj_tokenizer_") as local:
-            tokenizer.save(local)
+            write_serving_tokenizer(tokenizer, local)
             for file in sorted(pathlib.Path(local).rglob("*")):
                 if file.is_file():
                     destination = folder / file.relative_to(local).as_posix()

@@ -93,14 +93,14 @@ def _randomise(model, seed):
     model.load_state_dict(state)
 
 
-def _hf_greedy(model, prompt, eos):
+def _hf_greedy(model, prompt, stops):
     out = model.generate(
         torch.tensor([prompt]),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
         max_new_tokens=NEW_TOKENS,
         do_sample=False,
-        eos_token_id=eos,
-        pad_token_id=eos,
+        eos_token_id=stops,
+        pad_token_id=stops[0],
         output_logits=True,
         return_dict_in_generate=True,
     )
@@ -112,24 +112,27 @@ def _hf_greedy(model, prompt, eos):
     return tokens, gaps
 
 
-def _ours_greedy(model, tokenizer, prompts):
-    engine = InferenceEngine(model, num_slots=4, max_len=128, prefill_buckets=(16, 128))
+def _ours_greedy(model, stops, prompts):
+    engine = InferenceEngine(model, num_slots=4, max_len=256, prefill_buckets=(16, 128, 256))
     params = SamplingParams(
-        temperature=0.0, max_new_tokens=NEW_TOKENS, stop_sequences=((tokenizer.eos_id,),)
+        temperature=0.0, max_new_tokens=NEW_TOKENS, stop_sequences=tuple((i,) for i in stops)
     )
     return [c.tokens for c in engine.generate(prompts, params)]
 
 
-def _compare_greedy(hf_model, ours_model, tokenizer):
-    prompts = [tokenizer.encode(p, add_bos=True) for p in PROMPTS]
-    ours = _ours_greedy(ours_model, tokenizer, prompts)
+def _compare_greedy(hf_model, ours_model, tokenizer, prompts=None, stops=None):
+    """Greedy continuations of `prompts` (ids; PROMPTS with bos by default) agree token for
+    token up to each one's first near-tie, stopping at `stops` (eos by default)."""
+    prompts = prompts or [tokenizer.encode(p, add_bos=True) for p in PROMPTS]
+    stops = list(stops or [tokenizer.eos_id])
+    ours = _ours_greedy(ours_model, stops, prompts)
     compared = 0
     for prompt, got in zip(prompts, ours):
-        want, gaps = _hf_greedy(hf_model, prompt, tokenizer.eos_id)
+        want, gaps = _hf_greedy(hf_model, prompt, stops)
         untied = next((i for i, g in enumerate(gaps) if g < TIE), len(want))
         assert got[: untied + 1] == want[: untied + 1], (prompt, got, want, untied)
         compared += untied + 1
-    assert compared >= len(PROMPTS) * NEW_TOKENS // 2, f"only {compared} tokens were untied"
+    assert compared >= len(prompts) * NEW_TOKENS // 2, f"only {compared} tokens were untied"
 
 
 def test_transformers_model_and_tokenizer_imported_here(tmp_path):
@@ -171,30 +174,69 @@ def test_transformers_model_and_tokenizer_imported_here(tmp_path):
     _compare_greedy(hf_model, ours_model, ours)
 
 
-@pytest.mark.parametrize("tokenizer_kind", ["bpe", "byte"])
-def test_model_trained_here_serves_in_transformers(tmp_path, tokenizer_kind):
+# What a served model is asked: plain code, an agent's turn in the protocol, and text with
+# special characters (each as the tokenizer's own encoding: bos first, as here).
+CONTRACT_PROMPTS = (
+    "def add(a, b):\n    return",
+    'Make f(2) return 4.\n<think>f doubles?</think>\n<call tool="run_shell"><arg name="command">',
+    "héllo wörld, ça va? 中文 😀 e\u0301 ß\t\r\n  ",
+)
+AGENT_TASK = "Make the failing test in tests/test_f.py pass."
+
+
+def _trained_run(tmp_path, tokenizer_kind: str):
+    """A tiny run trained 4 steps with the byte tokenizer, the shipped BPE or an imported one."""
     corpus = make_corpus(str(tmp_path / "corpus"))
     cfg = tiny_experiment(str(tmp_path / "run"), corpus, steps=4)
-    if tokenizer_kind == "bpe":
+    spec = {"byte": "byte", "shipped": "code_bpe_2k", "imported": str(tmp_path / "tok")}
+    if tokenizer_kind == "imported":
         make_hf_folder(tmp_path / "tok", vocab_size=400)
-        cfg = dataclasses.replace(
-            cfg,
-            model=dataclasses.replace(cfg.model, vocab_size=VOCAB),
-            data=dataclasses.replace(cfg.data, tokenizer=str(tmp_path / "tok")),
-        )
+    vocab = load_tokenizer(spec[tokenizer_kind]).vocab_size
+    cfg = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, vocab_size=-(-vocab // 32) * 32),
+        data=dataclasses.replace(cfg.data, tokenizer=spec[tokenizer_kind]),
+    )
     run_pretraining(cfg, progress=False)
-    run = load_run(cfg.workdir)
+    return load_run(cfg.workdir)
+
+
+@pytest.mark.parametrize("tokenizer_kind", ["byte", "shipped", "imported"])
+def test_an_exported_run_generates_in_transformers_what_it_generates_here(tmp_path, tokenizer_kind):
+    """The export contract: transformers encodes prompts as this project does (bos included),
+    renders the run's chat template as it does, stops where it stops, and greedy-generates the
+    same tokens from those encodings."""
+    run = _trained_run(tmp_path, tokenizer_kind)
     out = tmp_path / "exported"
     interop.export_hf_checkpoint(run.model, out, run.tokenizer)
-
     hf_model = _load_hf(out)
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    ours = run.tokenizer
     for text in TRICKY_TEXTS:
-        want = run.tokenizer.encode(text)
-        assert hf_tokenizer(text, add_special_tokens=False)["input_ids"] == want
-    assert hf_model.generation_config.eos_token_id == run.tokenizer.eos_id
+        assert hf_tokenizer(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
+    prompts = [ours.encode(p, add_bos=True) for p in CONTRACT_PROMPTS]
+    assert [hf_tokenizer(p)["input_ids"] for p in CONTRACT_PROMPTS] == prompts
+    chat = chat_format_for(ours)
+    if ours.chat_template:
+        messages = [
+            {"role": "user", "content": AGENT_TASK},
+            {"role": "assistant", "content": "<think>read it</think>"},
+            {"role": "tool", "content": "[ok] 1 passed"},
+            {"role": "assistant", "content": "<final>done</final>"},
+        ]
+        for generation_prompt in (False, True):
+            assert chat.render(messages, generation_prompt) == hf_tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        agent_prompt = chat.prompt(AGENT_TASK)
+        assert agent_prompt == hf_tokenizer.apply_chat_template(
+            messages[:1], tokenize=True, add_generation_prompt=True, return_dict=False
+        )
+        prompts.append(agent_prompt)
+    stops = list(chat.stop_token_ids)
+    assert hf_model.generation_config.eos_token_id == (stops if len(stops) > 1 else stops[0])
     ours_model = interop.load_hf_checkpoint(out)  # float32, like the transformers model
-    _compare_greedy(hf_model, ours_model, run.tokenizer)
+    _compare_greedy(hf_model, ours_model, ours, prompts, stops)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

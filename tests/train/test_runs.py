@@ -135,8 +135,10 @@ def test_pretrain_from_hf_folder_on_jsonl_with_its_tokenizer(tmp_path):
     exported = load_tokenizer(str(tmp_path / "out"))
     assert exported.encode("héllo 中文") == tokenizer.encode("héllo 中文")
     generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
-    assert generation["eos_token_id"] == tokenizer.eos_id
+    # Generation stops where ours does: eos, and the chat template's end of turn.
+    assert generation["eos_token_id"] == [tokenizer.eos_id, tokenizer.encode("<|im_end|>")[0]]
     assert generation["bos_token_id"] == tokenizer.bos_id
+    assert exported.fingerprint() == tokenizer.fingerprint()  # bos framing is serving-only
 
 
 def test_byte_model_exports_a_tokenizer_transformers_can_read(tmp_path):
