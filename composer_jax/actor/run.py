@@ -63,6 +63,7 @@ from composer_jax.train.loop import StopRequest
 from composer_jax.train.metrics import MetricsWriter
 from composer_jax.train.runs import resolve_tokenizer, save_run_tokenizer
 from composer_jax.train.step import split_model
+from composer_jax.train.trackers import run_params
 from composer_jax.train.workdir import (
     check_local_output,
     check_resume,
@@ -173,7 +174,7 @@ def _build(cfg, tokenizer, model, warm_params, warm_buffers, channel, progress) 
         channel.send("store", store)  # the other processes build their trainers now
     trainer = RLTrainer(cfg, warm_params, warm_buffers, store, tracer=tracer, channel=channel)
     write_config(cfg.workdir, cfg)  # only now: a refused resume leaves the old config as it was
-    record_launch(cfg.workdir, cfg, trainer.restored_step, "rl")
+    launch = record_launch(cfg.workdir, cfg, trainer.restored_step, "rl")
     prompts = _prompts(cfg)
     # Steps the restored state never saw (all of them without a checkpoint) give back their groups.
     returned = ledger.rewind(trainer.version)
@@ -187,7 +188,9 @@ def _build(cfg, tokenizer, model, warm_params, warm_buffers, channel, progress) 
     ledger.drop_stale(
         trainer.version, rl.max_staleness if rl.stale_policy == "drop" else 1 << 30, drop_newer=True
     )
-    writer = MetricsWriter(cfg.workdir, trainer.restored_step)
+    writer = MetricsWriter(
+        cfg.workdir, trainer.restored_step, log_config=cfg.log, params=run_params(cfg, launch)
+    )
     if trainer.restored_step is None:
         writer.write(0, {"heldout_reward": before.mean, "heldout_pass_rate": before.pass_rate})
     env = agent_env_config(rl)
@@ -336,8 +339,12 @@ def _close(cfg, loop: _Loop, interrupted: str | None, progress: bool) -> RLResul
         loop.writer.write(
             trainer.version, {"heldout_reward": after.mean, "heldout_pass_rate": after.pass_rate}
         )
+    curves = os.path.join(cfg.workdir, "rl_curves.png")
+    plot_curves(loop.writer.path, curves)
+    for path in (curves, _heldout_path(cfg)):
+        if os.path.exists(path):
+            loop.writer.artifact(path)
     loop.writer.close()
-    plot_curves(loop.writer.path, os.path.join(cfg.workdir, "rl_curves.png"))
     histogram = dict(sorted(loop.histogram.items()))
     log.info("Staleness of trained groups (versions: groups): %s", histogram)
     if after is not None:

@@ -41,7 +41,13 @@ from composer_jax.config.rl import (
     validate_rl,
     validate_rl_objective,
 )
-from composer_jax.config.training import DataConfig, OptimizerConfig, PhaseConfig, TrainConfig
+from composer_jax.config.training import (
+    DataConfig,
+    LogConfig,
+    OptimizerConfig,
+    PhaseConfig,
+    TrainConfig,
+)
 
 __all__ = [
     "ADVANTAGE_MODES",
@@ -65,6 +71,7 @@ __all__ = [
     "RLConfig",
     "RLObjectiveConfig",
     "TrainConfig",
+    "LogConfig",
     "YarnConfig",
     "fitted_mesh",
     "from_dict",

@@ -8,7 +8,7 @@ import dataclasses
 from composer_jax.config.base import check as _check
 from composer_jax.config.model import MeshConfig, ModelConfig, mesh_shape, validate_model
 from composer_jax.config.rl import RLConfig, validate_rl
-from composer_jax.config.training import DataConfig, OptimizerConfig, TrainConfig
+from composer_jax.config.training import DataConfig, LogConfig, OptimizerConfig, TrainConfig
 
 SFT_STYLES = ("first_turn", "episode")
 
@@ -23,6 +23,7 @@ class ExperimentConfig:
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     rl: RLConfig = RLConfig()
+    log: LogConfig = LogConfig()
     steps: int = 200
     seed: int = 0
     workdir: str = "runs/default"
@@ -48,6 +49,11 @@ def validate(cfg: ExperimentConfig, num_devices: int | None = None) -> None:
     )
     _check_optim(cfg.optim)
     _check_training(cfg)
+    _check(
+        len(set(cfg.log.trackers)) == len(cfg.log.trackers) and all(cfg.log.trackers),
+        "log.trackers",
+        f"names each tracker once, got {cfg.log.trackers}",
+    )
     _check_mesh(cfg)
     if num_devices is not None:
         _check_fits(cfg, num_devices)

@@ -71,6 +71,22 @@ class PhaseConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LogConfig:
+    """Where a run's metrics go besides `metrics.jsonl`: any trackers of `train.trackers.TRACKERS`
+    (tensorboard, wandb, mlflow, or one registered with `register_tracker`). W&B follows its own settings
+    (`WANDB_MODE=offline`, `WANDB_API_KEY`); MLflow writes to `mlflow_uri`: a tracking server
+    (http://...), a database (sqlite:///..., with the full `mlflow` package) or a folder; empty
+    is `<workdir>/mlruns`. Free to change when a run resumes: the trackers' run ids are kept in
+    the workdir, so a resumed run continues the same tracker runs."""
+
+    trackers: tuple[str, ...] = ("tensorboard",)
+    wandb_project: str = "composer-jax"
+    wandb_entity: str = ""
+    mlflow_uri: str = ""
+    mlflow_experiment: str = "composer-jax"
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """The training phases and the step's settings: losses, logging, evaluation, checkpoints."""
 

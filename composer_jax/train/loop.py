@@ -43,6 +43,7 @@ from composer_jax.train.runs import (
     save_run_tokenizer,
 )
 from composer_jax.train.step import TrainState, eval_step, init_train_state, split_model, train_step
+from composer_jax.train.trackers import run_params
 from composer_jax.train.workdir import (
     check_resume,
     prepare_workdir,
@@ -356,9 +357,10 @@ def run_pretraining(
     else:
         resume_step, state, data_position = restored
         print(f"Resumed from {ckpt.directory}/{resume_step}", flush=True)
+    launch = None
     if is_main:  # only now: a refused resume must leave the old run's files as they were
         write_config(workdir, cfg)
-        record_launch(workdir, cfg, resume_step, "pretrain")
+        launch = record_launch(workdir, cfg, resume_step, "pretrain")
         save_run_tokenizer(tokenizer, workdir)
 
     step_fn = setup.jit_train_step()
@@ -366,7 +368,9 @@ def run_pretraining(
 
     corpora = _Corpora(cfg, tokenizer, sft_examples)
     eval_batches = _eval_batches(cfg, corpora, layout)
-    writer = MetricsWriter(workdir, resume_step, is_writer=is_main)
+    writer = MetricsWriter(
+        workdir, resume_step, is_main, cfg.log, params=run_params(cfg, launch) if is_main else None
+    )
 
     def evaluate(step: int) -> float:
         totals = [eval_fn(state, b) for b in eval_batches]

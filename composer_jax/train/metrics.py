@@ -1,7 +1,7 @@
-"""One metrics writer: JSONL (the record a resumed run keeps consistent) plus TensorBoard.
+"""One metrics writer: JSONL (the record a resumed run keeps consistent) plus the run's trackers
+(TensorBoard, W&B, MLflow: `train.trackers`), which get every record with the same step.
 
-Paths go through `etils.epath`, so a bucket workdir keeps its `metrics.jsonl` there too;
-TensorBoard is written for local workdirs only."""
+Paths go through `etils.epath`, so a bucket workdir keeps its `metrics.jsonl` there too."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from typing import Mapping
 import numpy as np
 from etils import epath
 
-from composer_jax.train.workdir import append_line, is_remote
+from composer_jax import config as config_lib
+from composer_jax.train.trackers import Tracker, numeric, start_trackers
+from composer_jax.train.workdir import append_line
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +26,9 @@ def _scalar(v) -> float:
 
 
 class MetricsWriter:
-    """Appends `{"step": s, ...}` lines to `<workdir>/metrics.jsonl` and scalars to TensorBoard.
+    """Appends `{"step": s, ...}` lines to `<workdir>/metrics.jsonl` and hands each record to the
+    trackers of `log_config` (TensorBoard by default; `train.trackers`), `params` being the run's
+    parameters they record.
 
     `resume_step` drops lines written after that step by a run that was killed, so that the file of a
     resumed run reads exactly like an uninterrupted one.
@@ -34,13 +38,14 @@ class MetricsWriter:
         self,
         workdir: str,
         resume_step: int | None = None,
-        tensorboard: bool = True,
         is_writer: bool = True,
+        log_config: config_lib.LogConfig = config_lib.LogConfig(),
+        params: dict | None = None,
     ):
         self._file = epath.Path(workdir) / "metrics.jsonl"
         self.path = str(self._file)
         self.is_writer = is_writer
-        self._tb = None
+        self.trackers: list[Tracker] = []
         if not is_writer:
             return
         self._file.parent.mkdir(parents=True, exist_ok=True)
@@ -62,14 +67,9 @@ class MetricsWriter:
             tmp.replace(self._file)
         elif resume_step is None and self._file.exists():
             self._file.unlink()  # A fresh run in an old workdir starts a fresh record.
-        if tensorboard and is_remote(workdir):
-            log.warning(
-                "TensorBoard is written for local workdirs only; %s has every scalar", self._file
-            )
-        elif tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(str(epath.Path(workdir) / "tensorboard"))
+        self.trackers = start_trackers(
+            log_config, workdir, params or {}, resume=resume_step is not None
+        )
 
     def write(self, step: int, scalars: Mapping[str, object]) -> dict[str, float]:
         record = {"step": int(step), **{k: _scalar(v) for k, v in scalars.items()}}
@@ -83,15 +83,19 @@ class MetricsWriter:
                     }
                 ),
             )
-            if self._tb is not None:
-                for k, v in record.items():
-                    if k != "step":
-                        self._tb.add_scalar(k, v, step)
+            scalars = numeric(record)
+            for tracker in self.trackers:
+                tracker.log(record["step"], scalars)
         return record
 
+    def artifact(self, path: str) -> None:
+        """Hands the file at `path` to every tracker that keeps files."""
+        for tracker in self.trackers:
+            tracker.artifact(path)
+
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def read_metrics(path: str) -> list[dict]:

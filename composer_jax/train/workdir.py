@@ -10,6 +10,7 @@ Every path here goes through `etils.epath`, so a workdir may be local or a bucke
 given gcsfs and google-cloud-storage); `run_path` keeps a URI a URI (`os.path.abspath("gs://b")`
 would make a local folder named `gs:`)."""
 
+import dataclasses
 import datetime
 import importlib
 import importlib.metadata
@@ -25,7 +26,13 @@ from composer_jax import config as config_lib
 
 LAUNCHES = "launches.jsonl"
 # Fields that say where and how verbosely a run goes, not what it computes: free to differ.
-_FREE_ON_RESUME = ("resume", "workdir", "print_sharding", "rl.trace")
+_FREE_ON_RESUME = (
+    "resume",
+    "workdir",
+    "print_sharding",
+    "rl.trace",
+    *(f"log.{field.name}" for field in dataclasses.fields(config_lib.LogConfig)),
+)
 # URI schemes a run folder may have, with the client orbax needs besides epath's fsspec one (it
 # asks google-cloud-storage for a bucket's layout). epath serves s3:// too, but orbax 0.12 writes
 # checkpoint tensors only to local paths and gs:// (tensorstore's gcs driver).
@@ -209,8 +216,9 @@ def _packages() -> dict[str, str]:
 
 def record_launch(
     workdir: str, cfg: config_lib.ExperimentConfig, resumed_step: int | None, kind: str
-) -> None:
-    """Appends this start of the run to `launches.jsonl`: what ran it, on what, from where."""
+) -> dict:
+    """Appends this start of the run to `launches.jsonl`: what ran it, on what, from where; the
+    record is returned (trackers take it as the run's parameters)."""
     import jax
 
     devices = jax.devices()
@@ -233,6 +241,7 @@ def record_launch(
         "config": config_lib.to_dict(cfg),
     }
     append_line(epath.Path(workdir) / LAUNCHES, json.dumps(record))
+    return record
 
 
 def read_run_config(workdir: str) -> config_lib.ExperimentConfig:

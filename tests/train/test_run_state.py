@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from composer_jax.config import ConfigError
+from composer_jax.config import ConfigError, LogConfig
 from composer_jax.train import CheckpointError, MetricsWriter, read_metrics, run_pretraining
 from composer_jax.train.checkpoint import CheckpointMismatch
 from composer_jax.train.workdir import prepare_workdir, write_config
@@ -32,14 +32,16 @@ def _losses(workdir):
 
 @pytest.mark.parametrize("tail", [b'{"step": 4, "lo', b"\x00\xff\xfe garbage\n", b"[1, 2]\n"])
 def test_torn_metrics_tail_is_repaired_on_resume(tmp_path, tail):
-    writer = MetricsWriter(str(tmp_path), tensorboard=False)
+    writer = MetricsWriter(str(tmp_path), log_config=LogConfig(trackers=()))
     for step in (1, 2, 3):
         writer.write(step, {"loss": float(step)})
     path = tmp_path / "metrics.jsonl"
     with open(path, "ab") as f:
         f.write(tail)
     assert [m["step"] for m in read_metrics(str(path))] == [1, 2, 3]  # readers skip it
-    MetricsWriter(str(tmp_path), resume_step=2, tensorboard=False).write(3, {"loss": 9.0})
+    MetricsWriter(str(tmp_path), resume_step=2, log_config=LogConfig(trackers=())).write(
+        3, {"loss": 9.0}
+    )
     assert [(m["step"], m["loss"]) for m in read_metrics(str(path))] == [
         (1, 1.0),
         (2, 2.0),
