@@ -71,7 +71,6 @@ def main(argv):
 
     results = runner.run_plan(
         cases,
-        _OUT.value,
         dry_run=_DRY.value,
         budget_s=_BUDGET.value,
         env=_env(_DRY.value),

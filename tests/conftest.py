@@ -20,3 +20,25 @@ os.environ.setdefault(
     os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "jax"),
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Ends the run with what ran per tier and every skip with its reason, so a contract that
+    silently stopped running (the golden tier without transformers, a sandbox backend missing)
+    shows in the log."""
+    stats = terminalreporter.stats
+    counts = {k: len(stats.get(k, [])) for k in ("passed", "failed", "error", "skipped")}
+    deselected = len(stats.get("deselected", []))
+    write = terminalreporter.write_line
+    write(
+        f"tiers: this run {counts['passed']} passed, {counts['failed']} failed, "
+        f"{counts['error']} errors, {counts['skipped']} skipped; {deselected} deselected "
+        "(the slow tier: python -m pytest -m slow)"
+    )
+    for report in stats.get("skipped", []):
+        path, line, reason = (
+            report.longrepr
+            if isinstance(report.longrepr, tuple)
+            else (report.nodeid, None, str(report.longrepr))
+        )
+        write(f"  skipped {path}{'' if line is None else f':{line}'}: {reason}")

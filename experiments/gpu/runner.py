@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 STARTUP_S = 120  # importing JAX and initialising the device, before the first case starts
@@ -61,15 +62,20 @@ def _log_tail(path: str, chars: int = 1500) -> str:
 
 def run_plan(
     cases: list[dict],
-    out_dir: str,
     *,
     dry_run: bool,
     budget_s: float,
     env: dict | None = None,
     on_result=None,
 ) -> list[dict]:
-    """Runs `cases`, returns one result per case (in plan order)."""
-    os.makedirs(os.path.join(out_dir, "logs"), exist_ok=True)
+    """Runs `cases`, returns one result per case (in plan order). The workers' specs, events and
+    logs live in a temporary folder removed afterwards: only the report comes back from a lent
+    machine, so a failure's log tail travels in its result."""
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as work:
+        return _run_groups(cases, work, dry_run, budget_s, env, on_result)
+
+
+def _run_groups(cases, work, dry_run, budget_s, env, on_result) -> list[dict]:
     deadline = time.monotonic() + budget_s
     results: dict[str, dict] = {}
 
@@ -87,12 +93,10 @@ def run_plan(
                 for case in pending:
                     record(case, {"status": "skipped", "reason": "out of the time budget"})
                 break
-            stem = os.path.join(out_dir, "logs", f"{index:02d}-{attempt}")
+            stem = os.path.join(work, f"{index:02d}-{attempt}")
             spec_path, events_path, log_path = stem + ".json", stem + ".events", stem + ".log"
             with open(spec_path, "w") as f:
                 json.dump({"dry_run": dry_run, "cases": pending}, f)
-            if os.path.exists(events_path):  # a reused --out folder: never read old results
-                os.remove(events_path)
             with open(log_path, "w") as log:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "experiments.gpu.worker", spec_path, events_path],

@@ -33,10 +33,55 @@ CI_CASES = [
 ]
 
 
-def _env():
-    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # one CPU device, as on the GPU machine
+# The default tier's dry run: the cases whose imports reach the model, training and inference.
+LENT_IMAGE_CASES = [
+    "probe",
+    "gemm/dry_128x64_e4_t40/ragged_dot_bf16",
+    "train_check/bf16",
+    "decode/32",
+]
+REPORT_FILES = {"report.json", "report.md"}
+
+
+def _env(lent_image: bool = False):
+    """One CPU device, as on the GPU machine; `lent_image`: only the packages that machine's
+    image has can be imported (tests/experiments/lent_image/sitecustomize.py)."""
+    path = (
+        [os.path.join(REPO, "tests", "experiments", "lent_image"), REPO] if lent_image else [REPO]
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    if lent_image:
+        env["CJ_LENT_IMAGE"] = "1"
     return env
+
+
+def test_a_dry_run_with_only_the_lent_images_packages_writes_only_the_report(tmp_path):
+    """What the lent machine can run: none of the packages its image lacks is imported (they
+    fail to import here), and the output folder holds the report and nothing else (a lent
+    machine sends back only a few small files)."""
+    out = tmp_path / "check"
+    proc = subprocess.run(
+        [sys.executable, "experiments/gpu_check.py", "--dry_run", f"--out={out}",
+         "--cases=" + ",".join(LENT_IMAGE_CASES)],
+        cwd=REPO, env=_env(lent_image=True), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((out / "report.json").read_text())
+    bad = {r["name"]: r for r in data["results"] if r["status"] not in ("ok", "n/a")}
+    assert not bad, json.dumps(bad, indent=1, default=str)[:3000]
+    assert len(data["results"]) == len(LENT_IMAGE_CASES)
+    extra = [p.name for p in out.iterdir() if p.name not in REPORT_FILES]
+    assert all(name.endswith(".png") for name in extra) and len(extra) <= 4, extra
+
+
+def test_the_lent_image_check_blocks_what_the_image_lacks():
+    """The guard above has teeth: under it, the packages the image lacks do not import."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "import grain"], env=_env(lent_image=True), capture_output=True,
+        text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "not on the lent image" in proc.stderr
 
 
 def test_dry_plan_has_every_case_kind_and_backend_of_the_real_plan():
@@ -80,9 +125,7 @@ def test_runner_survives_hangs_crashes_and_errors(tmp_path):
         case("c/raises", "raises", "c"),
     ]
     seen = []
-    results = runner.run_plan(
-        cases, str(tmp_path), dry_run=True, budget_s=120, env=_env(), on_result=seen.append
-    )
+    results = runner.run_plan(cases, dry_run=True, budget_s=120, env=_env(), on_result=seen.append)
     status = {r["name"]: r["status"] for r in results}
     assert status == {
         "a/hang": "timeout",
@@ -96,21 +139,11 @@ def test_runner_survives_hangs_crashes_and_errors(tmp_path):
     assert len(seen) == len(cases)
 
 
-def test_runner_ignores_results_left_in_a_reused_out_folder(tmp_path):
-    case = dict(name="x", kind="tests.experiments.fake_cases:ok", group="x", timeout_s=60,
-                params={"value": 7})  # fmt: skip
-    (tmp_path / "logs").mkdir()
-    stale = {"event": "result", "name": "x", "status": "fail", "error": "from an older run"}
-    (tmp_path / "logs" / "00-0.events").write_text(json.dumps(stale) + "\n")
-    results = runner.run_plan([case], str(tmp_path), dry_run=True, budget_s=120, env=_env())
-    assert [(r["status"], r.get("value")) for r in results] == [("ok", 7)]
-
-
 def test_cases_past_the_budget_are_skipped(tmp_path):
     cases = [
         dict(name="x", kind="tests.experiments.fake_cases:ok", group="x", timeout_s=5, params={})
     ]
-    results = runner.run_plan(cases, str(tmp_path), dry_run=True, budget_s=1, env=_env())
+    results = runner.run_plan(cases, dry_run=True, budget_s=1, env=_env())
     assert results[0]["status"] == "skipped"
 
 
@@ -146,7 +179,7 @@ def test_dry_run_of_one_case_of_each_kind(tmp_path):
     proc = subprocess.run(
         cmd + ["--cases=" + ",".join(CI_CASES)],
         cwd=REPO,
-        env=_env(),
+        env=_env(lent_image=True),
         capture_output=True,
         text=True,
         timeout=600,
@@ -190,3 +223,59 @@ def test_full_dry_run(tmp_path):
     assert len(data["results"]) == len(plan.build(dry_run=True))
     bad = [r["name"] for r in data["results"] if r["status"] not in ("ok", "n/a")]
     assert not bad, bad
+
+
+# What the lent image has (../shared/notes/device.md), at the JAX it has.
+LENT_IMAGE_PACKAGES = [
+    "jax[cpu]==0.11.2",
+    "flax",
+    "optax",
+    "orbax-checkpoint",
+    "chex",
+    "absl-py",
+    "etils[epath]",
+    "tensorstore",
+    "safetensors",
+    "tokenizers",
+    "tiktoken",
+    "jinja2",
+    "scipy",
+    "matplotlib",
+    "pyarrow",
+    "pytest",
+    "pytest-timeout",
+    "pyyaml",
+    "tqdm",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_the_dry_run_works_on_the_lent_images_jax(tmp_path):
+    """A venv with JAX 0.11.2 and only the lent image's packages (pip resolves versions that
+    work with that JAX) runs the dry run of one case of each kind: no import or API error."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    installed = subprocess.run(
+        pip + LENT_IMAGE_PACKAGES, capture_output=True, text=True, timeout=1200
+    )
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    version = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import jax; print(jax.__version__)"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert version.stdout.strip() == "0.11.2", version.stdout + version.stderr
+    out = tmp_path / "check"
+    proc = subprocess.run(
+        [str(venv / "bin" / "python"), "experiments/gpu_check.py", "--dry_run", f"--out={out}",
+         "--cases=" + ",".join(CI_CASES)],
+        cwd=REPO, env=_env(lent_image=True), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((out / "report.json").read_text())
+    bad = {r["name"]: r for r in data["results"] if r["status"] not in ("ok", "n/a")}
+    assert not bad, json.dumps(bad, indent=1, default=str)[:3000]
+    assert {p.name for p in out.iterdir()} <= REPORT_FILES | {
+        p.name for p in out.iterdir() if p.suffix == ".png"
+    }

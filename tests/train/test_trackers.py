@@ -1,7 +1,8 @@
-"""Trackers get what metrics.jsonl gets: a 3-step `launch.pretrain` logging to an offline W&B run
-and a local MLflow store, then its resume continuing both; trackers that cannot start are one-line
-errors at start-up."""
+"""Trackers get what metrics.jsonl gets: a 3-step pretraining run logging to an offline W&B run and
+a local MLflow store, then its resume continuing both; the command line names them; trackers that
+cannot start are one-line errors at start-up."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -11,7 +12,7 @@ import sys
 import pytest
 
 from composer_jax import config as config_lib
-from composer_jax.train import read_metrics
+from composer_jax.train import read_metrics, run_pretraining
 from composer_jax.train.trackers import (
     TRACKERS,
     TRACKERS_FILE,
@@ -19,30 +20,15 @@ from composer_jax.train.trackers import (
     register_tracker,
     start_trackers,
 )
+from tests.train.helpers import make_corpus, tiny_experiment
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _pretrain(workdir, steps: int, *extra: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", PYTHONPATH=REPO)
-    args = [
-        "--config=tiny",
-        f"--config.steps={steps}",
-        "--config.train.log_every=1",
-        "--config.train.eval_every=2",
-        f"--config.workdir={workdir}",
-        "--config.log.trackers=wandb,mlflow",
-        "--noprogress",
-        *extra,
-    ]
-    return subprocess.run(
-        [sys.executable, "-m", "launch.pretrain", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
-        env=env,
-    )
+def _pretrain(workdir, steps: int, corpus: str, **overrides):
+    cfg = tiny_experiment(str(workdir), corpus, steps=steps, log_every=1, eval_every=2)
+    log = config_lib.LogConfig(trackers=("wandb", "mlflow"))
+    return run_pretraining(dataclasses.replace(cfg, log=log, **overrides), progress=False)
 
 
 def _wandb_records(path):
@@ -102,10 +88,23 @@ def _expected(workdir) -> dict[tuple[int, str], float]:
     }
 
 
-def test_a_pretraining_run_and_its_resume_log_to_wandb_and_mlflow(tmp_path):
+def test_the_command_line_names_trackers(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.pretrain", "--print_config",
+         "--config.log.trackers=wandb,mlflow", "--config.log.mlflow_uri=sqlite:///x.db"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    log = json.loads(result.stdout)["log"]
+    assert log["trackers"] == ["wandb", "mlflow"] and log["mlflow_uri"] == "sqlite:///x.db"
+
+
+def test_a_pretraining_run_and_its_resume_log_to_wandb_and_mlflow(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    corpus = make_corpus(str(tmp_path / "corpus"))
     workdir = tmp_path / "run"
-    first = _pretrain(workdir, 3)
-    assert first.returncode == 0, first.stderr[-3000:]
+    assert _pretrain(workdir, 3, corpus).final_step == 3
     ids = json.loads((workdir / TRACKERS_FILE).read_text())
     want = _expected(workdir)
     assert {step for step, _ in want} == {0, 1, 2, 3}
@@ -113,8 +112,7 @@ def test_a_pretraining_run_and_its_resume_log_to_wandb_and_mlflow(tmp_path):
     keys = {k for _, k in want}
     assert _mlflow_history(workdir, ids["mlflow"], keys) == pytest.approx(want)
 
-    again = _pretrain(workdir, 5, "--config.resume=must")
-    assert again.returncode == 0, again.stderr[-3000:]
+    assert _pretrain(workdir, 5, corpus, resume="must").final_step == 5
     assert json.loads((workdir / TRACKERS_FILE).read_text()) == ids  # the same tracker runs
     want = _expected(workdir)
     assert {step for step, _ in want} == {0, 1, 2, 3, 4, 5}
