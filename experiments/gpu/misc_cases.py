@@ -37,7 +37,9 @@ def pytest_gpu(params: dict, ctx: dict) -> dict:
         env["JAX_PLATFORMS"] = "cuda"
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "junit.xml")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", f"--junitxml={report}"]
+        # The repository's addopts name plugins (xdist) the lent image may lack: none here.
+        cmd = [sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider"]
+        cmd += ["-m", "gpu", f"--junitxml={report}"]
         cmd += params.get("paths", ["tests/kernels"])
         cmd += params.get("select", [])
         proc = subprocess.run(
@@ -59,7 +61,7 @@ def pytest_gpu(params: dict, ctx: dict) -> dict:
         "status": "ok" if ok else "fail",
         "tests": tests,
         "failed": failed,
-        "output_tail": proc.stdout[-1500:] if not ok else "",
+        "output_tail": (proc.stdout + proc.stderr)[-1500:] if not ok else "",
     }
 
 
