@@ -1,6 +1,6 @@
 r"""Roofline model of one training step: where the time must go on a given GPU, and the best MFU.
 
-For a model config, a per-device batch and a device spec (`experiments/gpu/devices.py`), the step
+For a model config, a per-device batch and a device spec (`composer_jax/plan/devices.py`), the step
 is split into four kinds of work, each timed at its roof:
   GEMM          matmul FLOPs at the tensor-core peak of the format that runs them (routed experts
                 at the expert precision's formats, everything else bf16);
@@ -173,7 +173,7 @@ def main(argv):
     from absl import flags
 
     from composer_jax import presets
-    from experiments.gpu import devices
+    from composer_jax.plan import devices
 
     f = flags.FLAGS
     cfg = presets.PRESETS[f.preset]().model
@@ -190,7 +190,7 @@ if __name__ == "__main__":
     from absl import app, flags
 
     flags.DEFINE_string("preset", "small", "Model preset.")
-    flags.DEFINE_string("device", "H200", "Device spec name (experiments/gpu/devices.py).")
+    flags.DEFINE_string("device", "H200", "Device spec name (composer_jax/plan/devices.py).")
     flags.DEFINE_integer("seq_len", 2048, "Tokens per sequence.")
     flags.DEFINE_integer("batch", 8, "Sequences per device per step.")
     flags.DEFINE_string("expert_precision", "bf16", "bf16 | mxfp8 | nvfp4_fwd_mxfp8_bwd.")

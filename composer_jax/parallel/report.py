@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-import re
-from collections import defaultdict
 
 import jax
 import numpy as np
+
+from composer_jax.parallel import hlo
 
 
 def _per_device_bytes(x) -> int:
@@ -52,35 +52,7 @@ def bytes_per_device(abstract_tree) -> int:
     return sum(_per_device_bytes(x) for x in jax.tree.leaves(abstract_tree))
 
 
-_DTYPE_BYTES = {
-    "f32": 4,
-    "bf16": 2,
-    "f16": 2,
-    "s32": 4,
-    "u32": 4,
-    "s8": 1,
-    "u8": 1,
-    "pred": 1,
-    "f8e4m3fn": 1,
-    "f8e5m2": 1,
-    "s64": 8,
-    "f64": 8,
-}
-_COLLECTIVE = re.compile(
-    r"=\s*(?P<result>\(?[^=]*?\)?)\s+(?P<op>all-gather|all-reduce|reduce-scatter|all-to-all|"
-    r"collective-permute)(?:-start)?\("
-)
-_SHAPE = re.compile(r"(?P<dtype>[a-z0-9]+)\[(?P<dims>[0-9,]*)\]")
-
-
 def collective_bytes(hlo_text: str) -> dict[str, int]:
-    """Bytes produced per device by each kind of collective in a compiled HLO module."""
-    totals: dict[str, int] = defaultdict(int)
-    for line in hlo_text.splitlines():
-        match = _COLLECTIVE.search(line)
-        if not match or "-done" in line:
-            continue
-        for shape in _SHAPE.finditer(match["result"]):
-            dims = [int(d) for d in shape["dims"].split(",") if d]
-            totals[match["op"]] += math.prod(dims) * _DTYPE_BYTES.get(shape["dtype"], 4)
-    return dict(totals)
+    """Bytes produced per device by each kind of collective in one run of a compiled HLO module
+    (loop bodies counted as often as they run; see `hlo.analyze`)."""
+    return {kind: int(b) for kind, b in hlo.analyze(hlo_text).bytes_by_kind().items()}

@@ -13,7 +13,8 @@ import functools
 
 import numpy as np
 
-from experiments.gpu import devices, timing
+from composer_jax.plan import devices
+from experiments.gpu import timing
 
 # DeepSeek-V3 / Kimi-K2 experts: hidden 7168, expert width 2048; 8 of 256 (or 384) experts per
 # token, so under expert parallelism a GPU holds 8 (or 12) experts.

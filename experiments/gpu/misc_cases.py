@@ -8,7 +8,7 @@ import sys
 import tempfile
 import xml.etree.ElementTree as ET
 
-from experiments.gpu import devices
+from composer_jax.plan import devices
 
 
 def probe(params: dict, ctx: dict) -> dict:

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import time
 
-from experiments.gpu import devices
+from composer_jax.plan import devices
 
 # A config that fills an H200 (about 1.7B parameters, 27 GB of fp32 state): wider and deeper
 # than `small`, expert GEMMs of ~6k rows per expert at batch 16 x 2048.
