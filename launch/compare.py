@@ -4,9 +4,11 @@ bands, paired per-task differences of held-out reward.
   python -m launch.compare runs/lr_seed                      # a sweep's root, or run folders
   python -m launch.compare runs/a runs/b --out=cmp --metrics=loss,eval_nll --curves=loss
   python -m launch.compare runs/ws --scatter=warm_start/loss,heldout_after --baseline=1
+  python -m launch.compare mlflow:http://tracking:5000#composer-jax   # runs an MLflow tracker logged
 
 Runs that differ only by seed form a group. Writes <out>/compare.md (printed too), curves.png and
-with --scatter scatter.png. Library: composer_jax.eval.compare.
+with --scatter scatter.png (<out> defaults to <first folder>/compare, or ./compare for MLflow).
+Library: composer_jax.eval.compare.
 """
 
 import os
@@ -32,7 +34,10 @@ def main(argv):
         cli.fail("give run folders or sweep roots: python -m launch.compare DIR...")
     if _SCATTER.value and len(_SCATTER.value) != 2:
         cli.fail(f"--scatter: expected x,y, got {','.join(_SCATTER.value)}")
-    out = _OUT.value or os.path.join(folders[0], "compare")
+    first = folders[0]
+    out = _OUT.value or (
+        "compare" if first.startswith("mlflow:") else os.path.join(first, "compare")
+    )
     try:
         report = compare.compare_runs(
             folders,
@@ -45,6 +50,8 @@ def main(argv):
         )
     except (FileNotFoundError, ValueError, IndexError) as error:
         cli.fail(str(error))
+    except ImportError as error:
+        cli.fail(f"mlflow: runs need the tracking extra (pip install -e .[tracking]): {error}")
     print(report.markdown)
     print(f"wrote {os.path.join(out, 'compare.md')}")
 

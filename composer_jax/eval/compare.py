@@ -1,7 +1,9 @@
 """Comparing runs: final metrics over seeds, curves with seed bands, paired held-out differences.
 
 A run is a folder with `config.json` and `metrics.jsonl` (and, for RL, `heldout.json`: {"before":
-{"per_task": [...], "pass_rate": p}, "after-<step>": {...}}). Runs whose configs differ only by
+{"per_task": [...], "pass_rate": p}, "after-<step>": {...}}), or a run an MLflow tracker logged
+(`mlflow:URI#EXPERIMENT`: its parameters as the config, its metric histories, its heldout.json
+artifact). Runs whose configs differ only by
 seed (and workdir) form a group; a group's final metric is the mean over its seeds with a 95%
 Student-t interval (seeds are few). Paired differences of held-out reward pair the same task:
 within a run (after RL - before RL), and between two groups, run by run of the same seed (the
@@ -19,6 +21,7 @@ import json
 import math
 import os
 import re
+import tempfile
 
 import numpy as np
 
@@ -131,6 +134,85 @@ def read_records(path: str) -> list[dict]:
             if isinstance(record, dict) and isinstance(record.get("step"), int):
                 records.append(record)
     return records
+
+
+def _param_value(text: str):
+    """A parameter as `train.trackers.run_params` wrote it: Python's bool / None spellings, JSON
+    for numbers and lists, else the string itself."""
+    spelled = {"True": True, "False": False, "None": None}
+    if text in spelled:
+        return spelled[text]
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _nested(flat: dict) -> dict | list:
+    """`{"train.phases.0.seq_len": 64}` -> `{"train": {"phases": [{"seq_len": 64}]}}`: the config
+    tree whose field paths are the workdir config's (numbered levels become lists)."""
+    root: dict = {}
+    for key, value in flat.items():
+        parts = key.split(".")
+        node = root
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+
+    def lists(node):
+        if not isinstance(node, dict):
+            return node
+        node = {k: lists(v) for k, v in node.items()}
+        if node and all(k.isdigit() for k in node):
+            return [node[str(i)] for i in range(len(node))]
+        return node
+
+    return lists(root)
+
+
+def load_mlflow_runs(spec: str) -> list[RunRecord]:
+    """Every run of an MLflow experiment, `mlflow:URI#EXPERIMENT` (URI a tracking server, a
+    database or a folder store such as `<workdir>/mlruns`; EXPERIMENT by default composer-jax),
+    oldest first. Needs the `tracking` extra."""
+    from mlflow.tracking import MlflowClient
+
+    uri, _, name = spec.removeprefix("mlflow:").partition("#")
+    if "://" not in uri or uri.startswith("file:"):
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # as the tracker writes it
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name(name or "composer-jax")
+    if experiment is None:
+        raise FileNotFoundError(f"{spec}: no MLflow experiment {name or 'composer-jax'!r}")
+    runs = []
+    order = ["attributes.start_time ASC"]
+    for run in client.search_runs([experiment.experiment_id], order_by=order):
+        run_id, params = run.info.run_id, run.data.params
+        config = _nested(
+            {k: _param_value(v) for k, v in params.items() if not k.startswith("launch.")}
+        )
+        by_step: dict[int, dict] = {}
+        for key in run.data.metrics:
+            for m in client.get_metric_history(run_id, key):
+                by_step.setdefault(m.step, {"step": m.step})[key] = m.value
+        heldout = None
+        if "heldout.json" in {a.path for a in client.list_artifacts(run_id)}:
+            with tempfile.TemporaryDirectory() as local:
+                with open(client.download_artifacts(run_id, "heldout.json", local)) as f:
+                    heldout = json.load(f)
+        metrics = [by_step[step] for step in sorted(by_step)]
+        runs.append(RunRecord(run.info.run_name or run_id, config, metrics, heldout))
+    return runs
+
+
+def read_runs(paths: list[str]) -> list[RunRecord]:
+    """The runs of `paths`: run folders, sweep roots (`find_runs`) or `mlflow:URI#EXPERIMENT`."""
+    runs = []
+    for path in paths:
+        if path.startswith("mlflow:"):
+            runs += load_mlflow_runs(path)
+        else:
+            runs += [load_run(p) for p in find_runs([path])]
+    return runs
 
 
 def load_run(workdir: str) -> RunRecord:
@@ -509,7 +591,7 @@ def compare_runs(
 ) -> Report:
     """Reads the runs under `paths`, groups them by seed, and writes `compare.md`, `curves.png`
     (and `scatter.png`) to `out_dir` (nothing written when it is None)."""
-    runs = [load_run(p) for p in find_runs(paths)]
+    runs = read_runs(paths)
     groups = group_runs(runs)
     metrics = list(metrics) if metrics else default_metrics(runs)
     table, rows = summary_table(groups, metrics)

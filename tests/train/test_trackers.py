@@ -168,3 +168,29 @@ def test_a_config_naming_a_tracker_twice_is_refused():
     cfg = config_lib.ExperimentConfig(log=config_lib.LogConfig(trackers=("wandb", "wandb")))
     with pytest.raises(config_lib.ConfigError, match="log.trackers"):
         config_lib.validate(cfg)
+
+
+def test_runs_logged_to_mlflow_compare_like_their_workdirs(tmp_path, monkeypatch):
+    """Two seeds logged to one MLflow store read back through `launch.compare`'s reader give the
+    table the workdirs give: same groups, same final values over seeds."""
+    from composer_jax.eval import compare
+
+    corpus = make_corpus(str(tmp_path / "corpus"))
+    store = tmp_path / "mlruns"
+    log = config_lib.LogConfig(trackers=("mlflow",), mlflow_uri=str(store))
+    for seed in (0, 1):
+        cfg = tiny_experiment(str(tmp_path / f"seed{seed}"), corpus, steps=2, eval_every=2)
+        run_pretraining(dataclasses.replace(cfg, seed=seed, log=log), progress=False)
+    from_mlflow = compare.compare_runs(
+        [f"mlflow:{store}#composer-jax"], metrics=["loss", "eval_nll"]
+    )
+    from_dirs = compare.compare_runs(
+        [str(tmp_path / "seed0"), str(tmp_path / "seed1")], metrics=["loss", "eval_nll"]
+    )
+    (first, _) = compare.load_mlflow_runs(f"mlflow:{store}#composer-jax")
+    stored = json.loads((tmp_path / "seed0" / "config.json").read_text())
+    assert config_lib.field_paths(first.config) == config_lib.field_paths(stored)  # every field
+    assert len(from_mlflow.rows) == 1 and from_mlflow.rows[0]["seeds"] == [0, 1]
+    assert from_mlflow.rows[0]["label"] == from_dirs.rows[0]["label"]  # grouped alike
+    for metric in ("loss", "eval_nll"):
+        assert from_mlflow.rows[0][metric] == pytest.approx(from_dirs.rows[0][metric])
