@@ -41,7 +41,9 @@ DEVICES = {
     "H100": DeviceSpec("H100", 989.4 * TERA, 1978.9 * TERA, None, 3.35e12, 900e9, 80e9, 132),
     "H200": DeviceSpec("H200", 989.4 * TERA, 1978.9 * TERA, None, 4.8e12, 900e9, 141e9, 132),
     "B200": DeviceSpec("B200", 2250 * TERA, 4500 * TERA, 9000 * TERA, 8e12, 1.8e12, 180e9, 148),
-    "GB200": DeviceSpec("GB200", 2500 * TERA, 5000 * TERA, 10000 * TERA, 8e12, 1.8e12, 186e9, 148, 72),
+    "GB200": DeviceSpec(
+        "GB200", 2500 * TERA, 5000 * TERA, 10000 * TERA, 8e12, 1.8e12, 186e9, 148, 72
+    ),
 }
 
 

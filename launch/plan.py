@@ -1,0 +1,62 @@
+r"""The training step planned ahead of time on N virtual devices: memory, collectives and time per
+device, without allocating the model (composer_jax.plan.training).
+
+  python -m launch.plan --config=tiny --devices=8
+  python -m launch.plan --config=kimi_k2 --devices=256 --device=H200 [--config.mesh.fsdp=...]
+
+The step is compiled for CPU devices standing in for the GPUs (XLA's CPU SPMD partitioner makes
+the same collectives; kernels and fusion differ), so memory is what the partitioned program
+holds, and time is an estimate from the named GPU's datasheet peaks (the table says how).
+"""
+
+import os
+import sys
+
+from absl import flags
+
+from launch import cli
+
+_CONFIG = cli.define_config("tiny")
+_DEVICES = flags.DEFINE_integer("devices", 8, "Virtual devices to plan for (the mesh's size).")
+_DEVICE = flags.DEFINE_string("device", "H200", "GPU whose datasheet prices the plan.")
+_PHASE = flags.DEFINE_integer("phase", 0, "Training phase whose batch shape is planned.")
+MAX_DEVICES = 4096  # XLA's CPU client makes each virtual device a thread pool; more is unusable
+
+
+def _simulate(devices: int) -> None:
+    """Sets up `devices` CPU devices; must run before JAX is imported."""
+    if "jax" in sys.modules:
+        raise RuntimeError("launch.plan must choose the device count before JAX is imported")
+    flags_now = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    flags_now.append(f"--xla_force_host_platform_device_count={devices}")
+    os.environ["XLA_FLAGS"] = " ".join(flags_now)
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def main(argv):
+    del argv
+    if not 1 <= _DEVICES.value <= MAX_DEVICES:
+        cli.fail(f"--devices: {_DEVICES.value} cannot be simulated here (1 to {MAX_DEVICES})")
+    cfg = cli.experiment_config(_CONFIG)
+    from composer_jax.plan import devices
+
+    try:
+        device = devices.by_name(_DEVICE.value.upper())
+    except ValueError as error:
+        cli.fail(f"--device: {error}")
+    if not 0 <= _PHASE.value < len(cfg.train.phases):
+        cli.fail(f"--phase: the config has phases 0 to {len(cfg.train.phases) - 1}")
+    _simulate(_DEVICES.value)
+    from composer_jax import config as config_lib
+    from composer_jax.plan import training
+
+    try:
+        config_lib.validate(cfg, num_devices=_DEVICES.value)
+    except config_lib.ConfigError as error:
+        cli.fail(str(error))
+    plan = training.plan_training_step(cfg, phase=_PHASE.value)
+    print(training.render(plan, device))
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,137 @@
+"""The plan of a training step against what a real run of it holds and exchanges, on 8 simulated
+devices; loop trip counts in the HLO costs; the command line's errors."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from composer_jax import config as config_lib
+from composer_jax import presets
+from composer_jax.parallel import hlo, make_layout
+from composer_jax.plan import devices, training
+from composer_jax.train.loop import make_train_setup
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _device0_bytes(tree) -> int:
+    """Bytes device 0 really holds of a tree of arrays."""
+    device = jax.devices()[0]
+    return sum(
+        shard.data.nbytes
+        for x in jax.tree.leaves(tree)
+        for shard in x.addressable_shards
+        if shard.device == device
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_8():
+    cfg = presets.tiny()
+    layout = make_layout(config_lib.MeshConfig(fsdp=4, cp=2), jax.devices()[:8])
+    return cfg, layout, training.plan_training_step(cfg, layout)
+
+
+def test_the_plan_is_what_a_real_run_allocates_and_exchanges(tiny_8):
+    cfg, layout, plan = tiny_8
+    setup = make_train_setup(cfg, layout)
+    state = setup.init_state()  # allocated, as a run does
+    assert plan.params_bytes == _device0_bytes(state.params) > 0
+    assert plan.optimizer_bytes == _device0_bytes(state.opt_state) > 0
+    phase = cfg.train.phases[0]
+    shape = (phase.batch_size, phase.seq_len)
+    tokens = jax.device_put(
+        jnp.asarray(np.random.default_rng(0).integers(0, 256, shape), jnp.int32),
+        layout.batch_sharding(),
+    )
+    batch = {
+        "tokens": tokens,
+        "positions": jax.device_put(
+            jnp.broadcast_to(jnp.arange(shape[1], dtype=jnp.int32), shape),
+            layout.batch_sharding(),
+        ),
+        "segment_ids": jax.device_put(jnp.ones(shape, jnp.int32), layout.batch_sharding()),
+    }
+    compiled = setup.jit_train_step().lower(state, batch).compile()
+    real = hlo.analyze(compiled.as_text())
+    assert plan.collective_bytes == real.bytes_by_kind()
+    assert plan.collective_count == real.count_by_kind()
+    assert plan.flops == real.dot_flops > 0
+    assert set(plan.collective_bytes) >= {"all-gather", "all-reduce", "all-to-all"}
+    assert {"fsdp", "cp", "fsdp+cp"} <= set(plan.bytes_by_axes)  # data, context, experts
+    assert plan.unknown_trip_loops == 0
+
+
+def test_the_estimate_and_the_table(tiny_8):
+    _, _, plan = tiny_8
+    h200 = devices.by_name("H200")
+    t = training.estimate(plan, h200)
+    assert t["compute_s"] == pytest.approx(plan.flops / h200.bf16_flops)
+    assert t["step_s_overlapped"] == max(t["compute_s"], t["communication_s"]) > 0
+    assert t["step_s_serial"] == pytest.approx(t["compute_s"] + t["communication_s"])
+    assert t["fits"] == 1.0
+    text = training.render(plan, h200)
+    for needle in ("parameters", "optimizer state", "step peak", "all-to-all", "over fsdp+cp"):
+        assert needle in text
+    tiny_device = devices.DeviceSpec("tiny", 1e12, 2e12, None, 1e12, 1e11, plan.peak_bytes - 1, 1)
+    assert "does NOT fit" in training.render(plan, tiny_device)
+
+
+def _gathers(x, layers: int, unrolled: bool):
+    """`layers` all-gathers over 8 devices, in a scan or written out."""
+    mesh = jax.make_mesh((8,), ("d",))
+
+    def body(carry, _):
+        return carry + lax.all_gather(carry, "d", tiled=True)[: carry.shape[0]], None
+
+    def run(c):
+        if unrolled:
+            for _ in range(layers):
+                c, _ = body(c, None)
+            return c
+        return lax.scan(body, c, None, length=layers)[0]
+
+    fn = jax.shard_map(run, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+    sharded = jax.device_put(x, NamedSharding(mesh, P("d")))
+    return hlo.analyze(jax.jit(fn).lower(sharded).compile().as_text())
+
+
+def test_a_scanned_loop_counts_each_trip_like_the_written_out_one():
+    x = jnp.arange(64.0)
+    scanned, written = _gathers(x, 6, unrolled=False), _gathers(x, 6, unrolled=True)
+    one = _gathers(x, 1, unrolled=True)
+    assert scanned.count_by_kind()["all-gather"] == 6 == written.count_by_kind()["all-gather"]
+    assert scanned.bytes_by_kind() == written.bytes_by_kind()
+    assert scanned.bytes_by_kind()["all-gather"] == 6 * one.bytes_by_kind()["all-gather"]
+    (gather,) = [c for c in scanned.collectives if c.kind == "all-gather"]
+    assert (gather.group_size, gather.group_span, gather.executions) == (8, 8, 6)
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--devices=0"], "--devices: 0 cannot be simulated"),
+        (["--devices=100000"], "--devices: 100000 cannot be simulated"),
+        (["--config.mesh.bogus=2"], "--config.mesh.bogus: no such field"),
+        (["--devices=3"], "mesh.ep"),
+        (["--device=TPU9"], "--device: unknown device"),
+    ],
+)
+def test_bad_plans_are_one_line_errors(args, needle):
+    done = subprocess.run(
+        [sys.executable, "-m", "launch.plan", "--config=tiny", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and len(lines) == 1 and needle in lines[0], done.stderr[-2000:]
