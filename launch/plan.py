@@ -9,6 +9,7 @@ the same collectives; kernels and fusion differ), so memory is what the partitio
 holds, and time is an estimate from the named GPU's datasheet peaks (the table says how).
 """
 
+import importlib.metadata
 import os
 import sys
 
@@ -29,6 +30,12 @@ def _simulate(devices: int) -> None:
         raise RuntimeError("launch.plan must choose the device count before JAX is imported")
     flags_now = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     flags_now.append(f"--xla_force_host_platform_device_count={devices}")
+    jaxlib = tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2])
+    if jaxlib >= (0, 12):
+        # XLA:CPU's newer tiled-fusion lowering divides by zero on some fusions of the 1T step
+        # (SIGFPE in xtile's GetSchedule, jaxlib 0.12); the plan needs the partitioned module,
+        # not fast CPU code, so the older lowering does.
+        flags_now.append("--xla_cpu_use_new_xtile_lowering=false")
     os.environ["XLA_FLAGS"] = " ".join(flags_now)
     os.environ["JAX_PLATFORMS"] = "cpu"
 

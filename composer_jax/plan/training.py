@@ -52,6 +52,7 @@ class StepPlan:
     bytes_by_axes: dict[str, float]
     unknown_trip_loops: int
     compile_seconds: float
+    dispatch: str  # the EP token exchange compiled: "padded" (worst-case buffers) or "ragged"
     collectives: list[hlo.Collective] = dataclasses.field(repr=False, default_factory=list)
 
     @property
@@ -128,6 +129,7 @@ def plan_training_step(
         bytes_by_axes=by_axes,
         unknown_trip_loops=costs.unknown_trip_loops,
         compile_seconds=seconds,
+        dispatch=layout.dispatch_mode if layout.ep_size > 1 else "none",
         collectives=costs.collectives,
     )
 
@@ -197,6 +199,12 @@ def render(plan: StepPlan, device: DeviceSpec, title: str = "") -> str:
         f"{_time(t['communication_s'])}; a step takes {_time(t['step_s_overlapped'])} if they "
         f"overlap fully, {_time(t['step_s_serial'])} if not",
     ]
+    if plan.dispatch == "padded":
+        rows.append(
+            "note: experts exchange tokens in padded worst-case buffers here (XLA:CPU compiles no "
+            "ragged all-to-all), so all-to-all bytes and temporaries are upper bounds of a GPU "
+            "run's"
+        )
     if plan.unknown_trip_loops:
         rows.append(f"note: {plan.unknown_trip_loops} loop(s) of unknown trip count counted once")
     return "\n".join(rows)
