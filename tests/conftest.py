@@ -28,12 +28,16 @@ def pytest_terminal_summary(terminalreporter):
     shows in the log."""
     stats = terminalreporter.stats
     counts = {k: len(stats.get(k, [])) for k in ("passed", "failed", "error", "skipped")}
-    deselected = len(stats.get("deselected", []))
+    markers = terminalreporter.config.getoption("markexpr") or ""
+    slow = (
+        "the slow tier is not in this run (python -m pytest -m slow)"
+        if "not slow" in markers
+        else ""
+    )
     write = terminalreporter.write_line
     write(
         f"tiers: this run {counts['passed']} passed, {counts['failed']} failed, "
-        f"{counts['error']} errors, {counts['skipped']} skipped; {deselected} deselected "
-        "(the slow tier: python -m pytest -m slow)"
+        f"{counts['error']} errors, {counts['skipped']} skipped" + (f"; {slow}" if slow else "")
     )
     for report in stats.get("skipped", []):
         path, line, reason = (

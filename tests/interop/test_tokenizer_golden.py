@@ -135,6 +135,21 @@ def _compare_greedy(hf_model, ours_model, tokenizer, prompts=None, stops=None):
     assert compared >= len(prompts) * NEW_TOKENS // 2, f"only {compared} tokens were untied"
 
 
+def _renders_like_transformers(chat, hf_tokenizer, messages, task: str, head: int) -> list[int]:
+    """The chat template renders `messages` (with and without the generation prompt) as
+    transformers does, and the prompt of `task` is transformers' ids for the first `head`
+    messages; returns those ids."""
+    for generation_prompt in (False, True):
+        assert chat.render(messages, generation_prompt) == hf_tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
+    prompt = chat.prompt(task)
+    assert prompt == hf_tokenizer.apply_chat_template(
+        messages[:head], tokenize=True, add_generation_prompt=True, return_dict=False
+    )
+    return prompt
+
+
 def test_transformers_model_and_tokenizer_imported_here(tmp_path):
     make_hf_folder(tmp_path, vocab_size=400)
     config = transformers.DeepseekV3Config(**HF_CONFIG)
@@ -162,13 +177,7 @@ def test_transformers_model_and_tokenizer_imported_here(tmp_path):
         {"role": "assistant", "content": "<final>ok</final>"},
         {"role": "tool", "content": "[ok]"},
     ]
-    for generation_prompt in (False, True):
-        assert chat.render(messages, generation_prompt) == hf_tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt
-        )
-    assert chat.prompt("Write f.") == hf_tokenizer.apply_chat_template(
-        messages[:2], tokenize=True, add_generation_prompt=True, return_dict=False
-    )
+    _renders_like_transformers(chat, hf_tokenizer, messages, "Write f.", head=2)
 
     ours_model = interop.load_hf_checkpoint(tmp_path)
     _compare_greedy(hf_model, ours_model, ours)
@@ -224,14 +233,7 @@ def test_an_exported_run_generates_in_transformers_what_it_generates_here(tmp_pa
             {"role": "tool", "content": "[ok] 1 passed"},
             {"role": "assistant", "content": "<final>done</final>"},
         ]
-        for generation_prompt in (False, True):
-            assert chat.render(messages, generation_prompt) == hf_tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=generation_prompt
-            )
-        agent_prompt = chat.prompt(AGENT_TASK)
-        assert agent_prompt == hf_tokenizer.apply_chat_template(
-            messages[:1], tokenize=True, add_generation_prompt=True, return_dict=False
-        )
+        agent_prompt = _renders_like_transformers(chat, hf_tokenizer, messages, AGENT_TASK, 1)
         prompts.append(agent_prompt)
     stops = list(chat.stop_token_ids)
     assert hf_model.generation_config.eos_token_id == (stops if len(stops) > 1 else stops[0])
