@@ -56,7 +56,8 @@ def _flatten(tree) -> tuple[dict[str, Any], Any]:
 
 
 class _TolerantLoop(asyncio.SelectorEventLoop):
-    """An event loop that drops wake-ups scheduled after it closed.
+    """An event loop that drops wake-ups scheduled after it closed, and the unretrieved
+    exceptions of reads abandoned by a failed restore.
 
     Orbax reads a checkpoint on a fresh loop and closes it as soon as one read fails; the reads
     still in flight then finish in tensorstore's threads and schedule their wake-ups on the
@@ -70,6 +71,14 @@ class _TolerantLoop(asyncio.SelectorEventLoop):
             if self.is_closed():
                 return None
             raise
+
+    def call_exception_handler(self, context):
+        """Drops "Task exception was never retrieved": the other reads of a damaged checkpoint
+        fail too, and their tasks are collected unawaited after the first failure ended the
+        restore (a traceback each); the restore's own error is the one reported."""
+        if "exception was never retrieved" in str(context.get("message", "")):
+            return
+        super().call_exception_handler(context)
 
 
 class _TolerantLoops(asyncio.DefaultEventLoopPolicy):
