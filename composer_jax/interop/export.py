@@ -319,11 +319,7 @@ def export_hf_checkpoint(
         for name, layout in layouts.items()
     }
     shards = shard_names(sizes, shard_bytes)
-    files = (
-        ["model.safetensors"]
-        if len(shards) == 1
-        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    )
+    files = shard_files(len(shards))
     leader = jax.process_index() == 0
     if leader:
         folder.mkdir(parents=True, exist_ok=True)
@@ -364,6 +360,13 @@ def safetensors_header(entries: list[tuple[str, np.dtype, tuple]]) -> bytes:
     return len(text).to_bytes(8, "little") + text
 
 
+def shard_files(count: int) -> list[str]:
+    """The weight files of `count` shards, named as the hub names them."""
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
 def shard_names(sizes: dict[str, int], shard_bytes: int) -> list[list[str]]:
     """Tensor names grouped, in name order, into shards of at most `shard_bytes`."""
     shards: list[list[str]] = [[]]
@@ -395,11 +398,7 @@ def write_shards(tensors: dict[str, np.ndarray], path, shard_bytes: int) -> None
     folder = epath.Path(path)
     layouts = {k: [(k, v.dtype, v.shape)] for k, v in tensors.items()}
     shards = shard_names({k: v.nbytes for k, v in tensors.items()}, shard_bytes)
-    files = (
-        ["model.safetensors"]
-        if len(shards) == 1
-        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    )
+    files = shard_files(len(shards))
     for file, names in zip(files, shards):
         with (folder / file).open("wb") as f:
             f.write(safetensors_header([layouts[n][0] for n in names]))
