@@ -1,12 +1,16 @@
-r"""The training step planned ahead of time on N virtual devices: memory, collectives and time per
-device, without allocating the model (composer_jax.plan.training).
+r"""The training step and the sampler's decode step planned ahead of time on N virtual devices:
+memory, collectives and time per device, without allocating the model (composer_jax.plan).
 
   python -m launch.plan --config=tiny --devices=8
   python -m launch.plan --config=kimi_k2 --devices=256 --device=H200 [--config.mesh.fsdp=...]
+  python -m launch.plan --config=kimi_k2 --devices=256 --steps=train --knobs=always
 
-The step is compiled for CPU devices standing in for the GPUs (XLA's CPU SPMD partitioner makes
+The steps are compiled for CPU devices standing in for the GPUs (XLA's CPU SPMD partitioner makes
 the same collectives; kernels and fusion differ), so memory is what the partitioned program
-holds, and time is an estimate from the named GPU's datasheet peaks (the table says how).
+holds, and time is an estimate from the named GPU's datasheet peaks (the table says how). When
+the training step does not fit the GPU (or with --knobs=always), each layout change that could
+help (remat, FSDP instead of HSDP, more or less context parallelism) is planned too and ranked
+by its peak.
 """
 
 import importlib.metadata
@@ -23,6 +27,16 @@ _CONFIG = cli.define_config("tiny")
 _DEVICES = flags.DEFINE_integer("devices", 8, "Virtual devices to plan for (the mesh's size).")
 _DEVICE = flags.DEFINE_string("device", "H200", "GPU whose datasheet prices the plan.")
 _PHASE = flags.DEFINE_integer("phase", 0, "Training phase whose batch shape is planned.")
+_STEPS = flags.DEFINE_list("steps", ["train", "decode"], "Steps to plan: train, decode.")
+_SLOTS = flags.DEFINE_integer(
+    "slots", None, "Decode rows (default: rl.num_slots rounded up to a multiple of the devices)."
+)
+_KNOBS = flags.DEFINE_enum(
+    "knobs",
+    "auto",
+    ["auto", "always", "never"],
+    "Re-plan the training step with each layout change and rank them (auto: when it does not fit).",
+)
 MAX_DEVICES = 4096  # XLA's CPU client makes each virtual device a thread pool; more is unusable
 
 
@@ -55,7 +69,7 @@ def _compile_in_child() -> None:
         text=True,
     )
     if child.returncode >= 0:
-        sys.stderr.write(child.stderr)
+        sys.stderr.write(_summarise_xla_warnings(child.stderr))
     else:
         name = signal.Signals(-child.returncode).name
         cli.fail(
@@ -64,6 +78,23 @@ def _compile_in_child() -> None:
             status=1,
         )
     sys.exit(child.returncode)
+
+
+_REMAT_WARNING = "Involuntary full rematerialization"
+
+
+def _summarise_xla_warnings(stderr: str) -> str:
+    """The child's stderr with XLA's repeated resharding warnings (one per HLO operation the SPMD
+    partitioner had to replicate to reshard) counted in one line."""
+    lines = stderr.splitlines(keepends=True)
+    kept = [line for line in lines if _REMAT_WARNING not in line]
+    count = len(lines) - len(kept)
+    if count:
+        kept.append(
+            f"note: XLA's SPMD partitioner replicated {count} tensor(s) to reshard them "
+            f"('{_REMAT_WARNING}'): resharding this layout does not do efficiently\n"
+        )
+    return "".join(kept)
 
 
 def main(argv):
@@ -83,14 +114,40 @@ def main(argv):
         cli.fail(f"--phase: the config has phases 0 to {len(cfg.train.phases) - 1}")
     _simulate(_DEVICES.value)
     from composer_jax import config as config_lib
-    from composer_jax.plan import training
+    from composer_jax.plan import decode
 
+    unknown = set(_STEPS.value) - {"train", "decode"}
+    if unknown:
+        cli.fail(f"--steps: unknown step {sorted(unknown)[0]!r}; known: train, decode")
     try:
         config_lib.validate(cfg, num_devices=_DEVICES.value)
     except config_lib.ConfigError as error:
         cli.fail(str(error))
+    if "train" in _STEPS.value:
+        _plan_training(cfg, device)
+    if "decode" in _STEPS.value:
+        try:
+            plan = decode.plan_decode_step(cfg, slots=_SLOTS.value)
+        except ValueError as error:
+            cli.fail(f"--{error}")
+        print(decode.render(plan, device), flush=True)
+
+
+def _plan_training(cfg, device) -> None:
+    # Imported here, not at the top: JAX must see the simulated device count first (_simulate).
+    from composer_jax.plan import costs, training
+
     plan = training.plan_training_step(cfg, phase=_PHASE.value)
-    print(training.render(plan, device))
+    print(training.render(plan, device), flush=True)
+    fits = costs.estimate(plan, device)["fits"]
+    if _KNOBS.value == "always" or (_KNOBS.value == "auto" and not fits):
+        knobs = training.rank_knobs(
+            cfg,
+            _DEVICES.value,
+            _PHASE.value,
+            on_plan=lambda k: print(f"  planned {k.flags}", file=sys.stderr, flush=True),
+        )
+        print(training.render_knobs(plan, knobs, device), flush=True)
 
 
 if __name__ == "__main__":

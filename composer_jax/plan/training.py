@@ -1,40 +1,30 @@
 """The training step planned ahead of time: compiled for the config's mesh from ShapeDtypeStructs
 that carry their shardings, so a 1T-parameter state costs no memory here.
 
-Per device: parameter, optimizer-state and gradient bytes from the shardings; argument, output and
-temporary bytes from XLA's memory analysis of the compiled module (its peak: arguments + outputs
-- donated aliases + temporaries); collective bytes by kind and by mesh axes, and matmul FLOPs,
-from one run of the module with loop trip counts applied (`parallel.hlo`). `estimate` turns them
-into a step time for a named GPU: compute at the bf16 dense peak, each collective's wire bytes
-((n-1)/n of what it produces, twice that for an all-reduce) over NVLink inside a domain and the
-scale-out network across domains, with compute and communication either fully overlapped (the
-lower bound) or serial (the upper bound).
+Per device: parameter, optimizer-state and gradient bytes from the shardings, and what the
+compiled step holds and exchanges (`costs`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import math
 import time
 
 import jax
 import jax.numpy as jnp
 
 from composer_jax import config as config_lib
-from composer_jax.parallel import hlo
-from composer_jax.parallel.mesh import AXES, Layout, make_layout
+from composer_jax.parallel.mesh import Layout, make_layout
 from composer_jax.parallel.report import bytes_per_device
+from composer_jax.plan import costs
 from composer_jax.plan.devices import DeviceSpec
 from composer_jax.train.loop import make_train_setup
 
 
-@dataclasses.dataclass
-class StepPlan:
+@dataclasses.dataclass(kw_only=True)
+class StepPlan(costs.CompiledCosts):
     """What one training step of a config needs per device (bytes, FLOPs), from its compile."""
 
-    devices: int
-    mesh: dict[str, int]
     phase: str
     batch_size: int
     seq_len: int
@@ -42,23 +32,7 @@ class StepPlan:
     optimizer_bytes: int
     buffers_bytes: int
     gradient_bytes: int
-    argument_bytes: int
-    output_bytes: int
-    alias_bytes: int
-    temp_bytes: int
-    flops: float
-    collective_bytes: dict[str, float]
-    collective_count: dict[str, int]
-    bytes_by_axes: dict[str, float]
-    unknown_trip_loops: int
-    compile_seconds: float
     dispatch: str  # the EP token exchange compiled: "padded" (worst-case buffers) or "ragged"
-    collectives: list[hlo.Collective] = dataclasses.field(repr=False, default_factory=list)
-
-    @property
-    def peak_bytes(self) -> int:
-        """Arguments + outputs - donated aliases + temporaries: what the step holds at once."""
-        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
 
 def abstract_batch(layout: Layout, batch_size: int, seq_len: int) -> dict:
@@ -66,22 +40,6 @@ def abstract_batch(layout: Layout, batch_size: int, seq_len: int) -> dict:
     sharding = layout.batch_sharding()
     spec = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=sharding)
     return {"tokens": spec, "positions": spec, "segment_ids": spec}
-
-
-def _axes_of(collective: hlo.Collective, mesh: dict[str, int]) -> str:
-    """The mesh axes a collective's group spans, matched by (size, span) against every subset
-    of axes in the mesh's device order (the last axis fastest); "?" when none matches."""
-    sizes = [mesh[a] for a in AXES]
-    strides = [math.prod(sizes[i + 1 :]) for i in range(len(sizes))]
-    for count in range(1, len(AXES) + 1):
-        for subset in itertools.combinations(range(len(AXES)), count):
-            if any(sizes[i] == 1 for i in subset):
-                continue
-            size = math.prod(sizes[i] for i in subset)
-            span = 1 + sum((sizes[i] - 1) * strides[i] for i in subset)
-            if (size, span) == (collective.group_size, collective.group_span):
-                return "+".join(AXES[i] for i in subset)
-    return "?"
 
 
 def plan_training_step(
@@ -100,18 +58,10 @@ def plan_training_step(
         .compile()
     )
     seconds = time.perf_counter() - start
-    memory = compiled.memory_analysis()
-    costs = hlo.analyze(compiled.as_text())
-    mesh = dict(layout.mesh.shape)
-    by_axes: dict[str, float] = {}
-    for c in costs.collectives:
-        key = _axes_of(c, mesh)
-        by_axes[key] = by_axes.get(key, 0.0) + c.bytes * c.executions
     state = setup.abstract_state
     params = bytes_per_device(state.params)
     return StepPlan(
-        devices=layout.mesh.size,
-        mesh=mesh,
+        **costs.read_costs(compiled, dict(layout.mesh.shape), seconds),
         phase=p.name,
         batch_size=p.batch_size,
         seq_len=p.seq_len,
@@ -119,92 +69,101 @@ def plan_training_step(
         optimizer_bytes=bytes_per_device(state.opt_state),
         buffers_bytes=bytes_per_device(state.buffers),
         gradient_bytes=params,  # gradients take the parameters' shapes, dtypes and shardings
-        argument_bytes=int(memory.argument_size_in_bytes),
-        output_bytes=int(memory.output_size_in_bytes),
-        alias_bytes=int(memory.alias_size_in_bytes),
-        temp_bytes=int(memory.temp_size_in_bytes),
-        flops=float(costs.dot_flops),
-        collective_bytes=costs.bytes_by_kind(),
-        collective_count=costs.count_by_kind(),
-        bytes_by_axes=by_axes,
-        unknown_trip_loops=costs.unknown_trip_loops,
-        compile_seconds=seconds,
         dispatch=layout.dispatch_mode if layout.ep_size > 1 else "none",
-        collectives=costs.collectives,
     )
 
 
-# Bytes on the wire per byte a collective produces on each device, for a group of n.
-def _wire_factor(kind: str, n: int) -> float:
-    if n <= 1:
-        return 0.0
-    share = (n - 1) / n
-    return 2 * share if kind == "all-reduce" else share
+@dataclasses.dataclass
+class Knob:
+    """One layout change tried on a plan: its override flags and the plan it gives (or why it
+    could not be planned)."""
+
+    flags: str
+    plan: StepPlan | None
+    error: str = ""
 
 
-def estimate(plan: StepPlan, device: DeviceSpec) -> dict[str, float]:
-    """Seconds per step on `device`: compute, communication, and the step with the two fully
-    overlapped (max) or serial (sum); whether the plan's peak fits the device's memory."""
-    compute = plan.flops / device.bf16_flops
-    comm = 0.0
-    for c in plan.collectives:
-        inside = c.group_span <= device.nvlink_domain
-        bandwidth = device.nvlink_bytes_per_s / 2 if inside else device.scale_out_bytes_per_s
-        comm += c.bytes * c.executions * _wire_factor(c.kind, c.group_size) / bandwidth
-    return {
-        "compute_s": compute,
-        "communication_s": comm,
-        "step_s_overlapped": max(compute, comm),
-        "step_s_serial": compute + comm,
-        "fits": float(plan.peak_bytes <= device.hbm_bytes),
-    }
+def layout_knobs(cfg: config_lib.ExperimentConfig, devices: int) -> list[tuple[str, object]]:
+    """(flags, config) for each layout change that could lower a step's memory: layer
+    rematerialisation, the replica axis folded into fsdp (FSDP instead of HSDP), and twice or
+    half the context parallelism; only changes that apply to `cfg`'s resolved mesh."""
+    mesh = config_lib.fitted_mesh(cfg, devices)
+    r, f, c = mesh.replica, mesh.fsdp, mesh.cp
+    out = []
+    if not cfg.model.remat:
+        model = dataclasses.replace(cfg.model, remat=True)
+        out.append(("--config.model.remat=True", dataclasses.replace(cfg, model=model)))
+
+    def with_mesh(replica: int, fsdp: int, cp: int) -> tuple[str, object]:
+        flags = f"--config.mesh.replica={replica} --config.mesh.fsdp={fsdp} --config.mesh.cp={cp}"
+        new = dataclasses.replace(mesh, replica=replica, fsdp=fsdp, cp=cp)
+        return flags, dataclasses.replace(cfg, mesh=new)
+
+    if r > 1:
+        out.append(with_mesh(1, r * f, c))
+    if f % 2 == 0:
+        out.append(with_mesh(r, f // 2, 2 * c))
+    if c % 2 == 0:
+        out.append(with_mesh(r, 2 * f, c // 2))
+    return out
 
 
-def _size(n: float) -> str:
-    return f"{n / 2**30:10.3f} GiB" if n >= 2**30 else f"{n / 2**20:10.3f} MiB"
+def rank_knobs(
+    cfg: config_lib.ExperimentConfig, devices: int, phase: int = 0, on_plan=None
+) -> list[Knob]:
+    """Re-plans `cfg` with each of `layout_knobs` (one compile each) and ranks the results by
+    their peak memory per device, the plans that failed (a config the mesh cannot take) last.
+    `on_plan(knob)` is called as each one finishes (progress)."""
+    knobs = []
+    for flags, changed in layout_knobs(cfg, devices):
+        try:
+            config_lib.validate(changed, num_devices=devices)
+            knob = Knob(flags, plan_training_step(changed, phase=phase))
+        except (config_lib.ConfigError, ValueError) as error:
+            knob = Knob(flags, None, str(error).splitlines()[0])
+        knobs.append(knob)
+        if on_plan is not None:
+            on_plan(knob)
+    return sorted(knobs, key=lambda k: (k.plan is None, k.plan.peak_bytes if k.plan else 0))
 
 
-def _time(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
+def render_knobs(base: StepPlan, knobs: list[Knob], device: DeviceSpec) -> str:
+    """The ranked knobs against the base plan: each one's peak, its change and its fit."""
+    rows = [
+        f"layout changes tried (peak per device; the plan above: {costs.size(base.peak_bytes)})"
+    ]
+    for knob in knobs:
+        if knob.plan is None:
+            rows.append(f"  cannot plan          {knob.flags}: {knob.error}")
+            continue
+        t = costs.estimate(knob.plan, device)
+        change = (knob.plan.peak_bytes - base.peak_bytes) / base.peak_bytes
+        fits = "fits" if t["fits"] else "does not fit"
+        rows.append(
+            f"  {costs.size(knob.plan.peak_bytes)} ({change:+.0%}, {fits}; step "
+            f"{costs.duration(t['step_s_overlapped'])}) {knob.flags}"
+        )
+    return "\n".join(rows)
+
+
+PADDED_NOTE = (
+    "note: experts exchange tokens in padded worst-case buffers here (XLA:CPU compiles no "
+    "ragged all-to-all), so all-to-all bytes and temporaries are upper bounds of a GPU run's"
+)
 
 
 def render(plan: StepPlan, device: DeviceSpec, title: str = "") -> str:
     """The plan and its estimate on `device` as one plain-text table."""
-    t = estimate(plan, device)
     mesh = " x ".join(f"{a}={n}" for a, n in plan.mesh.items())
-    fits = "fits" if t["fits"] else "does NOT fit"
     rows = [
         f"{title}training step, phase {plan.phase} (batch {plan.batch_size} x {plan.seq_len}), "
         f"{plan.devices} devices ({mesh}); compiled in {plan.compile_seconds:.1f} s",
         "per device",
-        f"  parameters          {_size(plan.params_bytes)}",
-        f"  optimizer state     {_size(plan.optimizer_bytes)}",
-        f"  gradients           {_size(plan.gradient_bytes)}",
-        f"  step arguments      {_size(plan.argument_bytes)}",
-        f"  step temporaries    {_size(plan.temp_bytes)}",
-        f"  step peak           {_size(plan.peak_bytes)}  ({fits} {device.name}'s "
-        f"{device.hbm_bytes / 1e9:.0f} GB)",
-        "collectives per step and device (bytes produced, executions)",
-    ]
-    for kind in sorted(plan.collective_bytes):
-        rows.append(
-            f"  {kind:<19} {_size(plan.collective_bytes[kind])} {plan.collective_count[kind]:7d}"
-        )
-    for axes in sorted(plan.bytes_by_axes):
-        name = "pairs and other groups" if axes == "?" else axes
-        rows.append(f"  over {name:<14} {_size(plan.bytes_by_axes[axes])}")
-    rows += [
-        f"matmul FLOPs per device {plan.flops:.4g}",
-        f"on {device.name}: compute {_time(t['compute_s'])}, communication "
-        f"{_time(t['communication_s'])}; a step takes {_time(t['step_s_overlapped'])} if they "
-        f"overlap fully, {_time(t['step_s_serial'])} if not",
+        f"  parameters          {costs.size(plan.params_bytes)}",
+        f"  optimizer state     {costs.size(plan.optimizer_bytes)}",
+        f"  gradients           {costs.size(plan.gradient_bytes)}",
+        *costs.render_costs(plan, device),
     ]
     if plan.dispatch == "padded":
-        rows.append(
-            "note: experts exchange tokens in padded worst-case buffers here (XLA:CPU compiles no "
-            "ragged all-to-all), so all-to-all bytes and temporaries are upper bounds of a GPU "
-            "run's"
-        )
-    if plan.unknown_trip_loops:
-        rows.append(f"note: {plan.unknown_trip_loops} loop(s) of unknown trip count counted once")
+        rows.append(PADDED_NOTE)
     return "\n".join(rows)

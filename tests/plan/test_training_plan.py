@@ -1,6 +1,7 @@
 """The plan of a training step against what a real run of it holds and exchanges, on 8 simulated
 devices; loop trip counts in the HLO costs; the command line's errors."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from composer_jax import config as config_lib
 from composer_jax import presets
 from composer_jax.parallel import hlo, make_layout
-from composer_jax.plan import devices, training
+from composer_jax.plan import costs, devices, training
 from composer_jax.train.loop import make_train_setup
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -73,7 +74,7 @@ def test_the_plan_is_what_a_real_run_allocates_and_exchanges(tiny_8):
 def test_the_estimate_and_the_table(tiny_8):
     _, _, plan = tiny_8
     h200 = devices.by_name("H200")
-    t = training.estimate(plan, h200)
+    t = costs.estimate(plan, h200)
     assert t["compute_s"] == pytest.approx(plan.flops / h200.bf16_flops)
     assert t["step_s_overlapped"] == max(t["compute_s"], t["communication_s"]) > 0
     assert t["step_s_serial"] == pytest.approx(t["compute_s"] + t["communication_s"])
@@ -123,6 +124,8 @@ def test_a_scanned_loop_counts_each_trip_like_the_written_out_one():
         (["--config.mesh.bogus=2"], "--config.mesh.bogus: no such field"),
         (["--devices=3"], "mesh.ep"),
         (["--device=TPU9"], "--device: unknown device"),
+        (["--steps=bogus"], "--steps: unknown step 'bogus'"),
+        (["--steps=decode", "--slots=3"], "--slots: 3 decode rows do not split over 8 devices"),
     ],
 )
 def test_bad_plans_are_one_line_errors(args, needle):
@@ -153,3 +156,33 @@ def test_the_1t_plan_ends_in_a_table_or_one_line():
         errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
         assert done.returncode == 1 and len(errors) == 1 and "crashed" in errors[0]
         assert "Fatal Python error" not in done.stderr
+
+
+def test_the_layout_knobs_are_the_changes_that_apply_to_the_mesh():
+    cfg = dataclasses.replace(presets.tiny(), mesh=config_lib.MeshConfig(replica=2, fsdp=2, cp=2))
+    flags = [f for f, _ in training.layout_knobs(cfg, 8)]
+    assert flags == [
+        "--config.model.remat=True",
+        "--config.mesh.replica=1 --config.mesh.fsdp=4 --config.mesh.cp=2",
+        "--config.mesh.replica=2 --config.mesh.fsdp=1 --config.mesh.cp=4",
+        "--config.mesh.replica=2 --config.mesh.fsdp=4 --config.mesh.cp=1",
+    ]
+    remat = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=True))
+    assert [f for f, _ in training.layout_knobs(remat, 8)][0].startswith("--config.mesh")
+
+
+def test_each_knob_is_planned_and_ranked_by_its_peak(tiny_8, monkeypatch):
+    cfg, _, base = tiny_8
+    unsplittable = dataclasses.replace(cfg, mesh=config_lib.MeshConfig(fsdp=8, cp=1))
+    remat = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=True))
+    monkeypatch.setattr(
+        training, "layout_knobs", lambda c, n: [("fsdp=8", unsplittable), ("remat", remat)]
+    )
+    seen = []
+    knobs = training.rank_knobs(cfg, 8, on_plan=seen.append)
+    assert [k.flags for k in seen] == ["fsdp=8", "remat"]
+    assert [k.flags for k in knobs] == ["remat", "fsdp=8"]  # the one that cannot plan is last
+    assert knobs[0].plan.peak_bytes > 0 and knobs[0].plan.mesh == base.mesh
+    assert knobs[1].plan is None and "batch_size" in knobs[1].error
+    text = training.render_knobs(base, knobs, devices.by_name("H200"))
+    assert "cannot plan          fsdp=8" in text and "fits; step" in text
