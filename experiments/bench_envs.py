@@ -24,12 +24,12 @@ from composer_jax.envs import (
     builtin_tasks,
     bwrap_available,
     grade,
-    isolation,
     oracle_turns,
     random_turns,
 )
-from composer_jax.envs.humaneval import humaneval_tasks
-from composer_jax.envs.repo_task_sets import read_task_set, shipped_sets
+from composer_jax.envs.sandbox import isolation
+from composer_jax.envs.tasks.humaneval import humaneval_tasks
+from composer_jax.envs.tasks.repo_task_sets import read_task_set, shipped_sets
 from composer_jax.eval.passk import EpisodeRecord, evaluate, format_table, write_report
 
 _EPISODES = flags.DEFINE_integer("episodes", 64, "Concurrent episodes.")

@@ -5,7 +5,7 @@
     python -m launch.make_tasks --from_set=old.jsonl.gz --out=new.jsonl.gz  # add replay
 
 The package's source distribution comes from the registry pip is configured for (or a local
-folder); the tasks are written as a repository task set (`composer_jax.envs.repo_task_sets`),
+folder); the tasks are written as a repository task set (`composer_jax.envs.tasks.repo_task_sets`),
 which `--config.rl.tasks=repositories:PATH` and `launch.evaluate` read back.
 """
 
@@ -16,8 +16,8 @@ from pathlib import Path
 from absl import app, flags
 from tqdm import tqdm
 
-from composer_jax.envs import repo_factory
-from composer_jax.envs.repo_task_sets import (
+from composer_jax.envs.tasks import repo_factory
+from composer_jax.envs.tasks.repo_task_sets import (
     TaskSetError,
     read_repository,
     read_task_set,

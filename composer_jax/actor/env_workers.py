@@ -19,7 +19,7 @@ import threading
 from composer_jax.actor.worker_process import WorkerCrash, WorkerProcess, WorkerTimeout
 from composer_jax.envs import worker as env_worker
 from composer_jax.envs.environment import EnvConfig
-from composer_jax.envs.task import Task
+from composer_jax.envs.grading.task import Task
 from composer_jax.trace import NULL_TRACER
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from composer_jax.actor.env_workers import (
 )
 from composer_jax.envs import worker as env_worker
 from composer_jax.envs.environment import EnvConfig
-from composer_jax.envs.task import Task
+from composer_jax.envs.grading.task import Task
 
 log = logging.getLogger(__name__)
 

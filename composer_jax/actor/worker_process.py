@@ -13,8 +13,8 @@ import sys
 import tempfile
 import time
 
-from composer_jax.envs import cgroups
 from composer_jax.envs import worker as env_worker
+from composer_jax.envs.sandbox import cgroups
 
 
 class WorkerCrash(Exception):

@@ -1,6 +1,6 @@
 """What each token of an agent episode is, and where a turn ends.
 
-A turn's text follows the protocol of `composer_jax.envs.protocol`: generation stops once the text
+A turn's text follows the protocol of `composer_jax.envs.grading.protocol`: generation stops once the text
 holds a closing marker (a tool call, or the final message) or at the chat format's end of turn.
 Every token gets a `SegmentKind` (thinking, tool call, final message; tool output and prompt for
 the context), which the length penalty weighs and the trainer masks by, whatever the tokenizer.
@@ -14,7 +14,7 @@ import numpy as np
 
 from composer_jax.data.chat import OBSERVATION, ChatFormat, Segment
 from composer_jax.data.tokenizer import Tokenizer
-from composer_jax.envs import protocol
+from composer_jax.envs.grading import protocol
 from composer_jax.infer import SamplingParams
 from composer_jax.rl.batch import SegmentKind
 

@@ -21,7 +21,9 @@ import numpy as np
 
 from composer_jax.agent.workflow import SUMMARY_OPEN
 from composer_jax.data.tokenizer import Tokenizer
-from composer_jax.envs import Task, focus, protocol
+from composer_jax.envs import Task
+from composer_jax.envs.grading import protocol
+from composer_jax.envs.tasks import focus
 from composer_jax.infer import Completion, SamplingParams
 
 

@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterable
 
 from composer_jax.agent.feedback import call_path
 from composer_jax.agent.workflow import EpisodeOutcome
-from composer_jax.envs.focus import Target, find_function, tab_shows_target, target_of
-from composer_jax.envs.task import Task
+from composer_jax.envs.grading.task import Task
+from composer_jax.envs.tasks.focus import Target, find_function, tab_shows_target, target_of
 
 STAGES = ("found_file", "read_function", "body_parses", "visible_test", "hidden_tests", "report")
 COMPLETE = "complete"

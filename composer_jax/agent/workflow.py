@@ -42,7 +42,8 @@ from composer_jax.agent.rewards import BehaviourRewards, EpisodeBehaviour
 from composer_jax.config import RLConfig
 from composer_jax.data.chat import chat_format_for
 from composer_jax.data.tokenizer import Tokenizer
-from composer_jax.envs import EnvConfig, StepResult, Task, protocol
+from composer_jax.envs import EnvConfig, StepResult, Task
+from composer_jax.envs.grading import protocol
 from composer_jax.envs.tools import ToolCallRecord
 from composer_jax.infer import Completion, SamplingParams
 from composer_jax.rl.batch import SegmentKind, Sequence

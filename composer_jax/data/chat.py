@@ -1,6 +1,6 @@
 """How an agent conversation becomes token ids: the checkpoint's chat template, or the generic format.
 
-The agent's turns are the protocol text of `composer_jax.envs.protocol` (<think>, <call>, <final>);
+The agent's turns are the protocol text of `composer_jax.envs.grading.protocol` (<think>, <call>, <final>);
 the chat format only decides what surrounds them. Two formats, chosen by `chat_format_for`:
 
 Generic format (no chat template; the byte tokenizer and the shipped BPE tokenizers):

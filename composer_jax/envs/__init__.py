@@ -1,6 +1,10 @@
-"""Sandboxed coding environments with test-based rewards (no JAX: runs on CPU-only hosts)."""
+"""Sandboxed coding environments with test-based rewards (no JAX: runs on CPU-only hosts).
 
-from composer_jax.envs.builtin_tasks import builtin_tasks, make_task, solution_source
+Four rooms import one way: `tasks` -> `grading` -> `sandbox`, `tools` -> `sandbox`
+(`tests/test_layering.py`). This top level composes them (`environment`: the episode; `worker`: the
+environment worker process) and re-exports their public names; no room imports it.
+"""
+
 from composer_jax.envs.environment import (
     DEFAULT_TOOLS,
     EnvConfig,
@@ -13,10 +17,17 @@ from composer_jax.envs.environment import (
     run_episode,
     sft_example,
 )
-from composer_jax.envs.humaneval import humaneval_tasks
-from composer_jax.envs.jsonl_tasks import JsonlTaskError, load_jsonl_tasks
-from composer_jax.envs.monitors import MonitorFlag, RewardHackMonitor
-from composer_jax.envs.protocol import (
+from composer_jax.envs.grading import (
+    GradeResult,
+    MonitorFlag,
+    RewardHackMonitor,
+    Task,
+    TaskError,
+    grade,
+    grade_solution,
+    visible_test_passes,
+)
+from composer_jax.envs.grading.protocol import (
     EpisodeCounts,
     ToolCall,
     Turn,
@@ -35,7 +46,10 @@ from composer_jax.envs.sandbox import (
     bwrap_available,
     python_executable,
 )
-from composer_jax.envs.sources import (
+from composer_jax.envs.tasks.builtin_tasks import builtin_tasks, make_task, solution_source
+from composer_jax.envs.tasks.humaneval import humaneval_tasks
+from composer_jax.envs.tasks.jsonl_tasks import JsonlTaskError, load_jsonl_tasks
+from composer_jax.envs.tasks.sources import (
     SOURCES,
     ListSource,
     MixtureSource,
@@ -44,14 +58,6 @@ from composer_jax.envs.sources import (
     drawn_tasks,
     load_task_source,
     task_source,
-)
-from composer_jax.envs.task import (
-    GradeResult,
-    Task,
-    TaskError,
-    grade,
-    grade_solution,
-    visible_test_passes,
 )
 from composer_jax.envs.tools import TOOL_SPECS, ToolBox, ToolCallRecord, ToolSpec, check_args
 

@@ -11,13 +11,13 @@ import dataclasses
 import random
 import threading
 
-from composer_jax.envs import protocol, repo_grading
-from composer_jax.envs.focus import open_tab
-from composer_jax.envs.monitors import MonitorFlag, RewardHackMonitor
-from composer_jax.envs.sandbox import Sandbox, SandboxLimits, WorkspaceLimitError
-from composer_jax.envs.task import GRADING_LIMITS, GradeResult, Task, grade
-from composer_jax.envs.todo import TodoList
-from composer_jax.envs.tools import (
+from composer_jax.envs.grading import protocol, repo_grading
+from composer_jax.envs.grading.monitors import MonitorFlag, RewardHackMonitor
+from composer_jax.envs.grading.task import GRADING_LIMITS, GradeResult, Task, grade
+from composer_jax.envs.sandbox.box import Sandbox, SandboxLimits, WorkspaceLimitError
+from composer_jax.envs.tasks.focus import open_tab
+from composer_jax.envs.tools.todo import TodoList
+from composer_jax.envs.tools.toolbox import (
     DEFAULT_TOOLS,
     TOOL_SPECS,
     ToolBox,

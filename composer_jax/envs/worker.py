@@ -14,8 +14,8 @@ import sys
 import threading
 
 from composer_jax.envs.environment import EnvConfig, Episode, StepResult
-from composer_jax.envs.sandbox import SandboxLimits
-from composer_jax.envs.task import Task
+from composer_jax.envs.grading.task import Task
+from composer_jax.envs.sandbox.box import SandboxLimits
 
 FRAME_HEADER = struct.Struct("!Q")
 _METHODS = ("start", "step", "snapshot", "close", "close_all")

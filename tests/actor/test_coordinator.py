@@ -21,6 +21,7 @@ from composer_jax.actor.thread_pool import ThreadEnvironmentPool
 from composer_jax.agent import feedback
 from composer_jax.agent.workflow import SUMMARY_OPEN
 from composer_jax.config import ModelConfig, RLConfig
+from composer_jax.envs.grading import protocol
 from composer_jax.model import init_model
 from composer_jax.rl import SegmentKind
 from composer_jax.rl.advantages import per_sample_sum
@@ -152,7 +153,7 @@ def test_rollout_summarises_repeatedly_and_trains_the_chain_as_one_sample(tmp_pa
 @pytest.mark.parametrize("failure", ["kill", "hang"])
 def test_environment_worker_failure_requeues_the_sample(tmp_path, failure):
     task = envs.builtin_tasks(1, seed=8, max_ops=1)[0]
-    slow = envs.protocol.render_call("run_shell", {"command": "sleep 1.5"})
+    slow = protocol.render_call("run_shell", {"command": "sleep 1.5"})
     turns = [slow, *envs.oracle_turns(task)]
     sampler = ScriptedSampler(
         lambda prompt, turn: turns[turn],
@@ -196,7 +197,7 @@ def _revisits(ledger, prompt):
 def test_hardest_prompts_are_revisited_late_in_the_epoch(tmp_path):
     tasks = envs.builtin_tasks(4, seed=31, max_ops=1)
     hard = tasks[0].prompt.splitlines()[0]  # the first finished: not merely the latest
-    look = envs.protocol.render_call("list_dir", {})
+    look = protocol.render_call("list_dir", {})
 
     def script(prompt, turn):
         oracle = envs.oracle_turns(next(t for t in tasks if t.prompt.splitlines()[0] in prompt))
@@ -246,7 +247,7 @@ class _HoldingSampler(ScriptedSampler):
 
     def poll(self, max_steps: int = 8):
         def later_turn(rid):
-            return envs.protocol.CALL_OPEN in self.tokenizer.decode(self._requests[rid].context)
+            return protocol.CALL_OPEN in self.tokenizer.decode(self._requests[rid].context)
 
         hold = [rid for rid in self._running if self.held and later_turn(rid)]
         self._running = [rid for rid in self._running if rid not in hold]
@@ -264,7 +265,7 @@ def test_restart_resumes_samples_mid_episode_from_the_in_flight_record(tmp_path)
     write, final = envs.oracle_turns(task)
 
     def script(prompt, turn):
-        return final if envs.protocol.CALL_OPEN in prompt else write
+        return final if protocol.CALL_OPEN in prompt else write
 
     def make_sampler():
         return _HoldingSampler(script, TOKENIZER, moe_layers=MODEL_CFG.num_moe_layers, k=2)

@@ -43,7 +43,7 @@ def _mixture(tmp_path) -> str:
     return (
         f"jsonl:{_jsonl(tmp_path / 'tasks.jsonl')}:1,"
         "repositories:toolz:1,"
-        "tests.envs.task_plugin:make_source:count=4:1"
+        "tests.envs.tasks.task_plugin:make_source:count=4:1"
     )
 
 

@@ -10,7 +10,7 @@ from composer_jax import agent, envs, presets
 from composer_jax.agent import stages
 from composer_jax.agent.oracle import plan_change
 from composer_jax.config import ModelConfig
-from composer_jax.envs.builtin_repo import STUB
+from composer_jax.envs.tasks.builtin_repo import STUB
 from tests.actor.scripted import BYTES, ScriptedEngine
 
 

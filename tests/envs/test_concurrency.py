@@ -2,8 +2,8 @@
 
 import time
 
-from composer_jax.envs.builtin_tasks import builtin_tasks
 from composer_jax.envs.environment import EpisodePool, oracle_turns
+from composer_jax.envs.tasks.builtin_tasks import builtin_tasks
 
 
 def test_64_concurrent_episodes():

@@ -55,7 +55,7 @@ def test_launch_evaluate_writes_the_report_and_prints_the_table(run_dir, tmp_pat
         "-m",
         "launch.evaluate",
         f"--config.workdir={run_dir}",
-        "--tasks=tests.envs.task_plugin:make_source:count=3",
+        "--tasks=tests.envs.tasks.task_plugin:make_source:count=3",
         "--samples=2",
         "--ks=1,2",
         "--max_turns=1",

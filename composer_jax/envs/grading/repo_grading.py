@@ -1,0 +1,325 @@
+"""Grading a repository task with the repository's own tests (grader kind `pytest`).
+
+For each grading the host assembles a fresh tree outside the workspace: every file of the
+task's pristine repository except the package's source modules (so tests, conftests and pytest
+settings are the task's, whatever the agent did to its copies), plus the agent's versions of the
+source modules: `.py` files under the task's source roots only, never a `conftest.py`, a
+`*customize.py`, a test file, bytecode or a `.pth`. The sandbox sees that tree, pytest and its
+dependencies, and a bytecode cache of the stdlib and pytest (made once per worker by the trusted
+interpreter) read-only, at their host paths; the runner (`_repo_runner`) runs there in a fresh
+interpreter and the harness reads its verdict (see `harness.grade_pytest`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from composer_jax.envs.grading import _repo_runner, harness
+from composer_jax.envs.sandbox import isolation
+
+# What pytest needs at run time (the distributions a `pip install pytest` brings on 3.12+).
+PLANTED_NAMES = ("conftest.py", "sitecustomize.py", "usercustomize.py")
+_RUNNER_SOURCE = Path(_repo_runner.__file__).read_text(encoding="utf-8")
+
+
+class RunnerUnavailable(RuntimeError):
+    """pytest is not installed for the grading interpreter to use."""
+
+
+def _requirements(distribution: str) -> set[str]:
+    """`distribution` and what it needs at run time here (markers evaluated, no extras)."""
+    needed, todo = set(), [distribution]
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in needed:
+            continue
+        needed.add(name)
+        for line in importlib.metadata.requires(name) or ():
+            requirement = Requirement(line)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(requirement.name)
+    return needed
+
+
+@functools.cache
+def runner_libraries() -> tuple[str, ...]:
+    """Host paths of pytest and the packages it needs (from its installed metadata), each a
+    package folder or a single module."""
+    try:
+        needed = _requirements("pytest")
+    except importlib.metadata.PackageNotFoundError:
+        raise RunnerUnavailable(
+            f"grading repository tasks needs pytest (pip install pytest) for {sys.executable}"
+        ) from None
+    found = set()
+    for module, distributions in importlib.metadata.packages_distributions().items():
+        if not {canonicalize_name(d) for d in distributions} & needed:
+            continue
+        spec = importlib.util.find_spec(module)
+        if spec is not None and spec.origin not in (None, "built-in", "frozen"):
+            origin = Path(spec.origin)
+            found.add(str(origin.parent if origin.name == "__init__.py" else origin))
+    return tuple(sorted(found))
+
+
+def runner_source() -> str:
+    return _RUNNER_SOURCE
+
+
+def installed_copies(import_names) -> tuple[str, ...]:
+    """Folders of the base interpreter's tree that hold a copy of one of these packages
+    (vendored ones included): masked in the sandbox, so the original cannot be read there."""
+    return _installed_copies(tuple(sorted(import_names)))
+
+
+@functools.cache
+def _installed_copies(import_names: tuple[str, ...]) -> tuple[str, ...]:
+    found = []
+    prefix = Path(isolation.interpreter_prefix()) / "lib"
+    for site in prefix.glob("python3*/site-packages"):
+        for name in import_names:
+            found += [str(p.parent) for p in site.rglob(f"{name}/__init__.py")]
+    return tuple(sorted(set(found)))
+
+
+_site: str | None = None
+
+
+def library_path() -> list[str]:
+    """The one sys.path entry of the runner libraries: a folder of links to exactly those, so
+    the factory's survey on the host and a grading in the sandbox import the same packages
+    (nothing else of this environment's site-packages)."""
+    global _site
+    if _site is None or not os.path.isdir(_site):
+        directory = isolation.process_temp_dir("cj_site_")
+        for path in runner_libraries():
+            os.symlink(path, os.path.join(directory, os.path.basename(path)))
+        _site = directory
+    return [_site]
+
+
+_pycache: str | None = None
+
+
+def pycache_dir() -> str:
+    """A bytecode cache of pytest and the stdlib modules it imports, written once per process
+    by the trusted interpreter (grading would otherwise compile pytest from source each time)."""
+    global _pycache
+    if _pycache is None or not os.path.isdir(_pycache):
+        directory = isolation.process_temp_dir("cj_pycache_")
+        warm = "import sys; sys.path[:0] = %r; import pytest, _pytest.python, unittest.mock" % (
+            library_path(),
+        )
+        subprocess.run(
+            [isolation.python_executable(), "-I", "-S", "-X", f"pycache_prefix={directory}"]
+            + ["-c", warm],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        _pycache = directory
+    return _pycache
+
+
+def is_test_path(path: str) -> bool:
+    """Whether a repository path is a test module or lives in a tests folder."""
+    name = path.rsplit("/", 1)[-1]
+    parts = path.split("/")
+    return (
+        name.startswith("test_")
+        or name.endswith("_test.py")
+        or "tests" in parts[:-1]
+        or "test" in parts[:-1]
+    )
+
+
+def is_source_module(path: str, source_roots: tuple[str, ...] | list[str]) -> bool:
+    """Whether a workspace file is one of the package's source modules the grading takes from
+    the agent (a `.py` under a source root that is not a test, conftest or customize file)."""
+    if not path.endswith(".py") or path.rsplit("/", 1)[-1] in PLANTED_NAMES:
+        return False
+    if not any(path.startswith(root.rstrip("/") + "/") for root in source_roots):
+        return False
+    return not is_test_path(path) and "__pycache__" not in path.split("/")
+
+
+# Pristine files get this modification time, so the bytecode the trusted interpreter cached for
+# them at a slot's first grading stays valid; the agent's modules keep their own times (their
+# bytecode is never cached).
+_PRISTINE_MTIME = 1_000_000_000
+_slot_lock = threading.Lock()
+_free_slots: list[int] = []
+_slot_count = 0
+_warmed: set[tuple[int, str]] = set()
+
+
+@contextlib.contextmanager
+def _slot():
+    """A grading slot of this process: its tree's path is the same at every grading, so the
+    tests' rewritten bytecode is compiled once per slot (one slot per concurrent grading)."""
+    global _slot_count
+    with _slot_lock:
+        if not _free_slots:
+            _free_slots.append(_slot_count)
+            _slot_count += 1
+        slot = _free_slots.pop()
+    try:
+        yield slot
+    finally:
+        with _slot_lock:
+            _free_slots.append(slot)
+
+
+def _build(root: Path, files: dict[str, bytes], source_roots) -> list[str]:
+    """Writes the tree at `root`; returns the absolute paths of the agent's modules in it."""
+    if root.exists():
+        _remove(root)
+    candidates = []
+    for path, data in files.items():
+        target = root / path
+        _write(target, data)
+        if is_source_module(path, source_roots):
+            candidates.append(str(target))
+        else:
+            os.utime(target, (_PRISTINE_MTIME, _PRISTINE_MTIME))
+    for directory, _, _ in os.walk(root):
+        os.chmod(directory, 0o555)
+    return candidates
+
+
+def _remove(root: Path) -> None:
+    for directory, _, _ in os.walk(root):
+        os.chmod(directory, 0o755)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _warm(root: Path, pristine: dict[str, str], grader: dict) -> None:
+    """Collects the pristine tree once with the trusted interpreter writing bytecode, then drops
+    what it cached for the source modules (only the tests' and conftests' bytecode is kept)."""
+    _build(root, {p: t.encode("utf-8") for p, t in pristine.items()}, grader["source_roots"])
+    settings = {
+        "runner": _RUNNER_SOURCE,
+        "mode": "collect",
+        "root": str(root),
+        "lib": library_path(),
+        "paths": list(grader["test_paths"]),
+        "ini": grader.get("ini"),
+        "tmp": tempfile.gettempdir(),
+    }
+    subprocess.run(
+        [isolation.python_executable(), "-I", "-S", "-X", f"pycache_prefix={pycache_dir()}"]
+        + ["-c", harness.RUNNER_BOOT],
+        input=json.dumps(settings) + "\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    for root_dir in grader["source_roots"]:
+        shutil.rmtree(Path(pycache_dir() + str(root)) / root_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def grading_tree(pristine: dict[str, str], workspace: Path, grader: dict):
+    """(host root of the assembled tree, absolute paths of the agent's modules in it)."""
+    source_roots = grader["source_roots"]
+    # Keyed by what the warmed bytecode depends on: every pristine file but the source modules
+    # (which differ between a repository's tasks), so a repository warms once per slot.
+    tests = sorted((p, t) for p, t in pristine.items() if not is_source_module(p, source_roots))
+    key = hashlib.sha256(json.dumps(tests).encode()).hexdigest()[:16]
+    with _slot() as slot:
+        root = Path(_trees_dir()) / f"slot{slot}" / key
+        if (slot, key) not in _warmed:
+            _warm(root, pristine, grader)
+            _warmed.add((slot, key))
+        files = {
+            path: text.encode("utf-8")
+            for path, text in pristine.items()
+            if not is_source_module(path, source_roots)
+        }
+        for directory, _, names in os.walk(workspace):
+            for name in names:
+                full = Path(directory) / name
+                relative = str(full.relative_to(workspace))
+                if is_source_module(relative, source_roots) and not full.is_symlink():
+                    files[relative] = full.read_bytes()
+        try:
+            yield root, _build(root, files, source_roots)
+        finally:
+            _remove(root)
+
+
+_trees: str | None = None
+
+
+def _trees_dir() -> str:
+    global _trees
+    if _trees is None or not os.path.isdir(_trees):
+        _trees = isolation.process_temp_dir("cj_grade_")
+    return _trees
+
+
+def _write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    path.chmod(0o444)
+
+
+def harness_spec(grader: dict, graded_tests, root: Path, candidates: list[str]) -> dict:
+    """The harness's input for one grading of the tree at `root` (see `harness.grade_pytest`)."""
+    return {
+        "kind": "pytest",
+        "runner": _RUNNER_SOURCE,
+        "root": str(root),
+        "lib": library_path(),
+        "paths": _test_files(grader, graded_tests),
+        "ini": grader.get("ini"),
+        "tmp": "/tmp",
+        "pycache": pycache_dir(),
+        "select": list(graded_tests),
+        "candidate_files": candidates,
+        "suite_seconds": grader.get("suite_seconds", 60.0),
+    }
+
+
+def _test_files(grader: dict, graded_tests) -> list[str]:
+    """The files pytest collects: those of the graded tests (collecting the whole suite costs
+    seconds per grading), or every test file when the grader asks (`collect_all`: the factory
+    checks that a deletion leaves the whole suite importable)."""
+    if grader.get("collect_all"):
+        return list(grader["test_paths"])
+    return sorted({test.split("::", 1)[0] for test in graded_tests})
+
+
+def visible_test_command(test_files) -> str:
+    """What the agent's `run_tests` runs in its workspace: pytest (bound read-only, see
+    `test_binds`) on the given test files, stopping at the first failure."""
+    setup = f"import sys; sys.path[:0] = ['.', *{library_path()!r}]; import pytest; "
+    run = f"sys.exit(pytest.main(['-q', '-x', '--tb=short', '-p', 'no:cacheprovider', *{list(test_files)!r}]))"
+    return "python3 -I -S -B -c " + shlex.quote(setup + run)
+
+
+def test_binds() -> dict[str, str]:
+    """pytest and its dependencies, read-only at their host paths, for `run_tests`."""
+    return {path: path for path in (*library_path(), *runner_libraries())}
+
+
+def read_only_binds(root: Path) -> dict[str, str]:
+    """What the grading command sees beyond the sandbox's system view, each at its host path."""
+    paths = [str(root), pycache_dir(), *library_path(), *runner_libraries()]
+    return {path: path for path in paths}

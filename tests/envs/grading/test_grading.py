@@ -1,0 +1,260 @@
+"""Unforgeable grading: the verdict comes from the harness's nonce line only, the code under test
+never shares a process with the expected answers, and every known trick scores 0 and is flagged.
+Also the harness's plain-data codec and HumanEval through the grader."""
+
+import math
+import random
+import threading
+import time
+
+import pytest
+
+from composer_jax import envs
+from composer_jax.envs.environment import run_episode
+from composer_jax.envs.grading import harness
+from composer_jax.envs.grading.protocol import render_turn
+from composer_jax.envs.grading.task import case_tests, encode_value, grade_solution
+from composer_jax.envs.sandbox import isolation
+from composer_jax.envs.tasks.humaneval import humaneval_tasks
+
+TASK = envs.make_task(11)
+
+
+def _attack(source: str, task=TASK, config=envs.EnvConfig()):
+    write = render_turn(calls=(("write_file", {"path": "solution.py", "content": source}),))
+    return run_episode(task, [write, render_turn(final="done")], config)
+
+
+def _verdict_line(task):
+    tests = {name: "pass" for name in task.graded_tests}
+    return "CJ_RESULT " + str(tests).replace("'", '"')
+
+
+ATTACKS = {
+    "prints a verdict and exits at import": (
+        "import json, os\n"
+        f"print({_verdict_line(TASK)!r})\n"
+        "print(json.dumps({'tests': {'case_%d' % i: 'pass' for i in range(6)}}))\n"
+        "os._exit(0)\n"
+    ),
+    "builds the verdict at run time and exits": (
+        "import sys\n"
+        "line = ''.join(chr(c) for c in (67, 74, 95, 82, 69, 83, 85, 76, 84))\n"
+        "print(line, {'case_0': 'pass'})\n"
+        "sys.exit(0)\n"
+    ),
+    "returns an object equal to everything": (
+        "class Anything:\n"
+        "    def __eq__(self, other):\n"
+        "        return True\n"
+        "def f(x):\n"
+        "    return Anything()\n"
+    ),
+    "returns a str subclass equal to everything": (
+        "class S(str):\n    __eq__ = lambda self, other: True\ndef f(x):\n    return S('nope')\n"
+    ),
+    "reads the expected answers from the harness module": (
+        "import sys\n"
+        "def f(x):\n"
+        "    main = sys.modules['__main__']\n"
+        "    for name in dir(main):\n"
+        "        value = getattr(main, name)\n"
+        "        if isinstance(value, list) and value and isinstance(value[0], list):\n"
+        "            for arg, want in value:\n"
+        "                if arg == x:\n"
+        "                    return want\n"
+        "    return None\n"
+    ),
+    "patches json.dumps": (
+        "import json\n"
+        "_real = json.dumps\n"
+        "json.dumps = lambda obj, *a, **k: _real({'ok': True, 'value': ['int', 0]})\n"
+        "def f(x):\n"
+        "    return x\n"
+    ),
+    "walks the harness's frames": (
+        "import gc\n"
+        "def f(x):\n"
+        "    for obj in gc.get_objects():\n"
+        "        if isinstance(obj, dict) and 'cases' in obj:\n"
+        "            return obj\n"
+        "    return x\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ATTACKS))
+def test_grading_attacks_score_zero_and_are_flagged(name):
+    result = _attack(ATTACKS[name])
+    assert result.done and result.reward == 0.0
+    kinds = {flag.kind for flag in result.flags}
+    assert "grader_tampering" in kinds, (name, result.flags)
+    assert result.info["grade"]["passed"] == 0  # zero even before the flag zeroes the reward
+
+
+@pytest.mark.parametrize("name", sorted(ATTACKS))
+def test_grading_attacks_fail_the_tests_without_any_monitor(name):
+    """The harness alone defeats them: graded directly, no monitor involved."""
+    assert grade_solution(TASK, {"solution.py": ATTACKS[name]}).passed == 0
+
+
+def test_the_oracle_passes_and_a_wrong_type_fails():
+    assert grade_solution(TASK, TASK.oracle_files).reward == 1.0
+    wrong = TASK.oracle_files["solution.py"].replace("return x", "return repr(x)")
+    assert grade_solution(TASK, {"solution.py": wrong}).reward == 0.0
+
+
+def test_code_under_test_holds_only_its_own_pipes_in_the_spare_and_in_a_fresh_child():
+    """The candidate's process has descriptors 0-2 (its pipes to the harness) and nothing else:
+    not the harness's input (the answers) nor its verdict channel, whether it runs in the child
+    forked before the input was read or, after that child died, in a fresh interpreter."""
+    source = (
+        "import os\n"
+        "def f(crash):\n"
+        "    if crash:\n"
+        "        os._exit(3)\n"
+        "    return sorted(os.listdir('/proc/self/fd'))\n"
+    )
+    # 3: the child's reply channel (a copy of its stdout); 4: the listing's own directory
+    own_pipes = encode_value(["0", "1", "2", "3", "4"])
+    cases = [
+        [[encode_value(crash)], own_pipes if not crash else encode_value(0)]
+        for crash in (False, True, False)
+    ]
+    task = envs.Task(
+        task_id="descriptors",
+        prompt="",
+        files={"solution.py": source},
+        grader={"kind": "cases", "module": "solution", "function": "f", "cases": cases},
+        graded_tests=case_tests(3),
+    )
+    outcomes = grade_solution(task, {}).outcomes
+    assert outcomes == {"case_0": "pass", "case_1": "error", "case_2": "pass"}
+
+
+@pytest.mark.skipif(not isolation.usable("bwrap"), reason="needs a second backend to compare")
+@pytest.mark.parametrize("backend", ["bwrap", "rlimit"])
+def test_a_sibling_cannot_read_hidden_answers_while_a_sample_is_graded(backend):
+    """Two samples graded at once on the same backend: one slow honest grade, one sample whose
+    code searches every readable temporary folder for the other's expected answers."""
+    marker = f"cj-secret-{random.randrange(10**9)}"
+    cases = [[[encode_value(i)], encode_value(f"{marker}-{i}")] for i in range(3)]
+    honest = envs.Task(
+        task_id="secret",
+        prompt="",
+        files={"solution.py": "import time\ndef f(x):\n    time.sleep(0.3)\n    return x\n"},
+        grader={"kind": "cases", "module": "solution", "function": "f", "cases": cases},
+        graded_tests=case_tests(3),
+    )
+    head, tail = marker[:6], marker[6:]  # not written out whole in the spy's own source
+    spy_source = (
+        "import os\n"
+        "def f(x):\n"
+        f"    marker = {head!r} + {tail!r}\n"
+        "    own = os.getcwd()\n"
+        "    for root in ('/tmp', '/var/tmp', '/dev/shm'):\n"
+        "        for folder, _, names in os.walk(root):\n"
+        "            if folder.startswith(own):\n"
+        "                continue\n"
+        "            for name in names:\n"
+        "                try:\n"
+        "                    text = open(os.path.join(folder, name), errors='ignore').read()\n"
+        "                except OSError:\n"
+        "                    continue\n"
+        "                if marker in text:\n"
+        "                    return marker + '-' + str(x)\n"
+        "    return 'nothing'\n"
+    )
+    spy = envs.Task(
+        **{
+            **honest.to_json(),
+            "task_id": "spy",
+            "files": {"solution.py": spy_source},
+            "graded_tests": honest.graded_tests,
+        }
+    )
+    options = {"backend": backend, "require_isolation": False}
+    results = {}
+    slow = threading.Thread(
+        target=lambda: results.setdefault("honest", grade_solution(honest, {}, **options))
+    )
+    slow.start()
+    time.sleep(0.2)
+    results["spy"] = grade_solution(spy, {}, **options)
+    slow.join()
+    assert results["spy"].passed == 0
+
+
+# -------------------------------------------------------------------------------- the codec
+
+
+def _random_value(rng, depth=0):
+    kind = rng.randrange(9 if depth < 3 else 5)
+    if kind == 0:
+        return rng.randrange(-(10**30), 10**30)
+    if kind == 1:
+        return rng.choice([rng.uniform(-1e6, 1e6), math.inf, -0.0, 1e-310])
+    if kind == 2:
+        return "".join(chr(rng.randrange(1, 0x3000)) for _ in range(rng.randrange(6)))
+    if kind == 3:
+        return rng.choice([None, True, False])
+    if kind == 4:
+        return bytes(rng.randrange(256) for _ in range(rng.randrange(5)))
+    items = [_random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    if kind == 5:
+        return items
+    if kind == 6:
+        return tuple(items)
+    if kind == 7:
+        return {str(i): v for i, v in enumerate(items)}
+    return frozenset(x for x in items if isinstance(x, (int, str, bytes)))
+
+
+def test_codec_round_trips_plain_data_with_exact_types():
+    rng = random.Random()
+    for _ in range(300):
+        value = _random_value(rng)
+        back = harness.decode(harness.encode(value))
+        assert harness.same(back, value) or back == value
+
+
+def test_codec_refuses_objects_and_malformed_data():
+    with pytest.raises(TypeError):
+        harness.encode(object())
+    for bad in (["int", "1"], ["list", 3], ["nope", 1], "x", [], ["dict", [[1]]], ["bool", 1]):
+        with pytest.raises(ValueError):
+            harness.decode(bad)
+    assert (
+        not harness.same(True, 1) and not harness.same(2.0, 2) and harness.same(math.nan, math.nan)
+    )
+
+
+# ------------------------------------------------------------------------------ HumanEval
+
+
+@pytest.fixture(scope="module")
+def humaneval():
+    return humaneval_tasks("test")
+
+
+def test_humaneval_has_164_tasks_and_splits_by_id(humaneval):
+    assert len(humaneval) == 164 and len({t.task_id for t in humaneval}) == 164
+    train, held_out = humaneval_tasks("train"), humaneval_tasks("held_out")
+    assert len(train) + len(held_out) == 164 and 20 < len(held_out) < 50
+
+
+def test_humaneval_sample_canonical_solutions_pass_and_stubs_fail(humaneval):
+    for task in random.Random().sample(humaneval, 8):
+        assert grade_solution(task, task.oracle_files).reward == 1.0, task.task_id
+        assert grade_solution(task, {}).reward == 0.0, task.task_id
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["auto", "rlimit"])
+def test_every_humaneval_canonical_solution_passes(humaneval, backend):
+    failed = [
+        t.task_id
+        for t in humaneval
+        if grade_solution(t, t.oracle_files, backend=backend, require_isolation=False).reward != 1.0
+    ]
+    assert failed == []

@@ -1,0 +1,140 @@
+"""Protocol round trips (through the byte tokenizer too) and a fuzzed parser."""
+
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from composer_jax.data import ByteTokenizer
+from composer_jax.envs.environment import EnvConfig, Episode
+from composer_jax.envs.grading.protocol import (
+    EpisodeCounts,
+    count_bytes,
+    parse_turn,
+    render_call,
+    render_output,
+    render_turn,
+)
+from composer_jax.envs.tasks.builtin_tasks import make_task
+
+MARKERS = ("<think>", "</think>", "<call", "</call>", "<arg", "</arg>", "<final>", "</final>")
+text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=60).filter(
+    lambda s: not any(m in s for m in MARKERS)
+)
+name = st.text(st.sampled_from("abcdefgh_"), min_size=1, max_size=8)
+
+
+@given(
+    text,
+    st.lists(st.tuples(name, st.dictionaries(name, text, max_size=3)), max_size=3),
+    st.one_of(st.none(), text),
+)
+@settings(max_examples=150, deadline=None)
+def test_render_parse_round_trip(thinking, calls, final):
+    rendered = render_turn(thinking, tuple(calls), final)
+    turn = parse_turn(rendered)
+    assert turn.errors == ()
+    assert turn.thinking == thinking
+    assert [(c.tool, c.args) for c in turn.calls] == [(t, a) for t, a in calls]
+    assert turn.final == final
+    tokenizer = ByteTokenizer()
+    assert tokenizer.decode(tokenizer.encode(rendered)) == rendered
+    output = render_output("run_shell", thinking)
+    assert tokenizer.decode(tokenizer.encode(output)) == output
+
+
+@given(
+    st.one_of(
+        st.text(max_size=500),
+        st.lists(
+            st.one_of(
+                st.sampled_from(MARKERS + ('<call tool="x">', '<arg name="p">', ">", '"')),
+                st.text(max_size=20),
+            ),
+            max_size=60,
+        ).map("".join),
+    )
+)
+@settings(max_examples=400, deadline=None)
+def test_parser_is_total(model_output):
+    turn = parse_turn(model_output)
+    counts = EpisodeCounts()
+    counts.add_turn(turn, count_bytes)
+    assert counts.turns == 1
+
+
+def test_parser_is_linear_on_adversarial_input():
+    for piece in ("<call", '<call tool="a">' + "<arg", "<think>" * 2 + "</think"):
+        start = time.monotonic()
+        parse_turn(piece * 40_000)
+        assert time.monotonic() - start < 2.0
+
+
+def test_malformed_output_reports_errors():
+    turn = parse_turn('<call tool="write_file"><arg name="path">a.py</arg>')
+    assert turn.calls[0].args == {"path": "a.py"} and turn.errors
+    assert parse_turn("just text").untagged == "just text"
+
+
+def test_counts_cover_each_kind():
+    output = render_turn("plan", (("run_tests", {}),), None) + " stray"
+    turn = parse_turn(output)
+    counts = EpisodeCounts()
+    counts.add_turn(turn, count_bytes)
+    assert counts.tool_calls == 1 and counts.turns == 1
+    total = counts.thinking_tokens + counts.tool_call_tokens + counts.final_tokens
+    assert total == count_bytes(output)
+
+
+def test_render_rejects_unrepresentable_values():
+    with pytest.raises(ValueError):
+        render_call("write_file", {"content": "x</arg>"})
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.text(max_size=80),
+            st.sampled_from(
+                [
+                    '<call tool="read_file"><arg name="path">solution.py</arg></call>',
+                    '<call tool="write_file"><arg name="path">../x</arg>'
+                    '<arg name="content">1</arg></call>',
+                    '<call tool="list_dir"><arg name="path">',
+                    '<call tool="nope">',
+                    "<final>",
+                    "</call>",
+                ]
+            ),
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+@settings(max_examples=25, deadline=None)
+def test_episode_step_never_raises(turns):
+    with Episode(make_task(3), EnvConfig(max_turns=3)) as episode:
+        for text in turns:
+            result = episode.step(text)
+            assert isinstance(result.observation, str)
+            if result.done:
+                assert 0.0 <= result.reward <= 1.0
+                break
+
+
+def test_counts_in_any_tokenizers_tokens(tmp_path):
+    """`count_tokens` may be a real tokenizer's: each kind counts that tokenizer's tokens."""
+    from composer_jax.data import load_tokenizer
+    from tests.data.helpers import make_hf_folder
+
+    make_hf_folder(tmp_path)
+    tokenizer = load_tokenizer(str(tmp_path))
+    output = "hm " + render_turn("plan é中", (("write_file", {"path": "a.py", "content": "x=1"}),))
+    turn = parse_turn(output)
+    counts = EpisodeCounts()
+    counts.add_turn(turn, tokenizer.count_tokens)
+    count = tokenizer.count_tokens
+    assert counts.thinking_tokens == count(turn.think_text) + count(turn.untagged) > 0
+    assert counts.tool_call_tokens == count(turn.calls[0].text) > 0
+    assert counts.tool_call_tokens < count_bytes(turn.calls[0].text)  # BPE merges bytes

@@ -1,0 +1,301 @@
+"""Replay grading on a package it has never seen: the factory records the graded tests' calls to
+the deleted function as plain data, the original's outcomes are the expected ones, and only a
+candidate that produces the same values (exact types, in-place mutations, iterator items,
+exception types) is rewarded; the replay's reply is decoded strictly."""
+
+import dataclasses
+import json
+import textwrap
+
+import pytest
+
+from composer_jax.envs.grading import harness, replay, repo_grading
+from composer_jax.envs.grading.task import GRADING_LIMITS, grade_solution
+from composer_jax.envs.sandbox import Sandbox, isolation
+from composer_jax.envs.tasks import repo_factory
+from composer_jax.envs.tasks.repo_task_sets import read_task_set, shipped_sets
+
+_CORE = '''
+_missing = object()
+
+
+def scale(values, factor=2, *, offset=0):
+    """Each value times factor, plus offset."""
+    return [v * factor + offset for v in values]
+
+
+def first(seq, default=_missing):
+    for item in seq:
+        return item
+    if default is _missing:
+        raise ValueError("empty")
+    return default
+
+
+def depth(tree):
+    if not isinstance(tree, list):
+        return 0
+    return 1 + max((depth(t) for t in tree), default=0)
+
+
+def append_twice(items, value):
+    items.append(value)
+    items.append(value)
+
+
+def evens(n):
+    for i in range(n):
+        if i % 2 == 0:
+            yield i
+'''
+_TESTS = """
+import pytest
+
+from tinypkg.core import append_twice, depth, evens, first, scale
+
+
+def test_scale():
+    assert scale([1, 2]) == [2, 4]
+    assert scale([1], factor=3, offset=1) == [4]
+
+
+def test_first():
+    assert first([5, 6]) == 5
+    assert first([], default=None) is None
+    assert first(iter([7])) == 7
+    with pytest.raises(ValueError):
+        first([])
+
+
+def test_depth():
+    assert depth([[1], [[2]]]) == 3
+
+
+def test_append_twice():
+    items = [1]
+    append_twice(items, 2)
+    assert items == [1, 2, 2]
+
+
+def test_evens():
+    assert list(evens(5)) == [0, 2, 4]
+"""
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tinypkg")
+    (root / "tinypkg").mkdir()
+    (root / "tinypkg" / "__init__.py").write_text("")
+    (root / "tinypkg" / "core.py").write_text(textwrap.dedent(_CORE))
+    (root / "tests").mkdir()
+    (root / "tests" / "test_core.py").write_text(textwrap.dedent(_TESTS))
+    return repo_factory.find_layout(root, "tinypkg", "0", str(root))
+
+
+def task_of(repository, function):
+    path = "tinypkg/core.py"
+    deletion = next(
+        d for d in repo_factory.deletable_functions(repository.files[path]) if d[0] == function
+    )
+    test = f"tests/test_core.py::test_{function}"
+    return repo_factory.make_task(repository, path, deletion, [test], "train")
+
+
+def decoded_calls(task):
+    recorded, opaque = repo_factory.record_calls(task)
+    (test,) = task.graded_tests
+    return [tuple(harness.decode(call)) for call in recorded[test]], opaque[test]
+
+
+def test_recorded_calls_are_the_arguments_as_plain_data(repository):
+    # Defaults left out (a sentinel object is not plain data); a parameter that can go by
+    # position does, keyword-only ones by keyword.
+    assert decoded_calls(task_of(repository, "scale")) == (
+        [([[1, 2]], {}), ([[1], 3], {"offset": 1})],
+        0,
+    )
+    # An iterator argument is not plain data: counted, not kept.
+    assert decoded_calls(task_of(repository, "first")) == (
+        [([[5, 6]], {}), ([[], None], {}), ([[]], {})],
+        1,
+    )
+    # Only the outermost call of a recursion; arguments as they were before the call.
+    assert decoded_calls(task_of(repository, "depth")) == ([([[[1], [[2]]]], {})], 0)
+    assert decoded_calls(task_of(repository, "append_twice")) == ([([[1], 2], {})], 0)
+
+
+@pytest.mark.parametrize(
+    "function,wrong",
+    [
+        ("scale", "return [v * factor + offset + 0.0 for v in values]"),  # floats, not ints
+        ("first", "raise KeyError(seq)"),  # the wrong exception type
+        ("append_twice", "items.append(value)"),  # the wrong in-place mutation
+        ("evens", "return iter(range(0, n + 2, 2))"),  # one item too many
+    ],
+)
+def test_replay_rewards_the_original_values_only(repository, function, wrong):
+    task, why = repo_factory.attach_replay(task_of(repository, function), backend="auto")
+    assert why == "kept" and task.grader["replay"]["calls"]
+    path = task.metadata["path"]
+    assert grade_solution(task, task.oracle_files).reward == 1.0
+    assert grade_solution(task, {}).reward == 0.0
+    body = task.files[path].replace("raise NotImplementedError", wrong, 1)
+    assert grade_solution(task, {path: body}).reward < 1.0
+
+
+def test_a_task_whose_tests_make_no_replayable_call_is_suite_only(repository):
+    task = task_of(repository, "first")
+    only_iterators = task.files["tests/test_core.py"].replace(
+        "def test_first():", "def test_first():\n    assert first(iter([1])) == 1\n    return\n"
+    )
+    task = dataclasses.replace(task, files={**task.files, "tests/test_core.py": only_iterators})
+    unchanged, why = repo_factory.attach_replay(task, backend="auto")
+    assert why == "no call with plain-data arguments" and "replay" not in unchanged.grader
+
+
+def _outcome(result, after=None):
+    return {"result": result, "args_after": after}
+
+
+def test_the_reply_is_decoded_strictly():
+    marker = "m" * 32
+    good = _outcome(["value", ["int", 1]])
+    assert replay.parse(f"noise\n{marker} " + json.dumps({"outcomes": [good]}), marker, 1)
+    bad_replies = [
+        "",  # nothing
+        f"{marker} not json",
+        f"{marker} " + json.dumps({"outcomes": [good, good]}),  # the wrong count
+        f"{marker} " + json.dumps({"outcomes": [_outcome(["pickle", "gASVAA=="])]}),
+        f"{marker} " + json.dumps({"outcomes": [_outcome(["value", ["object", "x"]])]}),
+        f"{marker} " + json.dumps({"outcomes": [{"result": ["value", ["int", 1]]}]}),
+        f"{marker} " + json.dumps({"error": "ImportError: no module"}),
+    ]
+    for reply in bad_replies:
+        with pytest.raises(replay.ReplayError):
+            replay.parse(reply, marker, 1)
+
+
+def test_outcomes_compare_with_exact_types():
+    def value(v):
+        return _outcome(["value", harness.encode(v)])
+
+    assert replay.same(value({1, 2, 3}), value({3, 2, 1}))  # a set's order does not count
+    assert not replay.same(value(True), value(1))
+    assert not replay.same(value(2.0), value(2))
+    assert not replay.same(value((1, 2)), value([1, 2]))
+    assert replay.same(value(float("nan")), value(float("nan")))
+    assert not replay.same(
+        _outcome(["raise", "builtins.KeyError"]), _outcome(["raise", "builtins.ValueError"])
+    )
+    assert not replay.same(
+        _outcome(["iter", [["int", 0]], "more"]), _outcome(["iter", [["int", 0]], "end"])
+    )
+
+
+# ------------------------------------------------------------ the expected outcomes stay out
+# A candidate that searches every readable file (gzip members opened) and its own process's
+# memory for the expected outcomes while the replay imports it. The needle is split in two
+# halves that this program holds apart (a match is one half directly followed by the other), so
+# the search never finds its own copy; a control needle that the module does hold contiguously
+# shows the memory search works, and one planted in the workspace shows the file search does.
+_SEARCH = r"""
+import gzip, json, os, sys
+_HALVES = {"expected": (EXPECTED_A, EXPECTED_B), "control": (b"cj-memory-cont", b"rol-needle-7q")}
+_PLANTED = (b"cj-planted-file-", b"needle-3k")
+_CONTIGUOUS = b"cj-memory-control-needle-7q"  # the memory search's control
+
+
+def _joined(data, halves):
+    first, second = halves
+    start = data.find(first)
+    while start >= 0:
+        if data[start + len(first): start + len(first) + len(second)] == second:
+            return True
+        start = data.find(first, start + 1)
+    return False
+
+
+def _memory(found):
+    with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", 0) as mem:
+        regions = [line.split() for line in maps]
+        for region in regions:
+            low, high = (int(x, 16) for x in region[0].split("-"))
+            if "r" not in region[1] or high - low > (256 << 20):
+                continue
+            try:
+                mem.seek(low)
+                data = mem.read(high - low)
+            except (OSError, ValueError, OverflowError):
+                continue
+            for name, halves in _HALVES.items():
+                if _joined(data, halves):
+                    found.add(f"memory:{name}")
+
+
+def _files(found):
+    for top, dirs, files in os.walk("/"):
+        if top.startswith(("/proc", "/sys", "/dev")):
+            dirs[:] = []
+            continue
+        for name in files:
+            path = os.path.join(top, name)
+            try:
+                with open(path, "rb") as f:
+                    data = f.read(32 << 20)
+                if path.endswith(".gz"):
+                    data += gzip.decompress(data)
+            except (OSError, EOFError, ValueError):
+                continue
+            if _joined(data, _HALVES["expected"]):
+                found.add(f"file:{path}")
+            if _joined(data, _PLANTED):
+                found.add("file:planted")
+
+
+_found = set()
+_memory(_found)
+_files(_found)
+print("SEARCHED", json.dumps(sorted(_found)), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param(
+            name,
+            marks=pytest.mark.skipif(not isolation.usable(name), reason=f"{name} not usable here"),
+        )
+        for name in ("bwrap", "unshare")
+    ],
+)
+def test_the_expected_outcomes_cannot_be_read_from_inside_the_sandbox(backend):
+    shipped = shipped_sets()["toolz"]
+    task = next(t for t in read_task_set(shipped) if "replay" in t.grader)
+    needle = json.dumps(task.grader["replay"]["expected"][0]).encode()
+    half = len(needle) // 2
+    search = _SEARCH.replace("EXPECTED_A", repr(needle[:half])).replace(
+        "EXPECTED_B", repr(needle[half:])
+    )
+    path = task.metadata["path"]
+    files = {
+        **task.files,
+        path: task.files[path] + search,
+        "notes/planted.txt": "cj-planted-file-needle-3k",
+    }
+    with Sandbox.from_files(files, backend=backend, hidden_paths=task.hidden_paths) as box:
+        with repo_grading.grading_tree(task.files, box.workspace, task.grader) as tree:
+            command, stdin, _ = replay.command(tree[0], task.grader["replay"])
+            limits = dataclasses.replace(GRADING_LIMITS, wall_seconds=300, cpu_seconds=300)
+            result = box.run(
+                command,
+                stdin=stdin,
+                limits=limits,
+                hidden_paths=task.grading_hidden_paths,
+                extra_ro_binds=repo_grading.read_only_binds(tree[0]),
+            )
+    lines = [line for line in result.output.splitlines() if line.startswith("SEARCHED ")]
+    assert lines, result.output[-2000:]
+    found = set(json.loads(lines[-1].split(" ", 1)[1]))
+    assert found == {"memory:control", "file:planted"}, found
