@@ -1,4 +1,12 @@
-"""Process start-up shared by every entry point: log level and multi-host initialisation."""
+"""Process start-up shared by every entry point: log level and multi-host initialisation.
+
+A multi-host job is one process per host, each driving all of that host's GPUs, joined by
+`jax.distributed` in `initialize`: from JAX's own cluster detection (SLURM, Open MPI,
+Kubernetes, ...) or from `EXPLICIT_VARIABLES`, which JobSet manifests (`launch.cluster`) and
+`launch.multiprocess` set. The mesh's `-1` axis then spans every process's devices; what the
+processes exchange besides collectives is `composer_jax.parallel.multihost`. Rollouts across
+hosts use Ray instead: `initialize_ray` joins (or starts) its cluster.
+"""
 
 import faulthandler
 import logging as std_logging

@@ -5,10 +5,13 @@
 A rollout thread drives the sampler and the environment pool: the `Scheduler` says which group
 of `group_size` samples of one prompt comes next (and when staleness allows it), the
 `EpisodeDriver` takes each sample through its turns, and when every sample of a group is scored
-the group is persisted in the `GroupLedger`. The trainer loop (the caller's thread) takes finished
-groups as they come (`scheduler.next_groups`), trains, and publishes the new weights, which the
-sampler picks up between two decode steps. At each checkpoint the groups in flight are saved
-(`save_in_flight`, see `composer_jax.actor.inflight`), and a restart resumes them mid-episode.
+the group is persisted in the `GroupLedger`. Groups are started while their samples fit the
+samplers' slots plus `schedule_ahead_groups` groups: those wait in the queue with their
+environments already started, so a slot that frees is refilled at once. The trainer loop (the
+caller's thread) takes finished groups as they come (`scheduler.next_groups`), trains, and
+publishes the new weights, which the sampler picks up between two decode steps. At each
+checkpoint the groups in flight are saved (`save_in_flight`, see `composer_jax.actor.inflight`),
+and a restart resumes them mid-episode.
 """
 
 from __future__ import annotations

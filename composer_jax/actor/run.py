@@ -16,7 +16,8 @@ that were in flight at that checkpoint from their environment snapshots.
 
 On several JAX processes (one job, `jax.distributed`) every process runs the warm start and holds
 its part of the train state; process 0 alone runs the actor loop (sampler, environments, ledger,
-in-flight records, metrics, held-out evaluation) and the others follow its trainer's calls
+in-flight records, metrics, held-out evaluation), with the warm-start policy gathered onto its own
+devices (`parallel.multihost.host_model`), and the others follow its trainer's calls
 (`RLTrainer.follow`). The workdir must be one folder that every process sees: a shared file
 system, or a `gs://` bucket (every file above goes there through epath, orbax and tensorstore;
 only `rl.trace` stays local).

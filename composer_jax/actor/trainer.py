@@ -8,8 +8,11 @@ store in the background (`WeightPublisher.publish_async`), so the trainer never 
 On several JAX processes the train state spans all of them, but only process 0 runs the actor
 loop. Its trainer sends each call that involves the state (step, publish, save, the model for
 evaluation, close) as a command through a `LeaderChannel`; every other process runs `follow`,
-which performs the same calls in the same order, so their collectives meet. Each process
-publishes its own shards of the weights; the sampler waits for all of them.
+which performs the same calls in the same order, so their collectives meet. A step's command
+carries the packed batch: every process places its own rows of it (`place_global`) and, unless
+some process has a stop signal (`StopRequest.agreed`), runs the same jitted step. Each process
+publishes its own shards of the weights; the sampler waits for all of them. An error on process 0
+sends "abort", which ends the others (`ProcessZeroFailed`) instead of leaving them waiting.
 """
 
 from __future__ import annotations

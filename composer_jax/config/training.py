@@ -24,7 +24,7 @@ class OptimizerConfig:
     muon_nesterov: bool = True
     muon_ns_steps: int = 5
     muon_scaling: str = "rms"  # "rms": 0.2*sqrt(max(A, B)) (AdamW-matched); "spectral"
-    qk_clip_threshold: float = 0.0  # MuonClip for MLA: 0 disables
+    qk_clip_threshold: float = 0.0  # MuonClip for MLA, 0 disables (not wired into the step yet)
 
 
 @dataclasses.dataclass(frozen=True)

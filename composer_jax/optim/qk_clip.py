@@ -7,6 +7,7 @@ where k_rope is shared by all heads, so the head-specific parts are scaled as: q
 columns by sqrt(gamma_h), q_rope columns by gamma_h, k_rope and the values untouched. Every logit
 of head h then scales by exactly gamma_h: its maximum becomes tau. The maxima come from the
 model (`composer_jax.model.attention.mla_max_logits`); this module works on arrays only.
+Not wired into the training step yet: nothing reads `optim.qk_clip_threshold`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 A sequence of length L costs roughly a*L (everything per token) + b*L^2 (attention), so token
 counts alone misjudge long sequences. Greedy longest-processing-time scheduling (most expensive
 first, each to the currently cheapest rank with room) is within 4/3 of optimal and, with many
-sequences, essentially balanced. Used for pretraining rows now and RL groups later.
+sequences, essentially balanced. `balanced_row_order` orders the rows of every pretraining batch
+(`train.loop`) and RL batch (`actor.samples.balance_rows`) before they are sharded.
 """
 
 from __future__ import annotations

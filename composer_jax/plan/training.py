@@ -2,7 +2,10 @@
 that carry their shardings, so a 1T-parameter state costs no memory here.
 
 Per device: parameter, optimizer-state and gradient bytes from the shardings, and what the
-compiled step holds and exchanges (`costs`).
+compiled step holds and exchanges (`costs`). When a step does not fit its GPU, the layout changes
+that could help (`layout_knobs`) are each planned for real and ranked by peak (`rank_knobs`):
+which knob helps most is measured, not guessed (remat can cost more than it saves on a small
+model, and a mesh change moves both state and activations).
 """
 
 from __future__ import annotations

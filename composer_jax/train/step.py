@@ -1,10 +1,16 @@
 """The pretraining step: next-token cross-entropy + MTP loss, AdamW update, router balance update.
 
-Everything here is a pure function of (TrainState, batch); `make_train_step` adds the jit with
-explicit shardings. Batches are dicts of [B, T] int32 arrays: tokens, segment_ids (0 = padding),
-positions (restart at 0 per packed document), and optionally loss_mask (1 on tokens to
-learn). Targets are derived here: token t+1 is a target of position t only inside the same
-document.
+Everything here is a pure function of (TrainState, batch); `train.loop.TrainSetup.jit_train_step`
+adds the jit with explicit shardings (state donated). Batches are dicts of [B, T] int32 arrays:
+tokens, segment_ids (0 = padding), positions (restart at 0 per packed document), and optionally
+loss_mask (1 on tokens to learn). Targets are derived here: token t+1 is a target of position t
+only inside the same document.
+
+Gradients are taken over the master weights (`model.param_dtype`, fp32 by default) while the
+forward pass computes in `model.dtype`. The MTP loss is by default self-distillation
+(`train.mtp_loss` "distill"): depth d's head at t is pulled towards the main head's stop-gradient
+distribution at t + d, which predicts the same token; "ce" trains it on the labels instead.
+`apply_gradients` is the one gradient step pretraining and RL share.
 """
 
 from __future__ import annotations

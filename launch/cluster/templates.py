@@ -6,7 +6,9 @@ by `jax.distributed` (launch/runtime.py calls `initialize()`).
           otherwise give task `i` of a node only GPU `i`, assuming one task per GPU)
   jobset  a Kubernetes JobSet (one indexed Job, a pod per node) and the headless Service its
           pods resolve each other by; the coordinator is pod 0, named by JAX_COORDINATOR_ADDRESS,
-          JAX_NUM_PROCESSES and JAX_PROCESS_ID (the job-completion index)
+          JAX_NUM_PROCESSES and JAX_PROCESS_ID (the job-completion index), which
+          `runtime.initialize` reads: JAX's own Kubernetes detection would need the
+          `kubernetes` package and RBAC to read pods
   docker  a Dockerfile: CUDA 12 base, `pip install .[cuda12]`, the GPU kind's settings baked in
 """
 
