@@ -33,7 +33,6 @@ import signal
 import time
 
 import jax
-from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from composer_jax import config as config_lib
@@ -62,18 +61,10 @@ from composer_jax.parallel.multihost import LeaderChannel, host_model, is_leader
 from composer_jax.trace import TRAINER, format_summary, make_tracer, summary_path
 from composer_jax.train.loop import StopRequest
 from composer_jax.train.metrics import MetricsWriter
-from composer_jax.train.runs import resolve_tokenizer, save_run_tokenizer
+from composer_jax.train.run_folder import RunFolder
 from composer_jax.train.step import split_model
 from composer_jax.train.trackers import run_params
-from composer_jax.train.workdir import (
-    check_local_output,
-    check_resume,
-    check_run_folder,
-    prepare_workdir,
-    record_launch,
-    run_path,
-    write_config,
-)
+from composer_jax.train.workdir import check_local_output, check_run_folder
 
 log = logging.getLogger(__name__)
 
@@ -97,33 +88,32 @@ def _interrupted(stop, trainer) -> bool:
 
 def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
     """Trains (or resumes) the asynchronous RL run described by `cfg` in `cfg.workdir`."""
-    config_lib.validate(cfg, jax.device_count())
-    check_agent_config(cfg.rl)  # a plug-in that does not resolve stops before any work
-    rl = cfg.rl
-    if rl.warm_start:  # before the workdir exists: a typo must not leave an empty run behind
-        check_run_folder(rl.warm_start, "rl.warm_start")
-    if rl.trace:  # written at the end: a bad path must not cost the run
-        check_local_output(rl.trace, "rl.trace")
-    check_resume(str(run_path(cfg.workdir, "workdir")), cfg)  # before the folder is made
-    if jax.process_count() > 1:  # every process has judged the folder before process 0 writes
-        multihost_utils.sync_global_devices("checked the RL workdir")
-    prepare_workdir(cfg.workdir)
-    tokenizer = resolve_tokenizer(cfg)  # the warm start's unless data.tokenizer names one
-    if is_leader():
-        save_run_tokenizer(tokenizer, cfg.workdir)
+    folder = _start_folder(cfg)
     model = warm_start(cfg, progress)  # a job of every process
     check_model(cfg, model)
     _, warm_params, warm_buffers = split_model(model)
     model = host_model(model)  # process 0 samples and evaluates on its own devices
     channel = LeaderChannel("composer_jax/rl_trainer") if jax.process_count() > 1 else None
     if not is_leader():
-        return _follow(cfg, warm_params, warm_buffers, channel)
+        return _follow(cfg, folder, warm_params, warm_buffers, channel)
     try:
-        return _lead(cfg, tokenizer, model, warm_params, warm_buffers, channel, progress)
+        return _lead(cfg, folder, model, warm_params, warm_buffers, channel, progress)
     except BaseException as error:
         if channel is not None:  # followers waiting for a command stop now, not at a timeout
             _send_abort(channel, error)
         raise
+
+
+def _start_folder(cfg: config_lib.ExperimentConfig) -> RunFolder:
+    """The run's folder, once everything that can be checked before any work is: the config,
+    the agent's plug-ins, the warm start's folder, the trace's path, the tokenizer, the resume."""
+    config_lib.validate(cfg, jax.device_count())
+    check_agent_config(cfg.rl)  # a plug-in that does not resolve stops before any work
+    if cfg.rl.warm_start:  # before the workdir exists: a typo must not leave an empty run behind
+        check_run_folder(cfg.rl.warm_start, "rl.warm_start")
+    if cfg.rl.trace:  # written at the end: a bad path must not cost the run
+        check_local_output(cfg.rl.trace, "rl.trace")
+    return RunFolder.start(cfg)  # the tokenizer: the warm start's unless data.tokenizer names one
 
 
 @dataclasses.dataclass
@@ -142,9 +132,9 @@ class _Loop:
     histogram: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
-def _lead(cfg, tokenizer, model, warm_params, warm_buffers, channel, progress) -> RLResult:
+def _lead(cfg, folder, model, warm_params, warm_buffers, channel, progress) -> RLResult:
     """Process 0 (the only one with one process): the actor loop around the trainer."""
-    loop = _build(cfg, tokenizer, model, warm_params, warm_buffers, channel, progress)
+    loop = _build(cfg, folder, model, warm_params, warm_buffers, channel, progress)
     interrupted = None
     try:
         interrupted = _train(cfg, loop, progress)
@@ -153,10 +143,10 @@ def _lead(cfg, tokenizer, model, warm_params, warm_buffers, channel, progress) -
     return _close(cfg, loop, interrupted, progress)
 
 
-def _build(cfg, tokenizer, model, warm_params, warm_buffers, channel, progress) -> _Loop:
+def _build(cfg, folder, model, warm_params, warm_buffers, channel, progress) -> _Loop:
     """The held-out check before RL, the trainer (restored), the ledger (rewound), the sampler,
     the environments and the coordinator with the groups that were in flight."""
-    rl = cfg.rl
+    rl, tokenizer = cfg.rl, folder.tokenizer
     heldout_env = agent_env_config(rl, evaluation=True)
     evaluator = Evaluator(
         rl,
@@ -173,22 +163,12 @@ def _build(cfg, tokenizer, model, warm_params, warm_buffers, channel, progress) 
     tracer.name_thread(TRAINER)
     if channel is not None:
         channel.send("store", store)  # the other processes build their trainers now
-    trainer = RLTrainer(cfg, warm_params, warm_buffers, store, tracer=tracer, channel=channel)
-    write_config(cfg.workdir, cfg)  # only now: a refused resume leaves the old config as it was
-    launch = record_launch(cfg.workdir, cfg, trainer.restored_step, "rl")
-    prompts = _prompts(cfg)
-    # Steps the restored state never saw (all of them without a checkpoint) give back their groups.
-    returned = ledger.rewind(trainer.version)
-    if trainer.restored_step is not None or returned:
-        log.info(
-            f"Resumed RL at step {trainer.version}; {len(returned)} groups returned to "
-            f"pending, {len(ledger.pending())} pending in all"
-        )
-    # Too stale to train on (or sampled by weights the restored state never had): drop them. The
-    # scheduler samples again the prompt of every dropped group without a live successor.
-    ledger.drop_stale(
-        trainer.version, rl.max_staleness if rl.stale_policy == "drop" else 1 << 30, drop_newer=True
+    trainer = RLTrainer(
+        cfg, warm_params, warm_buffers, store, tracer=tracer, channel=channel, folder=folder
     )
+    launch = folder.commit(trainer.restored_step, "rl")  # a refused resume has written nothing
+    prompts = _prompts(cfg)
+    _rewind(rl, ledger, trainer)
     writer = MetricsWriter(
         cfg.workdir, trainer.restored_step, log_config=cfg.log, params=run_params(cfg, launch)
     )
@@ -216,6 +196,22 @@ def _build(cfg, tokenizer, model, warm_params, warm_buffers, channel, progress) 
     )
     coordinator.trainer_version = trainer.version
     return _Loop(evaluator, before, ledger, trainer, writer, sampler, pool, coordinator, tracer)
+
+
+def _rewind(rl, ledger: GroupLedger, trainer: RLTrainer) -> None:
+    """The ledger as the restored train state left it: the groups of steps the state never saw
+    (all of them without a checkpoint) back to pending, and those now too stale dropped."""
+    returned = ledger.rewind(trainer.version)
+    if trainer.restored_step is not None or returned:
+        log.info(
+            f"Resumed RL at step {trainer.version}; {len(returned)} groups returned to "
+            f"pending, {len(ledger.pending())} pending in all"
+        )
+    # Too stale to train on (or sampled by weights the restored state never had): drop them. The
+    # scheduler samples again the prompt of every dropped group without a live successor.
+    ledger.drop_stale(
+        trainer.version, rl.max_staleness if rl.stale_policy == "drop" else 1 << 30, drop_newer=True
+    )
 
 
 def _heldout_path(cfg) -> str:
@@ -304,7 +300,7 @@ def _train(cfg, loop: _Loop, progress: bool) -> str | None:
                 if trainer.version % cfg.train.checkpoint_every == 0:
                     with tracer.span("checkpoint"):
                         _checkpoint(trainer, coordinator)
-            if trainer.checkpointer.latest_step() != trainer.version and trainer.version > 0:
+            if trainer.folder.latest_step() != trainer.version and trainer.version > 0:
                 with tracer.span("checkpoint"):
                     _checkpoint(trainer, coordinator)
     finally:
@@ -362,13 +358,13 @@ def _send_abort(channel: LeaderChannel, error: BaseException) -> None:
         log.exception("could not tell the other processes that process 0 failed")
 
 
-def _follow(cfg, warm_params, warm_buffers, channel: LeaderChannel) -> RLResult:
+def _follow(cfg, folder, warm_params, warm_buffers, channel: LeaderChannel) -> RLResult:
     """A process other than 0: its part of the train state, stepped as process 0's trainer
     says; it writes only its checkpoint shards and its shards of each published version."""
     kind, store = channel.receive()
     if kind == "abort":
         raise ProcessZeroFailed(f"process 0 stopped on {store}")
-    trainer = RLTrainer(cfg, warm_params, warm_buffers, store, channel=channel)
+    trainer = RLTrainer(cfg, warm_params, warm_buffers, store, channel=channel, folder=folder)
     with StopRequest() as stop:
         interrupted = trainer.follow(stop)
     return RLResult(trainer.version, None, None, cfg.workdir, {}, interrupted=interrupted)

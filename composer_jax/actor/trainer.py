@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import time
 
 import jax
@@ -39,8 +38,8 @@ from composer_jax.parallel.multihost import LeaderChannel, host_model, place_glo
 from composer_jax.rl.batch import TrajectoryBatch
 from composer_jax.rl.policy import reference_logprobs, rl_loss
 from composer_jax.trace import NULL_TRACER
-from composer_jax.train.checkpoint import Checkpointer
 from composer_jax.train.loop import StopRequest, TrainSetup, make_setup
+from composer_jax.train.run_folder import RunFolder
 from composer_jax.train.step import TrainState, apply_gradients
 from composer_jax.weight_sync import WeightPublisher, open_store
 
@@ -110,6 +109,8 @@ class RLTrainer:
 
     `warm_params` / `warm_buffers`: the warm-start policy, which is also the KL reference; the
     train state starts from it (fresh optimizer) unless `<workdir>/checkpoints` has a checkpoint.
+    `folder`: the run's folder (`RunFolder.start`), which keeps the checkpoints; by default
+    `cfg.workdir` as it is.
     `tracer` records the reference pass, the step and each publication (`composer_jax.trace`).
     """
 
@@ -122,6 +123,7 @@ class RLTrainer:
         layout: Layout | None = None,
         tracer=NULL_TRACER,
         channel: LeaderChannel | None = None,
+        folder: RunFolder | None = None,
     ):
         self.cfg, self.tracer = cfg, tracer
         self.channel = channel
@@ -133,10 +135,8 @@ class RLTrainer:
             jax.device_put(warm_params, setup.shardings.params),
             jax.device_put(warm_buffers, setup.shardings.buffers),
         )
-        self.checkpointer = Checkpointer(
-            os.path.join(cfg.workdir, "checkpoints"), cfg.train.keep_checkpoints
-        )
-        restored = self.checkpointer.restore_latest(setup.abstract_state)
+        self.folder = folder or RunFolder(cfg.workdir, cfg)
+        restored = self.folder.restore_latest(setup.abstract_state)
         if restored is None:
             # Copies: the train state is donated each step, the reference (and whatever else
             # holds the warm-start arrays, e.g. a sampler) must survive.
@@ -254,7 +254,7 @@ class RLTrainer:
 
     def save(self, metadata: dict) -> None:
         self._send("save", metadata)
-        self.checkpointer.save(self.version, self.state, metadata)
+        self.folder.save(self.version, self.state, metadata)
 
     def model(self) -> Transformer:
         """The current policy as a model over the train state's devices."""
@@ -271,7 +271,7 @@ class RLTrainer:
         `follow` returns `interrupted` (the signal that stopped the run, if any)."""
         self._send("close", interrupted)
         self.publisher.close()
-        self.checkpointer.close()
+        self.folder.close()
 
     def follow(self, stop) -> str | None:
         """Processes other than 0: make process 0's trainer calls until it closes; returns the
@@ -285,12 +285,12 @@ class RLTrainer:
             elif kind == "publish":
                 self._publish()
             elif kind == "save":
-                self.checkpointer.save(self.version, self.state, payload)
+                self.folder.save(self.version, self.state, payload)
             elif kind == "host_model":
                 host_model(self.model())
             elif kind == "close":
                 self.publisher.close()
-                self.checkpointer.close()
+                self.folder.close()
                 return payload or stop.signal
             elif kind == "abort":
                 raise ProcessZeroFailed(f"process 0 stopped on {payload}")

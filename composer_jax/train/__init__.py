@@ -1,4 +1,5 @@
-"""Pretraining step, loop, metrics, checkpointing, and runs read back (`load_run`).
+"""Pretraining step, loop, metrics, checkpointing, run folders (`RunFolder`), and runs read back
+(`load_run`).
 
 The loop's names are imported on first use (PEP 562): the loop brings the data pipeline and its
 `grain`, which the train step alone does not need, so the step runs where grain is missing (the
@@ -8,6 +9,7 @@ import importlib
 
 from composer_jax.train.checkpoint import Checkpointer, CheckpointError
 from composer_jax.train.metrics import MetricsWriter, read_metrics
+from composer_jax.train.run_folder import RunFolder
 from composer_jax.train.step import TrainState, eval_step, pretrain_loss, train_step
 
 _FROM_LOOP = ("NonFiniteLossError", "PretrainResult", "Run", "load_run", "run_pretraining")
@@ -26,6 +28,7 @@ __all__ = [
     "NonFiniteLossError",
     "PretrainResult",
     "Run",
+    "RunFolder",
     "TrainState",
     "eval_step",
     "load_run",

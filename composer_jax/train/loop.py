@@ -26,7 +26,6 @@ from collections.abc import Callable
 import jax
 import numpy as np
 import optax
-from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
@@ -37,29 +36,17 @@ from composer_jax import config as config_lib
 from composer_jax import data as data_lib
 from composer_jax import optim
 from composer_jax.data.sft import make_sft_iterator
+from composer_jax.data.tokenizer import check_vocab
 from composer_jax.model.layers import logical_axes_of
 from composer_jax.model.transformer import Transformer, param_rngs
 from composer_jax.parallel import Layout, make_layout
 from composer_jax.parallel.packing import balanced_row_order
 from composer_jax.parallel.report import sharding_table
-from composer_jax.train.checkpoint import Checkpointer, CheckpointError
-from composer_jax.train.metrics import MetricsWriter, read_metrics
-from composer_jax.train.runs import (
-    check_vocab,
-    resolve_tokenizer,
-    run_tokenizer,
-    save_run_tokenizer,
-)
+from composer_jax.train.checkpoint import CheckpointError
+from composer_jax.train.metrics import MetricsWriter
+from composer_jax.train.run_folder import RunFolder
 from composer_jax.train.step import TrainState, eval_step, init_train_state, split_model, train_step
 from composer_jax.train.trackers import run_params
-from composer_jax.train.workdir import (
-    check_resume,
-    prepare_workdir,
-    read_run_config,
-    record_launch,
-    run_path,
-    write_config,
-)
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -287,21 +274,26 @@ def _has_path(tree: dict, keys: list) -> bool:
 
 def load_trained_model(workdir: str, step: int | None = None) -> tuple[Transformer, int]:
     """The model of a training run's checkpoint (the latest intact one unless `step`)."""
-    cfg = read_run_config(workdir)
+    return _trained_model(RunFolder.open(workdir), step)
+
+
+def _trained_model(folder: RunFolder, step: int | None) -> tuple[Transformer, int]:
+    """The model of `folder`'s checkpoint of `step` (the latest intact one when None), placed
+    over every device as FSDP whatever layout trained it."""
+    cfg = folder.cfg
     setup = make_train_setup(
         cfg, make_layout(dataclasses.replace(cfg.mesh, replica=1, fsdp=-1, cp=1))
     )
-    ckpt = Checkpointer(f"{workdir}/checkpoints", cfg.train.keep_checkpoints)
     try:
         if step is None:
-            restored = ckpt.restore_latest(setup.abstract_state, set_aside=False)
+            restored = folder.restore_latest(setup.abstract_state, set_aside=False)
             if restored is None:
-                raise CheckpointError(f"no checkpoint in {ckpt.directory}")
+                raise CheckpointError(f"no checkpoint in {folder.checkpoint_dir}")
             step, state, _ = restored
         else:
-            state, _ = ckpt.restore(step, setup.abstract_state)
+            state, _ = folder.restore(step, setup.abstract_state)
     finally:
-        ckpt.close()
+        folder.close()
     return nnx.merge(setup.graphdef, state.params, state.buffers), step
 
 
@@ -316,13 +308,10 @@ class Run:
 
 def load_run(workdir: str, step: int | None = None) -> Run:
     """A training run's model (latest checkpoint unless `step`), tokenizer, config and metrics."""
-    cfg = read_run_config(workdir)
-    model, step = load_trained_model(workdir, step)
-    tokenizer = run_tokenizer(workdir)
-    check_vocab(tokenizer, model.cfg.vocab_size)
-    metrics_path = epath.Path(workdir) / "metrics.jsonl"
-    metrics = read_metrics(metrics_path) if metrics_path.exists() else []
-    return Run(model, tokenizer, cfg, metrics, step)
+    folder = RunFolder.open(workdir)
+    model, step = _trained_model(folder, step)
+    check_vocab(folder.tokenizer, model.cfg.vocab_size)
+    return Run(model, folder.tokenizer, folder.cfg, folder.metrics(), step)
 
 
 def run_pretraining(
@@ -339,114 +328,144 @@ def run_pretraining(
     config_lib.validate(cfg, jax.device_count())
     if cfg.init_from and not os.path.isdir(cfg.init_from):
         raise config_lib.ConfigError(f"init_from: {cfg.init_from!r} is not a folder")
-    tokenizer = resolve_tokenizer(cfg)
-    check_resume(str(run_path(cfg.workdir, "workdir")), cfg)  # before the folder is made
-    if jax.process_count() > 1:  # every process has judged the folder before process 0 writes
-        multihost_utils.sync_global_devices("checked the workdir")
-    workdir = prepare_workdir(cfg.workdir)
+    folder = RunFolder.start(cfg)
     setup = make_train_setup(cfg)
-    layout, bounds = setup.layout, setup.bounds
-    is_main = jax.process_index() == 0
-    if cfg.print_sharding and is_main:
+    if cfg.print_sharding and jax.process_index() == 0:
         print(sharding_table(setup.abstract_state.params), flush=True)
-    ckpt = Checkpointer(f"{workdir}/checkpoints", cfg.train.keep_checkpoints)
-    restored = ckpt.restore_latest(setup.abstract_state)
-    data_position: dict = {}
-    if restored is None:
-        if cfg.init_from and pretrained is None:
-            raise config_lib.ConfigError(
-                "init_from: pass pretrained=lambda: interop.load_pretrained(cfg) "
-                "(launch.pretrain does)"
-            )
-        model = pretrained() if cfg.init_from else None
-        resume_step, state = None, initial_state(setup, model)
-        if model is not None:
-            print(f"Initialised from {cfg.init_from}", flush=True)
-    else:
-        resume_step, state, data_position = restored
-        print(f"Resumed from {ckpt.directory}/{resume_step}", flush=True)
-    launch = None
-    if is_main:  # only now: a refused resume must leave the old run's files as they were
-        write_config(workdir, cfg)
-        launch = record_launch(workdir, cfg, resume_step, "pretrain")
-        save_run_tokenizer(tokenizer, workdir)
+    try:
+        resume_step, state, data_position = _start_state(folder, setup, pretrained)
+        launch = folder.commit(resume_step, "pretrain")
+        run = _Pretraining(setup, folder, state, resume_step, launch, sft_examples)
+        eval_start = run.evaluate() if run.step == 0 else None
+        if eval_start is not None:
+            print(f"step {run.step}: eval NLL {eval_start:.4f} nats/token", flush=True)
+        try:
+            interrupted = run.train(data_position, progress)
+        finally:
+            run.writer.close()
+    finally:
+        folder.close()
+    if interrupted:
+        print(
+            f"Stopped by {interrupted}; step {run.step} is saved in {folder.checkpoint_dir}",
+            flush=True,
+        )
+    elif eval_start is not None and run.eval_end is not None:
+        print(nll_summary(cfg, eval_start, run.eval_end), flush=True)
+    return PretrainResult(run.step, eval_start, run.eval_end, folder.path, interrupted)
 
-    step_fn = setup.jit_train_step()
-    eval_fn = jax.jit(functools.partial(eval_step, setup.graphdef, layout))
 
-    corpora = _Corpora(cfg, tokenizer, sft_examples)
-    eval_batches = _eval_batches(cfg, corpora, layout)
-    writer = MetricsWriter(
-        workdir, resume_step, is_main, cfg.log, params=run_params(cfg, launch) if is_main else None
-    )
+def _start_state(
+    folder: RunFolder, setup: TrainSetup, pretrained: Callable[[], Transformer] | None
+) -> tuple[int | None, TrainState, dict]:
+    """(restored step or None, train state, data position): the folder's latest checkpoint,
+    else a fresh state (from `pretrained()` with `init_from`)."""
+    cfg = setup.cfg
+    restored = folder.restore_latest(setup.abstract_state)
+    if restored is not None:
+        print(f"Resumed from {folder.checkpoint_dir}/{restored[0]}", flush=True)
+        return restored
+    if cfg.init_from and pretrained is None:
+        raise config_lib.ConfigError(
+            "init_from: pass pretrained=lambda: interop.load_pretrained(cfg) (launch.pretrain does)"
+        )
+    model = pretrained() if cfg.init_from else None
+    state = initial_state(setup, model)
+    if model is not None:
+        print(f"Initialised from {cfg.init_from}", flush=True)
+    return None, state, {}
 
-    def evaluate(step: int) -> float:
-        totals = [eval_fn(state, b) for b in eval_batches]
+
+class _Pretraining:
+    """One start of a pretraining run: the train state with its jitted steps, data, metrics
+    writer and run folder; `train` advances it phase by phase to cfg.steps or a signal."""
+
+    def __init__(
+        self,
+        setup: TrainSetup,
+        folder: RunFolder,
+        state: TrainState,
+        resume_step: int | None,
+        launch: dict | None,
+        sft_examples: SFTExamples | None,
+    ):
+        cfg = self.cfg = setup.cfg
+        self.setup, self.folder, self.state = setup, folder, state
+        self.is_main = jax.process_index() == 0
+        self.step = int(state.step)
+        self.last_saved = resume_step
+        self.eval_end: float | None = None
+        self._step_fn = setup.jit_train_step()
+        self._eval_fn = jax.jit(functools.partial(eval_step, setup.graphdef, setup.layout))
+        self.corpora = _Corpora(cfg, folder.tokenizer, sft_examples)
+        self._eval_batches = _eval_batches(cfg, self.corpora, setup.layout)
+        params = run_params(cfg, launch) if self.is_main else None
+        self.writer = MetricsWriter(folder.path, resume_step, self.is_main, cfg.log, params=params)
+
+    def evaluate(self) -> float:
+        """Held-out NLL per token at the current step, written to the metrics."""
+        totals = [self._eval_fn(self.state, b) for b in self._eval_batches]
         tokens = sum(int(t["tokens"]) for t in totals)
         nll = sum(float(t["nll_sum"]) for t in totals) / max(tokens, 1)
-        writer.write(step, {"eval_nll": nll})
+        self.writer.write(self.step, {"eval_nll": nll})
         return nll
 
-    step = int(state.step)
-    eval_start = evaluate(step) if step == 0 else None
-    eval_end = None
-    if eval_start is not None:
-        print(f"step {step}: eval NLL {eval_start:.4f} nats/token", flush=True)
+    def train(self, data_position: dict, progress: bool) -> str | None:
+        """Trains to cfg.steps; returns the signal that stopped it first, if any (that step is
+        saved). `data_position`: the restored checkpoint's, for the phase it was saved in."""
+        bar = tqdm(
+            total=self.cfg.steps,
+            initial=self.step,
+            disable=not (progress and self.is_main),
+            desc="pretrain",
+            dynamic_ncols=True,
+        )
+        try:
+            with StopRequest() as stop:
+                stopping = stop.agreed()  # only the agreed value steers the loop (see `agreed`)
+                while self.step < self.cfg.steps and stopping is None:
+                    stopping = self._phase(
+                        _phase_of(self.step, self.setup.bounds), data_position, stop, bar
+                    )
+                    data_position = {}
+                return stopping
+        finally:
+            bar.close()
 
-    bar = tqdm(
-        total=cfg.steps,
-        initial=step,
-        disable=not (progress and is_main),
-        desc="pretrain",
-        dynamic_ncols=True,
-    )
-    last_saved = resume_step
-    interrupted = None
-    try:
-        with StopRequest() as stop:
-            stopping = stop.agreed()  # only the agreed value steers the loop (see `agreed`)
-            while step < cfg.steps and stopping is None:
-                phase_index = _phase_of(step, bounds)
-                phase = cfg.train.phases[phase_index]
-                iterator = _make_iterator(cfg, corpora, phase_index)
-                if data_position.get("phase") == phase_index and data_position.get("iterator"):
-                    data_lib.restore_iterator_from_json(iterator, data_position["iterator"])
-                data_position = {}
-                bar.set_description(f"pretrain[{phase.name}]")
-                phase_end = bounds[phase_index][1]
+    def _phase(self, phase_index: int, data_position: dict, stop: StopRequest, bar) -> str | None:
+        """Trains to the end of the phase (or an agreed stop, returned)."""
+        cfg = self.cfg
+        iterator = _make_iterator(cfg, self.corpora, phase_index)
+        if data_position.get("phase") == phase_index and data_position.get("iterator"):
+            data_lib.restore_iterator_from_json(iterator, data_position["iterator"])
+        bar.set_description(f"pretrain[{cfg.train.phases[phase_index].name}]")
+        phase_end = self.setup.bounds[phase_index][1]
+        t0, logged_at, stopping = time.perf_counter(), self.step, None
+        while self.step < phase_end and stopping is None:
+            batch = _global_batch(next(iterator), self.setup.layout)
+            self.state, metrics = self._step_fn(self.state, batch)
+            self.step += 1
+            _check_finite(metrics, self.step, self.folder, self.last_saved)
+            stopping = stop.agreed()
+            bar.update(1)
+            step = self.step
+            if step % cfg.train.log_every == 0 or step == phase_end:
+                seconds = (time.perf_counter() - t0) / (step - logged_at)
+                record = self.writer.write(
+                    step, {**metrics, "phase": phase_index, "seconds_per_step": seconds}
+                )
+                bar.set_postfix(loss=f"{record['loss']:.3f}")
                 t0, logged_at = time.perf_counter(), step
-                while step < phase_end and stopping is None:
-                    state, metrics = step_fn(state, _global_batch(next(iterator), layout))
-                    step += 1
-                    _check_finite(metrics, step, ckpt, last_saved)
-                    stopping = stop.agreed()
-                    bar.update(1)
-                    if step % cfg.train.log_every == 0 or step == phase_end:
-                        seconds = (time.perf_counter() - t0) / (step - logged_at)
-                        record = writer.write(
-                            step, {**metrics, "phase": phase_index, "seconds_per_step": seconds}
-                        )
-                        bar.set_postfix(loss=f"{record['loss']:.3f}")
-                        t0, logged_at = time.perf_counter(), step
-                    if step % cfg.train.eval_every == 0 or step == cfg.steps:
-                        eval_end = evaluate(step)
-                    if (
-                        step % cfg.train.checkpoint_every == 0
-                        or step == phase_end
-                        or (stopping is not None and last_saved != step)
-                    ):
-                        _save(ckpt, step, state, phase_index, iterator, step == phase_end)
-                        last_saved = step
-            interrupted = stopping
-    finally:
-        bar.close()
-        ckpt.close()
-        writer.close()
-    if interrupted:
-        print(f"Stopped by {interrupted}; step {step} is saved in {ckpt.directory}", flush=True)
-    elif eval_start is not None and eval_end is not None:
-        print(nll_summary(cfg, eval_start, eval_end), flush=True)
-    return PretrainResult(step, eval_start, eval_end, workdir, interrupted)
+            if step % cfg.train.eval_every == 0 or step == cfg.steps:
+                self.eval_end = self.evaluate()
+            if (
+                step % cfg.train.checkpoint_every == 0
+                or step == phase_end
+                or (stopping is not None and self.last_saved != step)
+            ):
+                _save(self.folder, step, self.state, phase_index, iterator, step == phase_end)
+                self.last_saved = step
+        return stopping
 
 
 def nll_summary(cfg: config_lib.ExperimentConfig, start: float, end: float) -> str:
@@ -461,11 +480,11 @@ def nll_summary(cfg: config_lib.ExperimentConfig, start: float, end: float) -> s
     return line
 
 
-def _check_finite(metrics: dict, step: int, ckpt: Checkpointer, last_saved: int | None) -> None:
+def _check_finite(metrics: dict, step: int, folder: RunFolder, last_saved: int | None) -> None:
     loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
     if not (np.isfinite(loss) and np.isfinite(grad_norm)):
         last = (
-            f"the last good checkpoint is {ckpt.directory}/{last_saved}"
+            f"the last good checkpoint is {folder.checkpoint_dir}/{last_saved}"
             if last_saved is not None
             else "no checkpoint was saved before it"
         )
@@ -476,14 +495,14 @@ def _check_finite(metrics: dict, step: int, ckpt: Checkpointer, last_saved: int 
 
 
 def _save(
-    ckpt: Checkpointer, step: int, state: TrainState, phase_index: int, iterator, phase_done: bool
+    folder: RunFolder, step: int, state: TrainState, phase_index: int, iterator, phase_done: bool
 ) -> None:
     """Saves the state with the data position; a finished phase's iterator is not needed again."""
     position = {
         "phase": phase_index,
         "iterator": None if phase_done else data_lib.iterator_state_to_json(iterator),
     }
-    ckpt.save(step, state, position)
+    folder.save(step, state, position)
 
 
 def _make_iterator(cfg, corpora: _Corpora, phase_index: int):
