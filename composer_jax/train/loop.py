@@ -6,8 +6,8 @@ the same losses it would have had. A non-finite loss stops the run before anythi
 
 A run's folder (`cfg.workdir`, local or `gs://`) holds config.json, launches.jsonl, metrics.jsonl,
 tensorboard/ (and trackers.json, wandb/, mlruns/ with other `log.trackers`), checkpoints/<step>/
-and, unless it uses the byte tokenizer, tokenizer/; `load_run` reads it back, and starting the
-same config on it again resumes. On several processes every one reads the same global batches and
+and, unless it uses the byte tokenizer, tokenizer/ (all opened through `RunFolder`); `load_run`
+reads it back, and starting the same config on it again resumes. On several processes every one reads the same global batches and
 places its own rows (`_global_batch`); process 0 alone writes the config, launches, metrics and
 tokenizer, every process its checkpoint shards, and a signal on any process stops all of them at
 the same step (`StopRequest.agreed`).

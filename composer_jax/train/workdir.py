@@ -1,5 +1,6 @@
-"""A run's folder: checked before anything is written, the config written only once the run is
-known to start (so a refused resume leaves the old run's files as they were).
+"""The rules of a run's folder, which `train.run_folder.RunFolder` applies in order: checked
+before anything is written, the config written only once the run is known to start (so a refused
+resume leaves the old run's files as they were).
 
 Runs cannot be mixed up: starting on a workdir that holds a run resumes it only when the stored
 config equals the new one (`check_resume`; `resume` chooses auto / never / must), and every start
