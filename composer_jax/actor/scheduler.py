@@ -32,6 +32,15 @@ Variant = Callable[[Task, int], "Task | None"]
 log = logging.getLogger(__name__)
 
 
+def admits_group(rl: RLConfig, trainer_version: int, untrained: int, sampler_version: int) -> bool:
+    """Whether a group scheduled now would meet a trainer at most `max_staleness` versions ahead
+    of the policy that samples it (the `untrained` groups ahead of it are trained first). A
+    function of its own so that the actor-loop simulator (`composer_jax.actor.simulation`)
+    applies this very rule."""
+    meets = trainer_version + untrained // rl.groups_per_step
+    return meets - sampler_version <= rl.max_staleness
+
+
 class Scheduler:
     """Which group is sampled next. Not thread-safe: the coordinator calls it under its lock."""
 
@@ -82,10 +91,8 @@ class Scheduler:
         self._queue.remove(group)
 
     def admits(self, trainer_version: int, untrained: int, sampler_version: int) -> bool:
-        """Whether a group scheduled now would meet a trainer at most `max_staleness` versions
-        ahead of the policy that samples it."""
-        meets = trainer_version + untrained // self.cfg.groups_per_step
-        return meets - sampler_version <= self.cfg.max_staleness
+        """`admits_group` under this run's config."""
+        return admits_group(self.cfg, trainer_version, untrained, sampler_version)
 
     def next_group(self) -> GroupId | None:
         """The next group; past half the epoch, a share of them revisits the hardest prompts as
