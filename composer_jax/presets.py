@@ -6,12 +6,16 @@ agent in repositories) and `rl_small`."""
 import dataclasses
 
 from composer_jax.config import (
+    AgentConfig,
     ExperimentConfig,
+    HeldoutConfig,
     MeshConfig,
     ModelConfig,
     OptimizerConfig,
     PhaseConfig,
     RLConfig,
+    RLObjectiveConfig,
+    RolloutConfig,
     TrainConfig,
     YarnConfig,
 )
@@ -169,31 +173,35 @@ def rl_tiny() -> ExperimentConfig:
             checkpoint_every=5,
         ),
         rl=RLConfig(
-            group_size=4,
-            groups_per_step=8,
-            num_prompts=1000,  # 36 steps schedule about 540 groups (dynamic sampling skips some)
-            max_staleness=2,
-            skip_uniform_groups=True,
-            num_slots=32,
-            # Its prompts are 242-317 tokens (bytes) with the chat format, so a one-turn sample
-            # of 192 new tokens fits in 512: cache rows and training rows of 512, not 768 (a
-            # third of the trainer's tokens, which share the 2 cores with decoding).
-            context_len=512,
-            max_new_tokens=192,
-            prefill_buckets=(64, 128, 384),  # one chunk per group's prompt
-            max_turns=1,
-            distill_coef=0.0,
+            objective=RLObjectiveConfig(distill_coef=0.0),
+            rollout=RolloutConfig(
+                group_size=4,
+                groups_per_step=8,
+                num_prompts=1000,  # 36 steps schedule about 540 groups (dynamic sampling skips)
+                max_staleness=2,
+                skip_uniform_groups=True,
+                num_slots=32,
+                # Its prompts are 242-317 tokens (bytes) with the chat format, so a one-turn
+                # sample of 192 new tokens fits in 512: cache rows and training rows of 512, not
+                # 768 (a third of the trainer's tokens, which share the 2 cores with decoding).
+                context_len=512,
+                max_new_tokens=192,
+                prefill_buckets=(64, 128, 384),  # one chunk per group's prompt
+            ),
+            agent=AgentConfig(max_turns=1),
             weight_delta="add",
             # A warm start that reads the descriptions: 600 steps at lr 6e-3 score 0.52 on the
             # held-out check where 500 at 3e-3 scored 0.19 and 800 at 3e-3 0.47 (RESULTS.md).
             warm_start_steps=600,
             warm_start_lr=6e-3,
-            heldout_split="train",  # fresh instances of training functions (the held-out seed)
-            # One sample of many tasks: for the same episodes, more tasks narrow the paired
-            # interval most (32 x 2: +-0.09, 256 x 1: +-0.036, 512 x 1: +-0.026); 768 tasks give
-            # +-0.021 in 50-60 s a check on 2 cores.
-            heldout_num_tasks=768,
-            heldout_samples=1,
+            heldout=HeldoutConfig(
+                split="train",  # fresh instances of training functions (the held-out seed)
+                # One sample of many tasks: for the same episodes, more tasks narrow the paired
+                # interval most (32 x 2: +-0.09, 256 x 1: +-0.036, 512 x 1: +-0.026); 768 tasks
+                # give +-0.021 in 50-60 s a check on 2 cores.
+                num_tasks=768,
+                samples=1,
+            ),
         ),
         steps=36,
         workdir="runs/rl_tiny",
@@ -247,32 +255,36 @@ def rl_agent_tiny() -> ExperimentConfig:
         ),
         rl=dataclasses.replace(
             base.rl,
-            tools=AGENT_TINY_TOOLS,
-            open_tab_lines=40,
-            groups_per_step=6,
-            max_turns=8,
-            context_len=768,
-            max_new_tokens=128,
-            prefill_buckets=(64, 128, 256),
-            summary_budget=448,
-            summary_max_tokens=128,
-            max_summaries=2,
-            distill_coef=0.1,
-            behaviour_rewards=(
-                "todo_unfinished=0.05",
-                "tool_errors=0.1",
-                "style=0.05",
-                "communication=0.1",
-                "harm=0.5",
+            objective=dataclasses.replace(base.rl.objective, distill_coef=0.1),
+            rollout=dataclasses.replace(
+                base.rl.rollout,
+                groups_per_step=6,
+                context_len=768,
+                max_new_tokens=128,
+                prefill_buckets=(64, 128, 256),
+                # Every group trains: a group whose samples all pass still differs in behaviour.
+                skip_uniform_groups=False,
+                num_prompts=0,
             ),
-            # Every group trains: a group whose samples all pass still differs in behaviour.
-            skip_uniform_groups=False,
-            num_prompts=0,
+            agent=dataclasses.replace(
+                base.rl.agent,
+                tools=AGENT_TINY_TOOLS,
+                open_tab_lines=40,
+                max_turns=8,
+                summary_budget=448,
+                summary_max_tokens=128,
+                max_summaries=2,
+                behaviour_rewards=(
+                    "todo_unfinished=0.05",
+                    "tool_errors=0.1",
+                    "style=0.05",
+                    "communication=0.1",
+                    "harm=0.5",
+                ),
+            ),
             warm_start_steps=800,
             warm_start_lr=6e-3,
-            heldout_split="held_out",
-            heldout_num_tasks=32,
-            heldout_samples=8,
+            heldout=HeldoutConfig(split="held_out", num_tasks=32, samples=8),
         ),
         steps=16,
         workdir="runs/rl_agent_tiny",
@@ -295,17 +307,16 @@ def rl_small() -> ExperimentConfig:
             checkpoint_every=20,
         ),
         rl=RLConfig(
-            group_size=8,
-            groups_per_step=16,
-            max_staleness=4,
-            num_slots=128,
-            context_len=4096,
-            max_new_tokens=1024,
-            max_turns=8,
-            summary_budget=3072,
-            summary_max_tokens=512,
-            heldout_num_tasks=128,
-            heldout_samples=4,
+            rollout=RolloutConfig(
+                group_size=8,
+                groups_per_step=16,
+                max_staleness=4,
+                num_slots=128,
+                context_len=4096,
+                max_new_tokens=1024,
+            ),
+            agent=AgentConfig(max_turns=8, summary_budget=3072, summary_max_tokens=512),
+            heldout=HeldoutConfig(num_tasks=128, samples=4),
         ),
         steps=500,
         workdir="runs/rl_small",

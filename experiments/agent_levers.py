@@ -43,17 +43,17 @@ def _evaluate(cfg, out: str) -> dict:
 
     run = load_run(os.path.join(cfg.workdir, "warm_start"))
     rl, k = cfg.rl, _SAMPLES.value
-    tasks = untrained_tasks(cfg, rl_task_source(cfg), rl.heldout_split, _NUM_TASKS.value)
+    tasks = untrained_tasks(cfg, rl_task_source(cfg), rl.heldout.split, _NUM_TASKS.value)
     settings = TaskEvalConfig(
         samples=k,
         ks=(1, k),
-        temperature=rl.temperature,
-        max_turns=rl.max_turns,
-        max_new_tokens=rl.max_new_tokens,
-        context_len=rl.context_len,
-        num_slots=max(rl.num_slots, k),
+        temperature=rl.rollout.temperature,
+        max_turns=rl.agent.max_turns,
+        max_new_tokens=rl.rollout.max_new_tokens,
+        context_len=rl.rollout.context_len,
+        num_slots=max(rl.rollout.num_slots, k),
         seed=cfg.seed,
-        require_isolation=rl.require_sandbox,
+        require_isolation=rl.agent.require_sandbox,
     )
     report = evaluate_tasks(run.model, run.tokenizer, tasks, settings, rl, progress=False)
     with open(out, "w") as f:

@@ -246,7 +246,11 @@ def forms_table() -> None:
     from composer_jax.infer.sampling import sample, token_keys
 
     preset = presets.rl_tiny()
-    model, slots, positions = preset.model, preset.rl.num_slots, preset.rl.context_len
+    model, slots, positions = (
+        preset.model,
+        preset.rl.rollout.num_slots,
+        preset.rl.rollout.context_len,
+    )
     dtype = jnp.dtype(model.dtype)
     k_probs, k_cache, k_logits = jax.random.split(jax.random.key(0), 3)
     scores = jax.random.normal(k_probs, (slots, model.num_heads, 1, positions))

@@ -5,7 +5,7 @@ the same slots and lengths. Here both play the main job's own workload from one 
 
 1. Alone: the sampler's engine (rl_tiny's slots, prefill buckets, decode steps per call) plays
    `--groups` of the RL prompts, `group_size` samples each, through the real environments (slots
-   refilled as episodes end, environment steps on `rl.num_env_workers` threads, no trainer),
+   refilled as episodes end, environment steps on `rl.rollout.num_env_workers` threads, no trainer),
    with prompt sharing on and, as the baseline, off.
 2. In the loop: the main job's RL loop from the same warm start, traced; its sampler's decoded
    tokens over the loop's wall time, for the whole loop and for steps 2+ (after step 1's
@@ -31,16 +31,23 @@ def standalone_rate(cfg, model, tokenizer, tasks, share: bool) -> dict:
     from composer_jax import agent
 
     rl = cfg.rl
-    engine = agent.sampler_engine(model, rl, tokenizer, share_prefixes=share)
+    engine = agent.sampler_engine(model, rl.rollout, tokenizer, share_prefixes=share)
     engine.compile_all()
-    workflow, env = agent.build(rl, tokenizer, model.cfg, seed=cfg.seed)
+    workflow, env = agent.build(
+        rl.agent,
+        tokenizer,
+        model.cfg,
+        max_len=rl.rollout.context_len,
+        sampling=agent.rollout_sampling(rl.rollout, cfg.seed),
+        distill=rl.objective.distill_coef > 0,
+    )
     start = time.perf_counter()
     outcomes = agent.play(
         engine,
-        agent.group_jobs(tasks, rl.group_size),
+        agent.group_jobs(tasks, rl.rollout.group_size),
         workflow,
         env,
-        env_threads=rl.num_env_workers,
+        env_threads=rl.rollout.num_env_workers,
     )
     seconds = time.perf_counter() - start
     tokens = sum(o.policy_tokens for o in outcomes)
@@ -64,24 +71,27 @@ def main(argv):
     base = presets.rl_tiny()
     rl = dataclasses.replace(
         base.rl,
-        heldout_num_tasks=1,  # the loop's own held-out passes are not what is measured
-        heldout_samples=1,
+        # the loop's own held-out passes are not what is measured
+        heldout=dataclasses.replace(base.rl.heldout, num_tasks=1, samples=1),
         trace=os.path.join(FLAGS.out, "loop", "trace.json"),
         warm_start_steps=FLAGS.warm_start_steps or base.rl.warm_start_steps,
-        **{
-            name: FLAGS[name].value
-            for name in (
-                "group_size",
-                "groups_per_step",
-                "num_slots",
-                "max_new_tokens",
-                "max_staleness",
-                "schedule_ahead_groups",
-                "num_env_workers",
-                "skip_uniform_groups",
-            )
-            if FLAGS[name].value is not None
-        },
+        rollout=dataclasses.replace(
+            base.rl.rollout,
+            **{
+                name: FLAGS[name].value
+                for name in (
+                    "group_size",
+                    "groups_per_step",
+                    "num_slots",
+                    "max_new_tokens",
+                    "max_staleness",
+                    "schedule_ahead_groups",
+                    "num_env_workers",
+                    "skip_uniform_groups",
+                )
+                if FLAGS[name].value is not None
+            },
+        ),
     )
     cfg = dataclasses.replace(
         base, rl=rl, steps=FLAGS.steps or base.steps, workdir=os.path.join(FLAGS.out, "loop")
@@ -97,10 +107,12 @@ def main(argv):
     cfg = dataclasses.replace(cfg, rl=rl)
     model = warm_start(cfg, False)
     tokenizer = resolve_tokenizer(cfg)
-    groups = FLAGS.groups or 256 // rl.group_size
+    groups = FLAGS.groups or 256 // rl.rollout.group_size
     tasks = rl_task_source(cfg).take(groups, "train", seed=cfg.seed + 1)  # the loop's first prompts
 
-    print(f"== 1. The engine alone: {len(tasks)} of the main job's groups x {rl.group_size} ==")
+    print(
+        f"== 1. The engine alone: {len(tasks)} of the main job's groups x {rl.rollout.group_size} =="
+    )
     alone = {share: standalone_rate(cfg, model, tokenizer, tasks, share) for share in (False, True)}
     for share, r in alone.items():
         print(
@@ -128,7 +140,7 @@ def main(argv):
     for label, rate, busy, wall in rows:
         print(f"| {label} | {rate:.0f} | {rate / reference:.0%} | {busy} | {wall} |")
     print(
-        f"\nsteps 2+: {steady['decode_rows_mean']:.1f} of {rl.num_slots} rows per decode call; "
+        f"\nsteps 2+: {steady['decode_rows_mean']:.1f} of {rl.rollout.num_slots} rows per decode call; "
         f"{steady['decode_ms_alone']:.1f} ms per call alone, "
         f"{steady['decode_ms_during_train']:.1f} ms during a train step. Prompt sharing alone: "
         f"{alone[True]['rate'] / alone[False]['rate']:.2f}x. Target: the loop >= 70% of alone.",

@@ -109,12 +109,15 @@ def train_step_rows(cfg, steps: int, prompt_len: int) -> list[tuple[str, float, 
     from composer_jax.parallel.mesh import use_layout
     from composer_jax.rl.policy import reference_logprobs
 
-    rows, length = cfg.rl.groups_per_step * cfg.rl.group_size, cfg.rl.context_len
+    rows, length = (
+        cfg.rl.rollout.groups_per_step * cfg.rl.rollout.group_size,
+        cfg.rl.rollout.context_len,
+    )
     tokens = rows * length
     setup = rl_setup(cfg)
     state = setup.init_state()
     model = nnx.merge(setup.graphdef, state.params, state.buffers)
-    batch = rollout_batch(model, rows, length, cfg.rl.group_size, prompt_len)
+    batch = rollout_batch(model, rows, length, cfg.rl.rollout.group_size, prompt_len)
     reference = jax.tree.map(lambda x: x.copy(), (state.params, state.buffers))
     pretrain_batch = {
         "tokens": batch.tokens_BT,
@@ -171,17 +174,17 @@ def _time_call(fn, *args) -> float:
 
 def sampler_rate(model, rl, prompt_len: int, requests: int) -> tuple[float, int]:
     """(tokens/s, tokens) of the InferenceEngine alone: `requests` random prompts sampled to
-    max_new_tokens through rl.num_slots slots, every shape compiled beforehand."""
+    max_new_tokens through rl.rollout.num_slots slots, every shape compiled beforehand."""
     import numpy as np
 
     from composer_jax.infer import InferenceEngine, SamplingParams
 
     engine = InferenceEngine(
         model,
-        num_slots=rl.num_slots,
-        max_len=rl.context_len,
-        prefill_buckets=rl.prefill_buckets,
-        decode_chunk=rl.decode_chunk,
+        num_slots=rl.rollout.num_slots,
+        max_len=rl.rollout.context_len,
+        prefill_buckets=rl.rollout.prefill_buckets,
+        decode_chunk=rl.rollout.decode_chunk,
     )
     engine.compile_all()
     rng = np.random.default_rng(0)
@@ -189,7 +192,7 @@ def sampler_rate(model, rl, prompt_len: int, requests: int) -> tuple[float, int]
     t0 = time.perf_counter()
     for i in range(requests):
         prompt = rng.integers(1, vocab, size=prompt_len).tolist()
-        engine.submit(prompt, SamplingParams(max_new_tokens=rl.max_new_tokens, seed=i))
+        engine.submit(prompt, SamplingParams(max_new_tokens=rl.rollout.max_new_tokens, seed=i))
     done = engine.run()
     seconds = time.perf_counter() - t0
     tokens = sum(len(c.tokens) for c in done.values())
@@ -206,7 +209,12 @@ def loop_run(base, name: str, max_staleness: int, warm: str) -> dict:
 
     workdir = os.path.join(FLAGS.out, name)
     trace = os.path.join(workdir, "trace.json")
-    rl = dataclasses.replace(base.rl, max_staleness=max_staleness, warm_start=warm, trace=trace)
+    rl = dataclasses.replace(
+        base.rl,
+        rollout=dataclasses.replace(base.rl.rollout, max_staleness=max_staleness),
+        warm_start=warm,
+        trace=trace,
+    )
     run_rl(dataclasses.replace(base, rl=rl, workdir=workdir), progress=True)
     lines = [
         m
@@ -252,17 +260,19 @@ def experiment_config():
         steps=FLAGS.steps,
         rl=dataclasses.replace(
             base.rl,
-            group_size=FLAGS.group_size,
-            groups_per_step=FLAGS.groups_per_step,
-            num_slots=FLAGS.num_slots,
-            max_new_tokens=FLAGS.max_new_tokens,
-            context_len=FLAGS.context_len,
+            rollout=dataclasses.replace(
+                base.rl.rollout,
+                group_size=FLAGS.group_size,
+                groups_per_step=FLAGS.groups_per_step,
+                num_slots=FLAGS.num_slots,
+                max_new_tokens=FLAGS.max_new_tokens,
+                context_len=FLAGS.context_len,
+                skip_uniform_groups=False,
+                num_prompts=0,
+                decode_chunk=FLAGS.decode_chunk,
+            ),
+            heldout=dataclasses.replace(base.rl.heldout, num_tasks=1, samples=1),
             warm_start_steps=FLAGS.warm_start_steps,
-            skip_uniform_groups=False,
-            num_prompts=0,
-            heldout_num_tasks=1,
-            heldout_samples=1,
-            decode_chunk=FLAGS.decode_chunk,
         ),
     )
 
@@ -293,12 +303,14 @@ def main(argv):
         warm = warm_cfg.workdir
         if not os.path.exists(os.path.join(warm, "checkpoints")):
             run_pretraining(warm_cfg, sft_examples=agent.sft_examples(warm_cfg))
-    samples = rl.groups_per_step * rl.group_size
+    samples = rl.rollout.groups_per_step * rl.rollout.group_size
 
     print("\n== 1. Train step: RL vs pretraining, same model and batch ==", flush=True)
     train = train_step_rows(base, FLAGS.train_steps, FLAGS.prompt_len)
     pre_s = train[0][2]
-    print(f"rl_tiny model, batch {samples} x {rl.context_len}, {FLAGS.train_steps} timed steps")
+    print(
+        f"rl_tiny model, batch {samples} x {rl.rollout.context_len}, {FLAGS.train_steps} timed steps"
+    )
     print(
         _table(
             ["step", "compile s", "s/step", "tokens/s", "vs pretraining"],
@@ -345,7 +357,7 @@ def main(argv):
     loop_rate = steady["decoded_tokens"] / steady["wall_s"]
     categories = steady["categories"]
     print(
-        f"steps 2+: {steady['decode_rows_mean']:.1f} of {rl.num_slots} rows per decode step; "
+        f"steps 2+: {steady['decode_rows_mean']:.1f} of {rl.rollout.num_slots} rows per decode step; "
         f"decode {steady['decode_ms_alone']:.1f} ms alone vs "
         f"{steady['decode_ms_during_train']:.1f} ms during a train step; sampler seconds: "
         + ", ".join(
@@ -404,7 +416,9 @@ if __name__ == "__main__":
     flags.DEFINE_integer("groups_per_step", 2, "Groups per RL step.")
     flags.DEFINE_integer("group_size", 8, "Samples per group.")
     flags.DEFINE_integer("num_slots", 16, "Sampler slots.")
-    flags.DEFINE_integer("decode_chunk", 1, "Decode steps per engine call (rl.decode_chunk).")
+    flags.DEFINE_integer(
+        "decode_chunk", 1, "Decode steps per engine call (rl.rollout.decode_chunk)."
+    )
     flags.DEFINE_integer("max_new_tokens", 96, "Tokens per turn.")
     flags.DEFINE_integer("context_len", 768, "RL rows' length (the train-step shape).")
     flags.DEFINE_integer("prompt_len", 280, "Prompt tokens of the standalone sampler.")

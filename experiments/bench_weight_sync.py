@@ -277,11 +277,19 @@ def _rl_step_preset(name: str) -> bool:
         )
         tasks = envs.load_task_source(cfg.data.tasks).take(_TASKS.value, "train", cfg.seed)
         sampling = SamplingParams(
-            temperature=cfg.rl.temperature, top_p=cfg.rl.top_p, max_new_tokens=_NEW_TOKENS.value
+            temperature=cfg.rl.rollout.temperature,
+            top_p=cfg.rl.rollout.top_p,
+            max_new_tokens=_NEW_TOKENS.value,
         )
         dp = trainer.data_parallel
-        rl = dataclasses.replace(cfg.rl, max_turns=1, context_len=_SEQ_LEN.value)
-        workflow, env = agent.build(rl, resolve_tokenizer(cfg), cfg.model, sampling=sampling)
+        workflow, env = agent.build(
+            dataclasses.replace(cfg.rl.agent, max_turns=1),
+            resolve_tokenizer(cfg),
+            cfg.model,
+            max_len=_SEQ_LEN.value,
+            sampling=sampling,
+            distill=cfg.rl.objective.distill_coef > 0,
+        )
         batch, stats = agent.collect_batch(
             engine,
             tasks,

@@ -100,9 +100,16 @@ def _prompts(vocab: int, rows: int, length: int, seed: int) -> list[list[int]]:
 
 def _engine(model, rl, rows: int):
     buckets = tuple(
-        sorted({*(b for b in rl.prefill_buckets if b < rl.context_len), rl.context_len})
+        sorted(
+            {
+                *(b for b in rl.rollout.prefill_buckets if b < rl.rollout.context_len),
+                rl.rollout.context_len,
+            }
+        )
     )
-    return InferenceEngine(model, num_slots=rows, max_len=rl.context_len, prefill_buckets=buckets)
+    return InferenceEngine(
+        model, num_slots=rows, max_len=rl.rollout.context_len, prefill_buckets=buckets
+    )
 
 
 def decode_step_seconds(model, rl, rows: int, prompt_len: int, steps: int) -> float:
@@ -187,14 +194,21 @@ def trainer_seconds(cfg, workdir: str, steps: int, prompt_len: int) -> dict[str,
     store = os.path.join(workdir, "weights")
     trainer = RLTrainer(cfg, *split_model(model)[1:], store)
     trainer.publish().result()
-    sampler = LocalSampler(model, store, rl.num_slots, rl.context_len, rl.prefill_buckets)
+    sampler = LocalSampler(
+        model, store, rl.rollout.num_slots, rl.rollout.context_len, rl.rollout.prefill_buckets
+    )
     sampler.sync_weights(wait_for=0)
-    sizes = {max(rl.groups_per_step // 2, 1) * rl.group_size, rl.groups_per_step * rl.group_size}
+    sizes = {
+        max(rl.rollout.groups_per_step // 2, 1) * rl.rollout.group_size,
+        rl.rollout.groups_per_step * rl.rollout.group_size,
+    }
     step_s, publish_s, rebuild_s = {}, [], []
     for rows in sorted(sizes):
-        batch = rollout_batch(model, rows, rl.context_len, rl.group_size, prompt_len)
+        batch = rollout_batch(
+            model, rows, rl.rollout.context_len, rl.rollout.group_size, prompt_len
+        )
         best, publish, rebuild = _timed_steps(trainer, sampler, batch, steps)
-        step_s[rows * rl.context_len] = best
+        step_s[rows * rl.rollout.context_len] = best
         publish_s += publish
         rebuild_s += rebuild
     trainer.close()
@@ -238,27 +252,28 @@ def sim_config(cfg, costs: Costs, staleness: int) -> SimConfig:
         "stale_policy": FLAGS.stale_policy,
         "max_new_tokens": FLAGS.max_new_tokens,
     }
-    rl = dataclasses.replace(rl, **{k: v for k, v in overrides.items() if v is not None})
-    rl = dataclasses.replace(rl, max_staleness=staleness)
+    given = {k: v for k, v in overrides.items() if v is not None}
+    rollout = dataclasses.replace(rl.rollout, **given, max_staleness=staleness)
+    rl = dataclasses.replace(rl, rollout=rollout)
     if FLAGS.lengths_file:
         lengths = Lengths.from_file(FLAGS.lengths_file)
     elif FLAGS.length_sigma > 0:
         lengths = Lengths(
-            median=FLAGS.length_median or rl.max_new_tokens / 2, sigma=FLAGS.length_sigma
+            median=FLAGS.length_median or rl.rollout.max_new_tokens / 2, sigma=FLAGS.length_sigma
         )
     else:
-        lengths = Lengths(values=(FLAGS.length or rl.max_new_tokens,))
+        lengths = Lengths(values=(FLAGS.length or rl.rollout.max_new_tokens,))
     workload = Workload(
         lengths, FLAGS.prompt_tokens, FLAGS.turns, FLAGS.tool_s, FLAGS.tool_output_tokens
     )
-    batch = rl.groups_per_step * rl.group_size
+    batch = rl.rollout.groups_per_step * rl.rollout.group_size
     return SimConfig(
         rl=rl,
         workload=workload,
         costs=costs,
         steps=math.ceil(FLAGS.episodes / batch),
         trainer_ranks=FLAGS.trainer_ranks,
-        min_train_tokens=batch * rl.context_len if FLAGS.padded_train else 0,
+        min_train_tokens=batch * rl.rollout.context_len if FLAGS.padded_train else 0,
         inflight_updates=FLAGS.inflight,
         padded_decode=FLAGS.padded_decode,
         seed=FLAGS.seed,
@@ -300,7 +315,7 @@ def main(argv):
         print(f"wrote {FLAGS.costs}: {costs}")
         return
     costs = Costs.load(FLAGS.costs) if FLAGS.costs else Costs()
-    bound = cfg.rl.max_staleness if FLAGS.max_staleness is None else FLAGS.max_staleness
+    bound = cfg.rl.rollout.max_staleness if FLAGS.max_staleness is None else FLAGS.max_staleness
     modes = {"sync": 0, "async": bound}
     results = {}
     for name, staleness in modes.items():

@@ -30,7 +30,11 @@ def _run(base, name: str, max_staleness: int, warm: str):
 
     from composer_jax.actor.run import run_rl
 
-    rl = dataclasses.replace(base.rl, max_staleness=max_staleness, warm_start=warm)
+    rl = dataclasses.replace(
+        base.rl,
+        rollout=dataclasses.replace(base.rl.rollout, max_staleness=max_staleness),
+        warm_start=warm,
+    )
     cfg = dataclasses.replace(base, rl=rl, workdir=os.path.join(_OUT.value, name))
     return run_rl(cfg, progress=True)
 
@@ -56,15 +60,18 @@ def main(argv):
         steps=_STEPS.value,
         rl=dataclasses.replace(
             base.rl,
-            max_new_tokens=_NEW_TOKENS.value,
             # The workload of experiments/RESULTS.md: groups of 8, a 400-step warm start.
-            group_size=8,
-            num_slots=16,
+            rollout=dataclasses.replace(
+                base.rl.rollout,
+                max_new_tokens=_NEW_TOKENS.value,
+                group_size=8,
+                num_slots=16,
+                # every group trains: a fixed workload per step
+                skip_uniform_groups=False,
+                num_prompts=0,
+            ),
+            heldout=dataclasses.replace(base.rl.heldout, num_tasks=2, samples=1),
             warm_start_steps=400,
-            skip_uniform_groups=False,  # every group trains: a fixed workload per step
-            num_prompts=0,
-            heldout_num_tasks=2,
-            heldout_samples=1,
         ),
     )
     warm = _WARM.value
@@ -86,7 +93,7 @@ def main(argv):
             if "reward_mean" in m and m["step"] >= 2
         ]
         seconds = sum(m["seconds_per_step"] for m in lines)
-        samples = len(lines) * base.rl.groups_per_step * base.rl.group_size
+        samples = len(lines) * base.rl.rollout.groups_per_step * base.rl.rollout.group_size
         results[name] = dict(
             seconds=seconds,
             samples_per_s=samples / seconds,
@@ -97,7 +104,9 @@ def main(argv):
             histogram=result.staleness_histogram,
             reward=np.mean([m["reward_mean"] for m in lines]),
         )
-    print(f"\n{_STEPS.value} steps x {base.rl.groups_per_step * base.rl.group_size} samples")
+    print(
+        f"\n{_STEPS.value} steps x {base.rl.rollout.groups_per_step * base.rl.rollout.group_size} samples"
+    )
     header = "mode   | s (steps 2+) | samples/s | train s/step | wait s/step | staleness | dropped"
     print(header)
     print("-" * len(header))

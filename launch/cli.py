@@ -47,7 +47,7 @@ def define_config(default_preset: str | None) -> flags.FlagHolder:
     default = f"{PRESET_FILE}:{default_preset}" if default_preset else None
     # ml_collections reads the command line here (to define one flag per override), so preset
     # names are resolved and typed overrides taken out first, and a bad override is reported now.
-    argv, typed = _split_typed_overrides(_resolve_presets(sys.argv[1:]))
+    argv, typed = _split_typed_overrides(_moved_overrides(_resolve_presets(sys.argv[1:])))
     sys.argv[1:] = argv
     _TYPED_OVERRIDES[:] = typed
     flags.DEFINE_bool(
@@ -139,6 +139,22 @@ def _resolve_presets(argv: list[str]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- typed overrides
+
+
+def _moved_overrides(argv: list[str]) -> list[str]:
+    """`--config.rl.<old>` of a field that moved into a section of rl (`RLConfig.MOVED`)
+    rewritten to its new path, with a one-line warning (the old paths work for one release)."""
+    out = []
+    for arg in argv:
+        match = re.fullmatch(r"(--?config\.rl\.)(\w+)([=\[.].*)?", arg, flags=re.DOTALL)
+        new = match and config_lib.RLConfig.MOVED.get(match.group(2))
+        if new:
+            print(
+                f"warning: --config.rl.{match.group(2)} is now --config.rl.{new}", file=sys.stderr
+            )
+            arg = f"{match.group(1)}{new}{match.group(3) or ''}"
+        out.append(arg)
+    return out
 
 
 def _split_path(path: str) -> list[str | int]:

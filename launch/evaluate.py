@@ -71,14 +71,14 @@ def _tasks(config_lib, run_cfg):
         spec, field = _TASKS.value, "--tasks"
     elif run_cfg is not None:
         rl = run_cfg.rl
-        spec = rl.heldout_tasks or rl.tasks or run_cfg.data.tasks
+        spec = rl.heldout.tasks or rl.tasks or run_cfg.data.tasks
         field = "the run's held-out tasks"
     else:
         raise config_lib.ConfigError("--tasks: needed with --hf_dir")
     source = task_source(spec, field)
     split = _SPLIT.value
     if not split:
-        own = run_cfg.rl.heldout_split if run_cfg is not None and not _TASKS.value else None
+        own = run_cfg.rl.heldout.split if run_cfg is not None and not _TASKS.value else None
         split = own or source.eval_split
     if split not in source.splits:
         raise config_lib.ConfigError(f"--split: {source.name} has splits {source.splits}")
@@ -112,15 +112,15 @@ def main(argv):
             samples=_SAMPLES.value,
             ks=tuple(int(k) for k in _KS.value),
             temperature=_TEMPERATURE.value,
-            max_turns=_MAX_TURNS.value or rl.max_turns,
-            max_new_tokens=_MAX_NEW_TOKENS.value or rl.max_new_tokens,
-            context_len=_CONTEXT_LEN.value or rl.context_len,
-            num_slots=_NUM_SLOTS.value or max(rl.num_slots, _SAMPLES.value),
+            max_turns=_MAX_TURNS.value or rl.agent.max_turns,
+            max_new_tokens=_MAX_NEW_TOKENS.value or rl.rollout.max_new_tokens,
+            context_len=_CONTEXT_LEN.value or rl.rollout.context_len,
+            num_slots=_NUM_SLOTS.value or max(rl.rollout.num_slots, _SAMPLES.value),
             env_workers=_ENV_WORKERS.value,
             seed=_SEED.value,
             require_isolation=_REQUIRE_SANDBOX.value,
         )
-        agent.check_agent_config(rl)
+        agent.check_agent_config(rl.agent)
         print(
             f"Evaluating {len(tasks)} tasks of {source.name} ({split} split), "
             f"{cfg.samples} samples each",

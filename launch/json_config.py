@@ -6,7 +6,14 @@ import json
 
 import ml_collections
 
+from composer_jax import config as config_lib
+
 
 def get_config(path: str) -> ml_collections.ConfigDict:
+    """The JSON as a ConfigDict of the current layout (an older file's flat `rl` fields moved into
+    their sections, with a warning), so `--config.<field>` overrides take today's paths."""
     with open(path) as f:
-        return ml_collections.ConfigDict(json.load(f))
+        data = json.load(f)
+    return ml_collections.ConfigDict(
+        config_lib.to_dict(config_lib.from_dict(config_lib.ExperimentConfig, data))
+    )

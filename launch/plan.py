@@ -29,7 +29,9 @@ _DEVICE = flags.DEFINE_string("device", "H200", "GPU whose datasheet prices the 
 _PHASE = flags.DEFINE_integer("phase", 0, "Training phase whose batch shape is planned.")
 _STEPS = flags.DEFINE_list("steps", ["train", "decode"], "Steps to plan: train, decode.")
 _SLOTS = flags.DEFINE_integer(
-    "slots", None, "Decode rows (default: rl.num_slots rounded up to a multiple of the devices)."
+    "slots",
+    None,
+    "Decode rows (default: rl.rollout.num_slots rounded up to a multiple of the devices).",
 )
 _KNOBS = flags.DEFINE_enum(
     "knobs",

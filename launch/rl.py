@@ -1,7 +1,7 @@
 r"""Asynchronous RL on coding environments: the project's main job.
 
   python -m launch.rl                                  # tiny model, CPU, built-in tasks, minutes
-  python -m launch.rl --config.rl.backend=ray          # sampler and environments as Ray actors
+  python -m launch.rl --config.rl.rollout.backend=ray          # sampler and environments as Ray actors
   python -m launch.rl --config.rl.warm_start=runs/tiny # start from a launch.pretrain run
 
 On the embedded default it warm-starts the tiny model with a short SFT on the built-in tasks,
@@ -41,7 +41,7 @@ def main(argv):
     from composer_jax.train import CheckpointError, NonFiniteLossError
 
     try:
-        if cfg.rl.backend == "ray":
+        if cfg.rl.rollout.backend == "ray":
             runtime.initialize_ray()
         with plain_log.progress_context(_metrics_files(cfg), _PROGRESS.value, _LOG_EVERY_S.value):
             result = run_rl(cfg, progress=_PROGRESS.value)

@@ -133,7 +133,9 @@ def initialize_ray() -> None:
     try:
         import ray
     except ImportError:
-        raise SystemExit("--config.rl.backend=ray needs Ray: pip install 'composer-jax[ray]'")
+        raise SystemExit(
+            "--config.rl.rollout.backend=ray needs Ray: pip install 'composer-jax[ray]'"
+        )
     if not ray.is_initialized():
         ray.init(
             address=os.environ.get("RAY_ADDRESS") or None,

@@ -15,15 +15,15 @@ def tiny_model_config(**overrides) -> config.ModelConfig:
 # groups of 2 on 4 slots, every group trained, 2 held-out tasks, thread environment workers. A
 # test adds its workdir, steps and what it is about.
 SMALL_RL_FLAGS = (
-    "--config.rl.heldout_num_tasks=2",
-    "--config.rl.heldout_samples=1",
+    "--config.rl.heldout.num_tasks=2",
+    "--config.rl.heldout.samples=1",
     "--config.rl.warm_start_steps=2",
-    "--config.rl.group_size=2",
-    "--config.rl.num_slots=4",
-    "--config.rl.context_len=512",
-    "--config.rl.max_new_tokens=16",
-    "--config.rl.max_turns=1",
-    "--config.rl.skip_uniform_groups=False",
-    "--config.rl.env_workers=thread",
+    "--config.rl.rollout.group_size=2",
+    "--config.rl.rollout.num_slots=4",
+    "--config.rl.rollout.context_len=512",
+    "--config.rl.rollout.max_new_tokens=16",
+    "--config.rl.agent.max_turns=1",
+    "--config.rl.rollout.skip_uniform_groups=False",
+    "--config.rl.rollout.env_workers=thread",
     "--progress=false",
 )

@@ -176,7 +176,7 @@ def rl_step_batch():
     import numpy as np
 
     from composer_jax import agent
-    from composer_jax.config import RLConfig
+    from composer_jax.config import AgentConfig, RLObjectiveConfig
     from composer_jax.data import ByteTokenizer
     from composer_jax.envs import builtin_tasks
     from composer_jax.infer import InferenceEngine, SamplingParams
@@ -186,10 +186,12 @@ def rl_step_batch():
     engine = InferenceEngine(model, num_slots=4, max_len=384, prefill_buckets=(384,))
     tasks = builtin_tasks(2, "train", seed=0, max_ops=1)
     workflow, env = agent.build(
-        RLConfig(max_turns=1, context_len=384),
+        AgentConfig(max_turns=1),
         ByteTokenizer(),
         model.cfg,
+        max_len=384,
         sampling=SamplingParams(max_new_tokens=16, seed=1),
+        distill=RLObjectiveConfig().distill_coef > 0,
     )
     batch, _ = agent.collect_batch(engine, tasks, 2, workflow, env, seq_len=384, num_rows=8)
     return dataclasses.replace(batch, rewards_N={"task": np.array([1, 0, 0, 1], np.float32)})

@@ -126,12 +126,12 @@ def test_cli_rejects_bad_override_before_compiling(tmp_path):
 
 
 def test_decode_chunk_must_be_positive():
-    with pytest.raises(C.ConfigError, match=r"rl\.decode_chunk"):
-        C.validate_rl(C.RLConfig(decode_chunk=0))
-    C.validate_rl(C.RLConfig(decode_chunk=8))
+    with pytest.raises(C.ConfigError, match=r"rl\.rollout\.decode_chunk"):
+        C.validate_rl(C.RLConfig(rollout=C.RolloutConfig(decode_chunk=0)))
+    C.validate_rl(C.RLConfig(rollout=C.RolloutConfig(decode_chunk=8)))
 
 
 def test_uniform_by_names_its_choices():
-    with pytest.raises(C.ConfigError, match=r"rl\.uniform_by: 'length' is not one of"):
-        C.validate_rl(C.RLConfig(uniform_by="length"))
-    C.validate_rl(C.RLConfig(uniform_by="total"))
+    with pytest.raises(C.ConfigError, match=r"rl\.rollout\.uniform_by: 'length' is not one of"):
+        C.validate_rl(C.RLConfig(rollout=C.RolloutConfig(uniform_by="length")))
+    C.validate_rl(C.RLConfig(rollout=C.RolloutConfig(uniform_by="total")))

@@ -75,7 +75,9 @@ class Coordinator:
         self._resume = []
         for saved in resume:
             group = GroupId.parse(saved.group_id)
-            if inflight.valid_for(saved, cfg.group_size) and self.scheduler.is_queued(group):
+            if inflight.valid_for(saved, cfg.rollout.group_size) and self.scheduler.is_queued(
+                group
+            ):
                 self.scheduler.take(group)
                 self._resume.append(saved)
         self.sampler_stats: dict[str, float] = {}  # refreshed by the rollout thread only
@@ -236,7 +238,7 @@ class Coordinator:
         for saved in resume:
             task = self.scheduler.task(GroupId.parse(saved.group_id))
             group, to_start = inflight.restore_group(
-                saved, task, self.cfg.group_size, self.trainer_version
+                saved, task, self.cfg.rollout.group_size, self.trainer_version
             )
             with self.state.lock:
                 self.state.groups[group.group_id] = group
@@ -267,10 +269,13 @@ class Coordinator:
         # Samples that hold or await a slot count against the slots plus the lookahead (a
         # sample's slot is free again once its last turn leaves the sampler, even while the
         # turn is graded and the rest of its group still generates).
-        capacity = cfg.num_slots * cfg.num_samplers + cfg.group_size * cfg.schedule_ahead_groups
+        capacity = (
+            cfg.rollout.num_slots * cfg.rollout.num_samplers
+            + cfg.rollout.group_size * cfg.rollout.schedule_ahead_groups
+        )
         with state.lock:
             while True:
-                if state.needing_slots() + cfg.group_size > capacity:
+                if state.needing_slots() + cfg.rollout.group_size > capacity:
                     return
                 version = self.sampler.version or 0
                 if not self.scheduler.admits(self.trainer_version, self._untrained, version):
@@ -279,7 +284,7 @@ class Coordinator:
                 if group_id is None:
                     return
                 group = GroupSlot.fresh(
-                    group_id, self.scheduler.task(group_id), cfg.group_size, version
+                    group_id, self.scheduler.task(group_id), cfg.rollout.group_size, version
                 )
                 state.groups[group_id] = group
                 self._untrained += 1

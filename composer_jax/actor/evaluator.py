@@ -1,6 +1,6 @@
 """The evaluator role: held-out tasks played through the run's workflow, with confidence intervals.
 
-Held-out tasks come from a task source (`rl.heldout_tasks`, split `rl.heldout_split`, seeds the
+Held-out tasks come from a task source (`rl.heldout.tasks`, split `rl.heldout.split`, seeds the
 warm start and the RL prompts never use: `setup.heldout_task_set`). Each task is sampled `samples`
 times through `agent.play` with the run's workflow (the episode training plays: turns, summaries,
 feedback, behaviour rewards) in the evaluation tool profile. The task is the unit of every
@@ -88,7 +88,7 @@ def per_task_metrics(outcomes, num_tasks: int, samples: int) -> dict[str, np.nda
 class Evaluator:
     """Plays `samples` episodes of every held-out task with a fresh engine on the given model:
     the sampler's engine settings (prefill buckets, decode steps per call), slots refilled as
-    episodes end, environment steps on `rl.num_env_workers` threads."""
+    episodes end, environment steps on `rl.rollout.num_env_workers` threads."""
 
     def __init__(
         self,
@@ -106,20 +106,29 @@ class Evaluator:
 
     def evaluate(self, model: Transformer) -> HeldoutResult:
         cfg = self.cfg
-        engine = sampler_engine(model, cfg, self.tokenizer)
+        rollout = cfg.rollout
+        engine = sampler_engine(model, rollout, self.tokenizer)
         sampling = SamplingParams(
             temperature=self.temperature,
-            top_p=cfg.top_p,
-            max_new_tokens=cfg.max_new_tokens,
+            top_p=rollout.top_p,
+            max_new_tokens=rollout.max_new_tokens,
             seed=self.seed,
         )
-        workflow = make_workflow(cfg, self.tokenizer, model.cfg, self.env_config, sampling=sampling)
+        workflow = make_workflow(
+            cfg.agent,
+            self.tokenizer,
+            model.cfg,
+            self.env_config,
+            max_len=rollout.context_len,
+            sampling=sampling,
+            distill=cfg.objective.distill_coef > 0,
+        )
         outcomes = play(
             engine,
             group_jobs(self.tasks, self.samples),
             workflow,
             self.env_config,
-            env_threads=cfg.num_env_workers,
+            env_threads=rollout.num_env_workers,
         )
         rewards = episode_stats(outcomes)["reward"].reshape(len(self.tasks), self.samples)
         metrics = per_task_metrics(outcomes, len(self.tasks), self.samples)

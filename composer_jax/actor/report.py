@@ -33,7 +33,7 @@ def heldout_once(cfg, evaluator, model, path, key, progress) -> HeldoutResult:
     start = time.perf_counter()
     result = evaluator.evaluate(model)
     log.info(
-        f"Held-out reward ({cfg.rl.heldout_split} split) {key.split('-')[0]} RL: {result} "
+        f"Held-out reward ({cfg.rl.heldout.split} split) {key.split('-')[0]} RL: {result} "
         f"[{time.perf_counter() - start:.0f} s]"
     )
     stored[key] = {

@@ -33,43 +33,47 @@ def make_environment_pool(kind: str, num_workers: int, timeout_s: float) -> Envi
 def make_roles(cfg, model, store, env_timeout_s, tracer):
     """The sampler(s) and the environment pool: in this process, or Ray actors."""
     rl = cfg.rl
-    if rl.backend != "ray":
-        pool = make_environment_pool(rl.env_workers, rl.num_env_workers, env_timeout_s)
+    if rl.rollout.backend != "ray":
+        pool = make_environment_pool(
+            rl.rollout.env_workers, rl.rollout.num_env_workers, env_timeout_s
+        )
         pool.tracer = tracer
         sampler = LocalSampler(
             model,
             store,
-            num_slots=rl.num_slots,
-            max_len=rl.context_len,
-            prefill_buckets=rl.prefill_buckets,
-            recompute_cache=rl.recompute_cache_on_update,
+            num_slots=rl.rollout.num_slots,
+            max_len=rl.rollout.context_len,
+            prefill_buckets=rl.rollout.prefill_buckets,
+            recompute_cache=rl.rollout.recompute_cache_on_update,
             tracer=tracer,
             publishers=jax.process_count(),
-            decode_chunk=rl.decode_chunk,
+            decode_chunk=rl.rollout.decode_chunk,
         )
         return sampler, pool
     samplers = [
         RaySampler(
             cfg.model,
             store,
-            rl.num_slots,
-            rl.context_len,
-            rl.recompute_cache_on_update,
-            prefill_buckets=rl.prefill_buckets,
-            num_gpus=rl.ray_sampler_gpus,
-            resources=parse_resources(rl.ray_sampler_resources, "rl.ray_sampler_resources"),
-            placement_timeout_s=rl.ray_placement_timeout_s,
+            rl.rollout.num_slots,
+            rl.rollout.context_len,
+            rl.rollout.recompute_cache_on_update,
+            prefill_buckets=rl.rollout.prefill_buckets,
+            num_gpus=rl.rollout.ray_sampler_gpus,
+            resources=parse_resources(
+                rl.rollout.ray_sampler_resources, "rl.rollout.ray_sampler_resources"
+            ),
+            placement_timeout_s=rl.rollout.ray_placement_timeout_s,
             publishers=jax.process_count(),
-            decode_chunk=rl.decode_chunk,
+            decode_chunk=rl.rollout.decode_chunk,
         )
-        for _ in range(rl.num_samplers)
+        for _ in range(rl.rollout.num_samplers)
     ]
     sampler = samplers[0] if len(samplers) == 1 else SamplerGroup(samplers)
     pool = RayEnvironmentPool(
-        rl.num_env_workers,
+        rl.rollout.num_env_workers,
         env_timeout_s,
-        resources=parse_resources(rl.ray_env_resources, "rl.ray_env_resources"),
-        placement_timeout_s=rl.ray_placement_timeout_s,
+        resources=parse_resources(rl.rollout.ray_env_resources, "rl.rollout.ray_env_resources"),
+        placement_timeout_s=rl.rollout.ray_placement_timeout_s,
     )
     return sampler, pool
 

@@ -55,7 +55,7 @@ from composer_jax.actor.setup import (
     warm_start,
 )
 from composer_jax.actor.trainer import ProcessZeroFailed, RLTrainer
-from composer_jax.agent import check_agent_config, make_workflow, reward_weights
+from composer_jax.agent import check_agent_config, make_workflow, reward_weights, rollout_sampling
 from composer_jax.agent import env_config as agent_env_config
 from composer_jax.parallel.multihost import LeaderChannel, host_model, is_leader
 from composer_jax.trace import TRAINER, format_summary, make_tracer, summary_path
@@ -108,7 +108,7 @@ def _start_folder(cfg: config_lib.ExperimentConfig) -> RunFolder:
     """The run's folder, once everything that can be checked before any work is: the config,
     the agent's plug-ins, the warm start's folder, the trace's path, the tokenizer, the resume."""
     config_lib.validate(cfg, jax.device_count())
-    check_agent_config(cfg.rl)  # a plug-in that does not resolve stops before any work
+    check_agent_config(cfg.rl.agent)  # a plug-in that does not resolve stops before any work
     if cfg.rl.warm_start:  # before the workdir exists: a typo must not leave an empty run behind
         check_run_folder(cfg.rl.warm_start, "rl.warm_start")
     if cfg.rl.trace:  # written at the end: a bad path must not cost the run
@@ -147,13 +147,13 @@ def _build(cfg, folder, model, warm_params, warm_buffers, channel, progress) -> 
     """The held-out check before RL, the trainer (restored), the ledger (rewound), the sampler,
     the environments and the coordinator with the groups that were in flight."""
     rl, tokenizer = cfg.rl, folder.tokenizer
-    heldout_env = agent_env_config(rl, evaluation=True)
+    heldout_env = agent_env_config(rl.agent, evaluation=True)
     evaluator = Evaluator(
         rl,
         heldout_task_set(cfg),
         tokenizer,
-        rl.heldout_samples,
-        rl.heldout_temperature,
+        rl.heldout.samples,
+        rl.heldout.temperature,
         heldout_env,
     )
     before = heldout_once(cfg, evaluator, model, _heldout_path(cfg), "before", progress)
@@ -174,7 +174,7 @@ def _build(cfg, folder, model, warm_params, warm_buffers, channel, progress) -> 
     )
     if trainer.restored_step is None:
         writer.write(0, {"heldout_reward": before.mean, "heldout_pass_rate": before.pass_rate})
-    env = agent_env_config(rl)
+    env = agent_env_config(rl.agent)
     sampler, pool = make_roles(cfg, model, store, env_timeout(rl, env), tracer)
     tracer.start()  # the timeline: from the first publication to the rollout thread's end
     trainer.publish().result()
@@ -186,7 +186,15 @@ def _build(cfg, folder, model, warm_params, warm_buffers, channel, progress) -> 
         pool,
         ledger,
         prompts,
-        make_workflow(rl, tokenizer, cfg.model, env, seed=cfg.seed),
+        make_workflow(
+            rl.agent,
+            tokenizer,
+            cfg.model,
+            env,
+            max_len=rl.rollout.context_len,
+            sampling=rollout_sampling(rl.rollout, cfg.seed),
+            distill=rl.objective.distill_coef > 0,
+        ),
         env,
         seed=cfg.seed,
         resume=in_flight_groups(trainer, inflight_store),
@@ -210,7 +218,9 @@ def _rewind(rl, ledger: GroupLedger, trainer: RLTrainer) -> None:
     # Too stale to train on (or sampled by weights the restored state never had): drop them. The
     # scheduler samples again the prompt of every dropped group without a live successor.
     ledger.drop_stale(
-        trainer.version, rl.max_staleness if rl.stale_policy == "drop" else 1 << 30, drop_newer=True
+        trainer.version,
+        rl.rollout.max_staleness if rl.rollout.stale_policy == "drop" else 1 << 30,
+        drop_newer=True,
     )
 
 
@@ -266,11 +276,12 @@ def _train(cfg, loop: _Loop, progress: bool) -> str | None:
                 with tracer.span("pack", groups=len(groups)):
                     batch = groups_to_batch(
                         groups,
-                        rl.context_len,
+                        rl.rollout.context_len,
                         row_multiple=trainer.data_parallel,
                         weights=weights,
-                        min_rows=rl.groups_per_step * rl.group_size,  # one shape for most steps
-                        reward_weights=reward_weights(rl.behaviour_rewards),
+                        min_rows=rl.rollout.groups_per_step
+                        * rl.rollout.group_size,  # one shape for most steps
+                        reward_weights=reward_weights(rl.agent.behaviour_rewards),
                     )
                 trained = time.perf_counter()
                 metrics = trainer.step(batch, stop)

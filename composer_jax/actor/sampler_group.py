@@ -1,4 +1,4 @@
-"""Several samplers behind the one `Sampler` the coordinator drives (`rl.num_samplers`).
+"""Several samplers behind the one `Sampler` the coordinator drives (`rl.rollout.num_samplers`).
 
 A new request goes to the sampler holding the fewest live requests and stays there for all its
 turns (its cache lives there); request ids are `local id * N + sampler index`. Polls and weight

@@ -13,7 +13,7 @@ import numpy as np
 
 from composer_jax.actor.ledger import Group
 from composer_jax.agent import EpisodeOutcome, reward_weights
-from composer_jax.config import RLObjectiveConfig
+from composer_jax.config import RLConfig
 from composer_jax.parallel.packing import balanced_row_order
 from composer_jax.rl.batch import Sequence, TrajectoryBatch, first_fit, pack_trajectories
 from composer_jax.rl.length_penalty import sample_rewards
@@ -186,16 +186,16 @@ def groups_to_batch(
     return balance_rows(batch, row_multiple)
 
 
-def total_rewards(group: Group, cfg: RLObjectiveConfig) -> np.ndarray:
+def total_rewards(group: Group, rl: RLConfig) -> np.ndarray:
     """Each sample's total reward before the KL term (task reward, weighted behaviour rewards,
     minus the length penalty), exactly as the trainer computes it (`rl.sample_rewards` on the
     group packed alone). Rows are padded to a power of two (padding adds nothing), so the eager
     ops compile for a few lengths instead of every group's longest sequence."""
     longest = int(np.max(group.arrays["sequence_lengths"]))
     seq_len = 1 << (longest - 1).bit_length()
-    weights = reward_weights(cfg.behaviour_rewards)
+    weights = reward_weights(rl.agent.behaviour_rewards)
     batch = groups_to_batch([group], seq_len=seq_len, reward_weights=weights)
-    totals, _ = sample_rewards(batch, cfg)
+    totals, _ = sample_rewards(batch, rl.objective)
     return np.asarray(totals)[: len(group.rewards)]
 
 

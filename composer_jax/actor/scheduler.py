@@ -37,8 +37,8 @@ def admits_group(rl: RLConfig, trainer_version: int, untrained: int, sampler_ver
     of the policy that samples it (the `untrained` groups ahead of it are trained first). A
     function of its own so that the actor-loop simulator (`composer_jax.actor.simulation`)
     applies this very rule."""
-    meets = trainer_version + untrained // rl.groups_per_step
-    return meets - sampler_version <= rl.max_staleness
+    meets = trainer_version + untrained // rl.rollout.groups_per_step
+    return meets - sampler_version <= rl.rollout.max_staleness
 
 
 class Scheduler:
@@ -100,12 +100,12 @@ class Scheduler:
         cfg = self.cfg
         used = self._num_prompts - len(self._queue)
         if (
-            cfg.hard_prompt_fraction > 0
+            cfg.rollout.hard_prompt_fraction > 0
             and self.variant is not None
             and self._hard
             and used >= self._num_prompts // 2
             and np.random.default_rng(self.seed + used + self.revisits).random()
-            < cfg.hard_prompt_fraction
+            < cfg.rollout.hard_prompt_fraction
         ):
             self._hard.sort()
             _, prompt = self._hard.pop()
@@ -126,33 +126,37 @@ class Scheduler:
 
     def finished(self, group: GroupId, num_turns: int, thinking_tokens: int) -> None:
         """Records how hard an original prompt was (most turns, then most thinking tokens)."""
-        if self.cfg.hard_prompt_fraction > 0 and group.prompt not in self._variants:
+        if self.cfg.rollout.hard_prompt_fraction > 0 and group.prompt not in self._variants:
             self._hard.append((num_turns * 1e6 + thinking_tokens, group.prompt))
 
 
 def uniform_rewards(group: Group, rl: RLConfig) -> np.ndarray:
-    """The rewards dynamic sampling compares within a group (rl.uniform_by): the task reward, or
+    """The rewards dynamic sampling compares within a group (rl.rollout.uniform_by): the task reward, or
     the total before KL (task, weighted behaviour rewards, length penalty)."""
-    if rl.uniform_by == "task":
+    if rl.rollout.uniform_by == "task":
         return np.asarray(group.rewards)
     return total_rewards(group, rl)
 
 
 def next_groups(coordinator, ledger: GroupLedger, rl: RLConfig, version: int, interrupted=None):
     """The next batch of finished groups for the trainer at `version`: (groups, advantage
-    weights, groups dropped as stale). Groups whose oldest token lags more than rl.max_staleness
+    weights, groups dropped as stale). Groups whose oldest token lags more than rl.rollout.max_staleness
     versions are dropped for good (and the wait goes on) or kept with weight
-    stale_decay ** (lag - max_staleness), per rl.stale_policy; a dropped group's prompt is
-    sampled again. With rl.skip_uniform_groups, groups whose samples' rewards are all equal
+    stale_decay ** (lag - max_staleness), per rl.rollout.stale_policy; a dropped group's prompt is
+    sampled again. With rl.rollout.skip_uniform_groups, groups whose samples' rewards are all equal
     (`uniform_rewards`) are dropped too (not redone). Fewer groups only
     at the end of the prompt epoch; none when it is over; (None, None, dropped) when
     `interrupted()` returned True."""
     dropped = 0
     while True:
-        ids = coordinator.wait_for_groups(rl.groups_per_step, interrupted=interrupted)
+        ids = coordinator.wait_for_groups(rl.rollout.groups_per_step, interrupted=interrupted)
         if ids is None:
             return None, None, dropped
-        stale = ledger.drop_stale(version, rl.max_staleness) if rl.stale_policy == "drop" else []
+        stale = (
+            ledger.drop_stale(version, rl.rollout.max_staleness)
+            if rl.rollout.stale_policy == "drop"
+            else []
+        )
         if stale:
             dropped += len(stale)
             coordinator.groups_trained(len(stale), version)
@@ -172,12 +176,12 @@ def next_groups(coordinator, ledger: GroupLedger, rl: RLConfig, version: int, in
         uniform = [
             g.group_id
             for g in groups
-            if rl.skip_uniform_groups and np.ptp(uniform_rewards(g, rl)) == 0
+            if rl.rollout.skip_uniform_groups and np.ptp(uniform_rewards(g, rl)) == 0
         ]
         if not uniform:
             break
         ledger.drop(uniform, version, "uninformative")
         coordinator.groups_trained(len(uniform), version)
     lags = [version - g.min_version for g in groups]
-    weights = [rl.stale_decay ** max(lag - rl.max_staleness, 0) for lag in lags]
+    weights = [rl.rollout.stale_decay ** max(lag - rl.rollout.max_staleness, 0) for lag in lags]
     return groups, weights, dropped

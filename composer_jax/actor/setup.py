@@ -48,8 +48,8 @@ def rl_task_source(cfg: config_lib.ExperimentConfig) -> envs.TaskSource:
 
 
 def rl_num_prompts(cfg: config_lib.ExperimentConfig) -> int:
-    """Prompts of the RL epoch: `rl.num_prompts`, else steps x groups per step."""
-    return cfg.rl.num_prompts or cfg.steps * cfg.rl.groups_per_step
+    """Prompts of the RL epoch: `rl.rollout.num_prompts`, else steps x groups per step."""
+    return cfg.rl.rollout.num_prompts or cfg.steps * cfg.rl.rollout.groups_per_step
 
 
 def rl_prompt_tasks(cfg: config_lib.ExperimentConfig) -> list[envs.Task]:
@@ -80,33 +80,33 @@ def untrained_tasks(
 
 
 def heldout_task_set(cfg: config_lib.ExperimentConfig) -> list[envs.Task]:
-    """The evaluation tasks: the first `rl.heldout_num_tasks` of the `rl.heldout_split` split of
-    rl.heldout_tasks (else the RL tasks' source), seed cfg.seed + 2, whose prompts the run never
+    """The evaluation tasks: the first `rl.heldout.num_tasks` of the `rl.heldout.split` split of
+    rl.heldout.tasks (else the RL tasks' source), seed cfg.seed + 2, whose prompts the run never
     trains on (`trained_prompts`). Other seeds give other task instances but not always other
     prompts (the built-in int-input tasks have few distinct ones), and a repeated prompt measures
     memorisation: RL gained about +0.1 on such tasks and nothing on the rest (RESULTS.md)."""
     rl = cfg.rl
-    if rl.heldout_tasks:
-        source = task_source(rl.heldout_tasks, "rl.heldout_tasks")
+    if rl.heldout.tasks:
+        source = task_source(rl.heldout.tasks, "rl.heldout.tasks")
     else:
         source = rl_task_source(cfg)
-    if rl.heldout_split not in source.splits:
+    if rl.heldout.split not in source.splits:
         raise config_lib.ConfigError(
-            f"rl.heldout_split: {source.name} has splits {source.splits}, not {rl.heldout_split!r}"
+            f"rl.heldout.split: {source.name} has splits {source.splits}, not {rl.heldout.split!r}"
         )
-    tasks = untrained_tasks(cfg, source, rl.heldout_split, rl.heldout_num_tasks)
+    tasks = untrained_tasks(cfg, source, rl.heldout.split, rl.heldout.num_tasks)
     if not tasks:
         raise config_lib.ConfigError(
-            f"rl.heldout_split: {source.name} has no {rl.heldout_split!r} tasks the run does not "
+            f"rl.heldout.split: {source.name} has no {rl.heldout.split!r} tasks the run does not "
             "train on"
         )
-    if len(tasks) < rl.heldout_num_tasks:
+    if len(tasks) < rl.heldout.num_tasks:
         log.warning(
             "held-out check: %d tasks, not %d (the rest of %s's %r split is trained on)",
             len(tasks),
-            rl.heldout_num_tasks,
+            rl.heldout.num_tasks,
             source.name,
-            rl.heldout_split,
+            rl.heldout.split,
         )
     return tasks
 
@@ -144,12 +144,12 @@ def env_timeout(rl, env_config) -> float:
     """How long an environment worker may take for one call before it counts as hung: at least
     the longest a step can legitimately take under the environment's limits."""
     needed = env_config.step_seconds()
-    if rl.env_timeout_s and rl.env_timeout_s < needed:
+    if rl.rollout.env_timeout_s and rl.rollout.env_timeout_s < needed:
         raise config_lib.ConfigError(
-            f"rl.env_timeout_s: {rl.env_timeout_s} s is shorter than a step may legitimately take "
+            f"rl.rollout.env_timeout_s: {rl.rollout.env_timeout_s} s is shorter than a step may legitimately take "
             f"under the environment's limits ({needed:.0f} s); use 0 to derive it"
         )
-    return rl.env_timeout_s or needed
+    return rl.rollout.env_timeout_s or needed
 
 
 def store_dir(cfg) -> str:

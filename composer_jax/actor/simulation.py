@@ -281,7 +281,7 @@ class _Sampler:
     def _can_act(self) -> bool:
         if self.available > self.version:  # without in-flight updates it drains first
             return self.sim.cfg.inflight_updates
-        free = self.held < self.sim.rl.num_slots
+        free = self.held < self.sim.rl.rollout.num_slots
         return bool(self.continuing) or (bool(self.waiting) and free)
 
     def wake(self, token: int) -> None:
@@ -337,7 +337,7 @@ class _Sampler:
         if not self.running:
             self.state = IDLE
             return
-        rows = sim.rl.num_slots if sim.cfg.padded_decode else len(self.running)
+        rows = sim.rl.rollout.num_slots if sim.cfg.padded_decode else len(self.running)
         self.state, self.step_s = DECODING, sim.decode_s[rows]
         self.run_steps = self.running[0][0] - self.steps
         self.run_start = sim.now + prefill * costs.prefill_s_per_token
@@ -361,7 +361,7 @@ class _Sampler:
         tokens = len(self.continuing) * work.tool_output_tokens
         while self.continuing:
             self._start(self.continuing.popleft())
-        while self.waiting and self.held < self.sim.rl.num_slots:
+        while self.waiting and self.held < self.sim.rl.rollout.num_slots:
             sample = self.waiting.popleft()
             self.held += 1
             sample.min_version = self.version
@@ -389,19 +389,24 @@ class Simulation:
     until cfg.steps trainer steps. It is also the coordinator `next_groups` talks to."""
 
     def __init__(self, cfg: SimConfig):
-        rl = dataclasses.replace(cfg.rl, skip_uniform_groups=False)  # simulated groups: no rewards
+        rl = dataclasses.replace(
+            cfg.rl, rollout=dataclasses.replace(cfg.rl.rollout, skip_uniform_groups=False)
+        )  # simulated groups: no rewards
         # The coordinator's bound on samples holding or awaiting a slot.
-        self.capacity = rl.num_slots * rl.num_samplers + rl.group_size * rl.schedule_ahead_groups
-        if self.capacity < rl.group_size:
+        self.capacity = (
+            rl.rollout.num_slots * rl.rollout.num_samplers
+            + rl.rollout.group_size * rl.rollout.schedule_ahead_groups
+        )
+        if self.capacity < rl.rollout.group_size:
             raise ValueError("a group's samples never fit the samplers' slots plus the lookahead")
         self.cfg, self.rl = cfg, rl
-        self.decode_s = [cfg.costs.decode_step_s(rows) for rows in range(rl.num_slots + 1)]
+        self.decode_s = [cfg.costs.decode_step_s(rows) for rows in range(rl.rollout.num_slots + 1)]
         self.now = 0.0
         self._events: list = []
         self.tie = itertools.count()
         self._rng = np.random.default_rng(cfg.seed)
         self._lengths: list[int] = []
-        self.samplers = [_Sampler(self) for _ in range(rl.num_samplers)]
+        self.samplers = [_Sampler(self) for _ in range(rl.rollout.num_samplers)]
         self.ledger = _Ledger()
         self.trainer_version = self.untrained = self.needing_slots = 0
         self.training = False
@@ -428,7 +433,7 @@ class Simulation:
         """`Coordinator._schedule`: new groups while their samples fit the slots plus the
         lookahead and `admits_group` admits them at the oldest version a sampler holds."""
         rl, fed = self.rl, set()
-        while self.needing_slots + rl.group_size <= self.capacity:
+        while self.needing_slots + rl.rollout.group_size <= self.capacity:
             version = min(s.version for s in self.samplers)
             if not scheduler.admits_group(rl, self.trainer_version, self.untrained, version):
                 break
@@ -439,14 +444,16 @@ class Simulation:
     def _start_group(self) -> list[_Sampler]:
         """Queues a new group's samples, each on the least loaded sampler; returns those."""
         rl, turns = self.rl, self.cfg.workload.turns
-        group = _Group(f"g{self.generated // rl.group_size}", rl.group_size)
+        group = _Group(f"g{self.generated // rl.rollout.group_size}", rl.rollout.group_size)
         self.untrained += 1
-        self.needing_slots += rl.group_size
-        self.generated += rl.group_size
+        self.needing_slots += rl.rollout.group_size
+        self.generated += rl.rollout.group_size
         fed = []
-        for _ in range(rl.group_size):
+        for _ in range(rl.rollout.group_size):
             if len(self._lengths) < turns:
-                self._lengths += self.cfg.workload.lengths.draw(self._rng, 4096, rl.max_new_tokens)
+                self._lengths += self.cfg.workload.lengths.draw(
+                    self._rng, 4096, rl.rollout.max_new_tokens
+                )
             sample = _Sample(group, self._lengths[-turns:])
             del self._lengths[-turns:]
             sampler = min(self.samplers, key=lambda s: s.load)
@@ -514,7 +521,7 @@ class Simulation:
 
     def _trained(self, count: int) -> None:
         self.training = False
-        self.trained_samples += count * self.rl.group_size
+        self.trained_samples += count * self.rl.rollout.group_size
         self.groups_trained(count, self.trainer_version + 1)
         self.at(self.now + self.cfg.costs.publish_s, self._published, self.trainer_version)
         self._train()
@@ -533,7 +540,7 @@ class Simulation:
             samples_per_s=self.trained_samples / seconds,
             trainer_busy=self.train_busy / seconds,
             sampler_busy=float(busy) / (seconds * len(self.samplers)),
-            slot_use=float(rows) / (seconds * len(self.samplers) * self.rl.num_slots),
+            slot_use=float(rows) / (seconds * len(self.samplers) * self.rl.rollout.num_slots),
             staleness=dict(sorted(self.staleness.items())),
             token_lag=self.lag_sum / max(self.lag_tokens, 1),
             dropped_groups=self.dropped,

@@ -82,14 +82,14 @@ def rl_train_step(
 
 
 def rl_objective(rl: RLConfig) -> RLObjectiveConfig:
-    """The objective the trainer optimises: `rl` with its loss normaliser fixed for the run
-    (groups_per_step * group_size * max_generation_len unless configured), so a step with fewer
-    groups (the epoch's last) weighs each token the same as every other step."""
-    normalizer = rl.loss_normalizer or float(
-        rl.groups_per_step * rl.group_size * rl.max_generation_len
+    """The objective the trainer optimises: `rl.objective` with its loss normaliser fixed for the
+    run (groups_per_step * group_size * max_generation_len unless configured), so a step with
+    fewer groups (the epoch's last) weighs each token the same as every other step."""
+    objective = rl.objective
+    normalizer = objective.loss_normalizer or float(
+        rl.rollout.groups_per_step * rl.rollout.group_size * objective.max_generation_len
     )
-    fields = {f.name: getattr(rl, f.name) for f in dataclasses.fields(RLObjectiveConfig)}
-    return RLObjectiveConfig(**{**fields, "loss_normalizer": normalizer})
+    return dataclasses.replace(objective, loss_normalizer=normalizer)
 
 
 def _reference_logprobs(graphdef, layout, params, buffers, batch):
@@ -235,7 +235,7 @@ class RLTrainer:
         tracer = self.tracer
         batch = self.place_batch(batch)
         ref = None
-        if self.cfg.rl.kl_coef > 0:
+        if self.cfg.rl.objective.kl_coef > 0:
             with tracer.span("reference", rows=batch.tokens_BT.shape[0]):
                 ref = self._ref_fn(*self.reference, batch)
                 if tracer.enabled:  # its own time, not the step's (only when tracing)

@@ -7,7 +7,14 @@ evaluation. `setup` builds one from a run's config; `rewards` and `feedback` are
 `oracle` and `sft` make the supervised warm start.
 """
 
-from composer_jax.agent.play import collect_batch, episode_stats, group_jobs, play, sampler_engine
+from composer_jax.agent.play import (
+    collect_batch,
+    episode_stats,
+    group_jobs,
+    play,
+    rollout_sampling,
+    sampler_engine,
+)
 from composer_jax.agent.rewards import (
     BEHAVIOUR_REWARDS,
     BehaviourRewards,
@@ -58,6 +65,7 @@ __all__ = [
     "make_workflow",
     "play",
     "reward_weights",
+    "rollout_sampling",
     "sampler_engine",
     "sft_examples",
 ]

@@ -7,7 +7,7 @@ rendered hints inserted right before the flagged turn (`generation.teacher_seque
 is distilled toward the teacher's predictions on that turn's tokens only, so it learns to act as
 if it had been told. Detectors work from what the environment actually recorded
 (`ToolCallRecord.ok` / `error`), re-checking arguments with `check_args` to tell an argument error
-from a failure of the tool itself. `DETECTORS` is the registry; `rl.feedback_detectors` names
+from a failure of the tool itself. `DETECTORS` is the registry; `rl.agent.feedback_detectors` names
 them, or a researcher's own class by import path (`my_pkg.feedback:Slow`).
 """
 

@@ -19,23 +19,37 @@ from collections.abc import Callable
 import numpy as np
 
 from composer_jax.agent.workflow import Continue, EpisodeOutcome, Finish, Restart, Step, Submit
+from composer_jax.config import RolloutConfig
 from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.envs import EnvConfig, Episode, StepResult, Task
-from composer_jax.infer import InferenceEngine
+from composer_jax.infer import InferenceEngine, SamplingParams
 from composer_jax.rl.batch import TrajectoryBatch, pack_trajectories
 
 
-def sampler_engine(model, rl, tokenizer: Tokenizer, **overrides) -> InferenceEngine:
-    """An InferenceEngine with the RL sampler's settings (`rl`: an RLConfig): its slots, context,
+def sampler_engine(
+    model, rollout: RolloutConfig, tokenizer: Tokenizer, **overrides
+) -> InferenceEngine:
+    """An InferenceEngine with the RL sampler's settings (`rl.rollout`): its slots, context,
     prefill buckets and decode steps per call; `overrides` go to the engine."""
     settings = dict(
-        num_slots=rl.num_slots,
-        max_len=rl.context_len,
-        prefill_buckets=tuple(sorted({*rl.prefill_buckets, rl.context_len})),
-        decode_chunk=rl.decode_chunk,
+        num_slots=rollout.num_slots,
+        max_len=rollout.context_len,
+        prefill_buckets=tuple(sorted({*rollout.prefill_buckets, rollout.context_len})),
+        decode_chunk=rollout.decode_chunk,
         tokenizer=tokenizer,
     )
     return InferenceEngine(model, **{**settings, **overrides})
+
+
+def rollout_sampling(rollout: RolloutConfig, seed: int = 0) -> SamplingParams:
+    """The RL sampler's sampling per turn (`rl.rollout`: temperature, top_p, max_new_tokens);
+    every episode's randomness derives from `seed` and its key."""
+    return SamplingParams(
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        max_new_tokens=rollout.max_new_tokens,
+        seed=seed,
+    )
 
 
 def _request(engine: InferenceEngine, action, request_id: int | None) -> int:

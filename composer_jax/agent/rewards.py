@@ -2,12 +2,12 @@
 
 Each reward is a function `(behaviour, context) -> float` in [-1, 0], registered by name with
 `@behaviour_reward("name")`, or named by import path (`my_pkg.rewards:polite`). A run chooses them
-with their weights, `rl.behaviour_rewards = ("todo_unfinished=0.05", "my_pkg.rewards:polite=0.1")`:
+with their weights, `rl.agent.behaviour_rewards = ("todo_unfinished=0.05", "my_pkg.rewards:polite=0.1")`:
 the workflow computes every chosen reward when an episode ends, the ledger keeps each value, the
 trainer adds `weight * value` to the sample's total reward (beside the task reward and minus the
 length penalty) and logs it as `reward/<name>`. Adding one is one function and one config line.
 
-The communication reward asks a judge (`context.judge`, `rl.communication_judge`): a function of
+The communication reward asks a judge (`context.judge`, `rl.agent.communication_judge`): a function of
 the episode's behaviour returning a score in [0, 1]. The built-in one is a rubric; a model judge
 is a function with the same signature named by import path. Judges run on the rollout thread
 when an episode ends, so a slow one slows rollouts.
@@ -183,7 +183,7 @@ def resolve_judge(name: str) -> Judge:
 
 
 def reward_weights(specs: tuple[str, ...]) -> dict[str, float]:
-    """{name: weight} of `rl.behaviour_rewards` items "name=weight" (checked: a known reward,
+    """{name: weight} of `rl.agent.behaviour_rewards` items "name=weight" (checked: a known reward,
     a number, each name once); a ValueError says what is wrong with every bad item."""
     weights, problems = {}, []
     for item in specs:

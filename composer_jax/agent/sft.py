@@ -2,7 +2,7 @@
 
 `data.sft_style` "first_turn": (the first observation, a turn writing the oracle solution), text
 pairs the chat format renders. "episode": the scripted agent (`agent.oracle`) plays each task
-through the run's own workflow (`rl.*`: its tools, turn limit, summary budget) in the real
+through the run's own workflow (`rl.agent`: its tools, turn limit, summary budget) in the real
 environment, so every context it learns from is one RL will show it (tool outputs, summary
 requests, restarts from task + summary); each generation of a solved episode is an example with
 the loss on the agent's tokens.
@@ -17,25 +17,45 @@ import numpy as np
 
 from composer_jax import envs
 from composer_jax.agent.oracle import OracleEngine, OracleScript
-from composer_jax.agent.play import play
+from composer_jax.agent.play import play, rollout_sampling
 from composer_jax.agent.setup import build, env_config
-from composer_jax.config import ConfigError, ExperimentConfig
+from composer_jax.config import (
+    AgentConfig,
+    ConfigError,
+    ExperimentConfig,
+    ModelConfig,
+    RolloutConfig,
+)
 from composer_jax.data.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 
-def episode_examples(cfg: ExperimentConfig, tokenizer: Tokenizer, tasks, env_threads: int = 2):
-    """{"tokens", "loss_mask"} of every generation of the scripted agent's solved episodes."""
-    rl = cfg.rl
-    workflow, environment = build(rl, tokenizer, cfg.model)
+def episode_examples(
+    agent: AgentConfig,
+    rollout: RolloutConfig,
+    model: ModelConfig,
+    tokenizer: Tokenizer,
+    tasks,
+    env_threads: int = 2,
+):
+    """{"tokens", "loss_mask"} of every generation of the scripted agent's solved episodes, played
+    in the RL sampler's slots and context (`rl.rollout`); no teacher contexts (`distill`): an
+    example is the agent's own tokens."""
+    workflow, environment = build(
+        agent,
+        tokenizer,
+        model,
+        max_len=rollout.context_len,
+        sampling=rollout_sampling(rollout),
+        distill=False,
+    )
     scripts = [OracleScript(t, environment.tools, environment.open_tab_lines) for t in tasks]
-    model = cfg.model
     engine = OracleEngine(
         scripts,
         tokenizer,
-        rl.num_slots,
-        rl.context_len,
+        rollout.num_slots,
+        rollout.context_len,
         model.num_moe_layers,
         model.num_experts_per_tok,
     )
@@ -79,8 +99,8 @@ def sft_examples(cfg: ExperimentConfig) -> Callable[[Tokenizer], list]:
                 f"data.tasks: {cfg.data.tasks!r} has no training task with an oracle solution"
             )
         if cfg.data.sft_style == "first_turn":
-            return [envs.sft_example(task, env_config(cfg.rl)) for task in tasks]
-        examples = episode_examples(cfg, tokenizer, tasks)
+            return [envs.sft_example(task, env_config(cfg.rl.agent)) for task in tasks]
+        examples = episode_examples(cfg.rl.agent, cfg.rl.rollout, cfg.model, tokenizer, tasks)
         if not examples:
             raise ConfigError(
                 f"data.sft_style: the scripted agent solved none of {cfg.data.tasks!r}'s tasks"

@@ -16,7 +16,7 @@ thread, a slot or a queue: a driver calls it with what happened and does what it
 Two drivers run it: `composer_jax.actor.episodes.EpisodeDriver` (the asynchronous actor loop:
 slots, environment workers, re-queues, in-flight records) and `composer_jax.agent.play.play`
 (one engine, synchronous: the held-out check, `launch.evaluate`, tests), so training and
-evaluation play the same episode. `rl.workflow` chooses it: "builtin" (`AgentWorkflow`) or a
+evaluation play the same episode. `rl.agent.workflow` chooses it: "builtin" (`AgentWorkflow`) or a
 factory by import path (`my_pkg.workflows:make`, called with a `WorkflowContext`).
 
 The episode state (`AgentEpisode`) is plain data: the in-flight records pickle it, so an episode
@@ -39,7 +39,7 @@ from composer_jax.agent import feedback
 from composer_jax.agent.generation import Generation
 from composer_jax.agent.kinds import segment_kind, token_kinds, turn_sampling
 from composer_jax.agent.rewards import BehaviourRewards, EpisodeBehaviour
-from composer_jax.config import RLConfig
+from composer_jax.config import AgentConfig
 from composer_jax.data.chat import chat_format_for
 from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.envs import EnvConfig, StepResult, Task
@@ -102,13 +102,14 @@ Action = Submit | Continue | Restart | Step | Finish
 class WorkflowContext:
     """What a workflow is built from."""
 
-    rl: RLConfig  # turns, summaries, feedback, behaviour rewards, distillation
+    agent: AgentConfig  # turns, summaries, feedback, behaviour rewards
     tokenizer: Tokenizer
     env_config: EnvConfig  # the tools this episode offers (the profile) and the turn limit
     max_len: int  # the sampler's context, in tokens
     sampling: SamplingParams  # temperature, top_p, max_new_tokens per turn; seed: the run's
     num_moe_layers: int
     experts_per_token: int
+    distill: bool  # the objective trains on the hinted teacher (rl.objective.distill_coef > 0)
 
 
 @dataclasses.dataclass
@@ -191,22 +192,22 @@ class Workflow(Protocol):
 
 class AgentWorkflow:
     """The built-in agent: turns of tool calls until a final message or the turn limit, a
-    summary whenever a generation's context reaches `rl.summary_budget` (the next generation
+    summary whenever a generation's context reaches `rl.agent.summary_budget` (the next generation
     restarts from the task plus the summary; the chain shares the final reward), feedback
-    detectors on every turn (their hints build the teacher context when `rl.distill_coef` > 0),
-    and the run's behaviour rewards when the episode ends."""
+    detectors on every turn (their hints build the teacher context when the objective distils,
+    `context.distill`), and the run's behaviour rewards when the episode ends."""
 
     def __init__(self, context: WorkflowContext):
         self.context = context
-        rl = context.rl
-        self.rl, self.tokenizer, self.max_len = rl, context.tokenizer, context.max_len
+        agent = context.agent
+        self.agent, self.tokenizer, self.max_len = agent, context.tokenizer, context.max_len
         self.chat = chat_format_for(context.tokenizer)
-        self.detectors = feedback.make_detectors(rl.feedback_detectors)
-        self.rewards = BehaviourRewards(rl.behaviour_rewards, rl.communication_judge)
+        self.detectors = feedback.make_detectors(agent.feedback_detectors)
+        self.rewards = BehaviourRewards(agent.behaviour_rewards, agent.communication_judge)
         base = dataclasses.replace(context.sampling, keep_cache=True)
         self._turn_params = turn_sampling(base, self.chat)
         self._summary_params = turn_sampling(
-            dataclasses.replace(base, max_new_tokens=rl.summary_max_tokens),
+            dataclasses.replace(base, max_new_tokens=agent.summary_max_tokens),
             self.chat,
             markers=(SUMMARY_CLOSE,),
         )
@@ -230,7 +231,7 @@ class AgentWorkflow:
         if len(prompt) + 1 >= self.max_len:
             log.warning(
                 "task %s: its prompt (%d tokens) leaves no room to answer in a context of %d; it "
-                "scores 0 (raise rl.context_len)",
+                "scores 0 (raise rl.rollout.context_len)",
                 task.task_id,
                 len(prompt),
                 self.max_len,
@@ -278,9 +279,9 @@ class AgentWorkflow:
         appended = [i for segment in segments for i in segment.ids]
         full = episode.finish_reason == "max_len"
         room = self.max_len - len(episode.tokens) - len(appended) - 1
-        rl = self.rl
-        if rl.summary_budget and episode.summaries < rl.max_summaries and not full:
-            if len(episode.tokens) + len(appended) >= rl.summary_budget:
+        agent = self.agent
+        if agent.summary_budget and episode.summaries < agent.max_summaries and not full:
+            if len(episode.tokens) + len(appended) >= agent.summary_budget:
                 return self._request_summary(episode, result.observation, generated)
         if full or room < 16:  # no room for another turn: reward 0
             return self._truncate(episode)
@@ -303,7 +304,7 @@ class AgentWorkflow:
         hints = feedback.check_turn(self.detectors, turn, previous)
         if not hints:
             return
-        if self.rl.distill_coef > 0:  # the teacher context is only built when it is trained on
+        if self.context.distill:  # the teacher context is only built when it is trained on
             hint = self.tokenizer.encode(feedback.render_hint(hints))
             start, end = episode.turn_span
             episode.hinted.append((start, end, np.asarray(hint, np.int32)))
@@ -428,7 +429,7 @@ WORKFLOWS: dict[str, WorkflowFactory] = {"builtin": AgentWorkflow}
 
 
 def workflow_factory(spec: str) -> WorkflowFactory:
-    """The factory `rl.workflow` names: a registered one, or `module:callable`."""
+    """The factory `rl.agent.workflow` names: a registered one, or `module:callable`."""
     factory = plugins.resolve(WORKFLOWS, spec, "workflow")
     if not callable(factory):
         raise ValueError(f"workflow {spec!r} is not callable")

@@ -4,7 +4,7 @@
 command line (`--config.model.num_layers=4`), then rebuilds the dataclasses with `from_dict`, which
 rejects unknown fields and wrong types, and `validate`, which rejects contradictory values. Both
 name the offending field and run before anything is compiled. By concern: `model` (model and
-mesh), `training` (optimizer, data, phases), `rl` (objective and actor loop), `experiment` (the
+mesh), `training` (optimizer, data, phases), `rl` (the objective, rollout, agent and held-out sections), `experiment` (the
 whole and its checks), `base` (errors and conversion). Presets live in `composer_jax.presets`
 (which imports this package; nothing here imports it). The tokenizer a config names is checked
 where it is loaded (`train.runs.resolve_tokenizer`): configs know no tokenizer.
@@ -36,8 +36,11 @@ from composer_jax.config.rl import (
     KL_PLACEMENTS,
     RL_BACKENDS,
     STALE_POLICIES,
+    AgentConfig,
+    HeldoutConfig,
     RLConfig,
     RLObjectiveConfig,
+    RolloutConfig,
     validate_rl,
     validate_rl_objective,
 )
@@ -61,15 +64,18 @@ __all__ = [
     "RESUME_POLICIES",
     "RL_BACKENDS",
     "STALE_POLICIES",
+    "AgentConfig",
     "ConfigError",
     "DataConfig",
     "ExperimentConfig",
+    "HeldoutConfig",
     "MeshConfig",
     "ModelConfig",
     "OptimizerConfig",
     "PhaseConfig",
     "RLConfig",
     "RLObjectiveConfig",
+    "RolloutConfig",
     "TrainConfig",
     "LogConfig",
     "YarnConfig",

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import types
 import typing
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -90,6 +93,7 @@ def from_dict(cls: type, data: Any, where: str = "config") -> Any:
         raise ConfigError(f"{where}: expected a mapping for {cls.__name__}, got {data!r}")
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
+    data = _relocate_moved(cls, data, known, where)
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(
@@ -98,3 +102,25 @@ def from_dict(cls: type, data: Any, where: str = "config") -> Any:
         )
     kwargs = {k: _convert(v, hints[k], f"{where}.{k}") for k, v in data.items()}
     return cls(**kwargs)
+
+
+def _relocate_moved(cls: type, data: dict, known: set[str], where: str) -> dict:
+    """Old names of fields that moved into a section (`cls.MOVED`: old name -> "section.name")
+    put where they now live, so an older run's config.json or config file still loads; one
+    warning line names each new path (kept for one release)."""
+    moved = {k: v for k, v in getattr(cls, "MOVED", {}).items() if k in data and k not in known}
+    if not moved:
+        return data
+    data = dict(data)
+    for old, new in moved.items():
+        section, _, name = new.partition(".")
+        inner = data.get(section)
+        inner = dict(inner.to_dict() if hasattr(inner, "to_dict") else inner or {})
+        inner[name] = data.pop(old)
+        data[section] = inner
+    log.warning(
+        "%s: fields moved into sections (the old paths are read for one release): %s",
+        where,
+        ", ".join(f"{where}.{old} is now {where}.{new}" for old, new in moved.items()),
+    )
+    return data

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 from composer_jax.config.base import check as _check
 
@@ -53,19 +54,6 @@ class RLObjectiveConfig:
     length_weight_summary: float = 1.0
     length_weight_per_tool_call: float = 25.0
     length_weight_per_turn: float = 50.0
-    # Behaviour rewards as "name=weight" (`composer_jax.agent.rewards`: a registered name or a
-    # function by import path, module:function), each value in [-1, 0] times its weight: style
-    # (share of the added Python lines the AST style monitor flags), tool_misuse (share of tool
-    # calls in turns flagged for unknown or unavailable tools, bad arguments or ignored errors),
-    # answered (-1 without a final message), harm (a reward-hack monitor's flag; the task reward
-    # is already 0 then); also tool_errors (share of failed calls), todo_unfinished (share of the
-    # plan left open) and communication (the judge's score of the final message, minus 1).
-    behaviour_rewards: tuple[str, ...] = (
-        "style=0.05",
-        "tool_misuse=0.1",
-        "answered=0.05",
-        "harm=0.5",
-    )
     # Text-feedback distillation: coefficient of KL(student || hinted teacher) on flagged turns.
     distill_coef: float = 0.1
     # Router replay: force the sampler's experts in the trainer's forward (the plausibility ratio
@@ -80,8 +68,8 @@ UNIFORM_BY = ("task", "total")
 
 
 @dataclasses.dataclass(frozen=True)
-class RLConfig(RLObjectiveConfig):
-    """The RL objective plus the asynchronous actor loop that feeds it (`launch/rl.py`)."""
+class RolloutConfig:
+    """How samples are made: roles and workers, scheduling and staleness, the sampler."""
 
     # Roles: "threads" runs trainer, sampler, environments and evaluator in one process; "ray"
     # runs the sampler and the environment workers as Ray actors (multi-host rollouts).
@@ -102,13 +90,6 @@ class RLConfig(RLObjectiveConfig):
     # A step slower than this counts as a hung worker; 0 derives it from the environment's
     # limits (the longest a turn of commands plus grading may legitimately take).
     env_timeout_s: float = 0.0
-    # Model-written code runs only in an isolating sandbox (bubblewrap or util-linux unshare);
-    # False allows the unisolated fallback, for quick local experiments.
-    require_sandbox: bool = True
-    # The reward of an episode a reward-hack monitor flagged (its flags are logged either way).
-    flagged_reward: float = 0.0
-    # The RL prompts' task source spec (empty: data.tasks), their split "train".
-    tasks: str = ""
     # Scheduling: one epoch over `num_prompts` distinct training tasks (0: steps x groups_per_step),
     # `group_size` samples each; a step trains on `groups_per_step` finished groups.
     group_size: int = 4
@@ -133,11 +114,10 @@ class RLConfig(RLObjectiveConfig):
     # wait in a queue, so a slot that frees is refilled at once instead of idling while a new
     # group's environments start (16 starts on 2 workers: about 0.4 s).
     schedule_ahead_groups: int = 1
-    # Sampling.
+    # Sampling: the sampler's slots and context (in tokens), per turn.
     num_slots: int = 16
     context_len: int = 768
     max_new_tokens: int = 256  # per turn
-    max_turns: int = 2
     temperature: float = 1.0
     top_p: float = 1.0
     recompute_cache_on_update: bool = False
@@ -147,6 +127,22 @@ class RLConfig(RLObjectiveConfig):
     # Prefill chunk lengths below context_len (which is always the last): a group's prompts
     # prefill as one chunk, and compile one shape, when one bucket holds them all.
     prefill_buckets: tuple[int, ...] = (64, 256)
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    """The episode the policy plays: workflow, tools, turns, summaries, feedback, behaviour
+    rewards (what `composer_jax.agent` reads)."""
+
+    # Its workflow ("builtin", or a factory by import path, module:factory, called with a
+    # `composer_jax.agent.WorkflowContext`), the tool profile its training episodes offer (a name
+    # in `envs.tools.TOOL_PROFILES` or a comma list of tools) and the held-out check's (empty: the
+    # same), and the judge the communication reward asks ("rubric" or module:fn).
+    workflow: str = "builtin"
+    tools: str = "default"
+    eval_tools: str = ""
+    communication_judge: str = "rubric"
+    max_turns: int = 2
     # Self-summarisation: when a generation's context reaches summary_budget tokens (0: off), the
     # policy writes a summary and continues from system prompt + task + summary.
     summary_budget: int = 0
@@ -155,14 +151,6 @@ class RLConfig(RLObjectiveConfig):
     # The first observation shows up to this many lines of the task's target function, as an
     # editor's open tab would (0: none; the agent finds and reads it with its tools).
     open_tab_lines: int = 0
-    # The agent: its workflow ("builtin", or a factory by import path, module:factory, called
-    # with a `composer_jax.agent.WorkflowContext`), the tool profile its training episodes offer
-    # (a name in `envs.tools.TOOL_PROFILES` or a comma list of tools) and the held-out check's
-    # (empty: the same), and the judge the communication reward asks ("rubric" or module:fn).
-    workflow: str = "builtin"
-    tools: str = "default"
-    eval_tools: str = ""
-    communication_judge: str = "rubric"
     # Text feedback: detectors (`composer_jax.agent.feedback`; or module:Class) that flag turns
     # and build the hint of the teacher context.
     feedback_detectors: tuple[str, ...] = (
@@ -172,6 +160,68 @@ class RLConfig(RLObjectiveConfig):
         "ignored_tool_error",
         "style",
     )
+    # Behaviour rewards as "name=weight" (`composer_jax.agent.rewards`: a registered name or a
+    # function by import path, module:function), each value in [-1, 0] times its weight: style
+    # (share of the added Python lines the AST style monitor flags), tool_misuse (share of tool
+    # calls in turns flagged for unknown or unavailable tools, bad arguments or ignored errors),
+    # answered (-1 without a final message), harm (a reward-hack monitor's flag; the task reward
+    # is already 0 then); also tool_errors (share of failed calls), todo_unfinished (share of the
+    # plan left open) and communication (the judge's score of the final message, minus 1).
+    behaviour_rewards: tuple[str, ...] = (
+        "style=0.05",
+        "tool_misuse=0.1",
+        "answered=0.05",
+        "harm=0.5",
+    )
+    # Model-written code runs only in an isolating sandbox (bubblewrap or util-linux unshare);
+    # False allows the unisolated fallback, for quick local experiments.
+    require_sandbox: bool = True
+    # The reward of an episode a reward-hack monitor flagged (its flags are logged either way).
+    flagged_reward: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldoutConfig:
+    """The held-out evaluation before RL and at the end."""
+
+    # `num_tasks` tasks of the `split` split of `tasks` (a task source spec; empty: the RL
+    # tasks'), each sampled `samples` times. The split "held_out" holds tasks never trained on
+    # (for builtin: other functions); "train" with the held-out seed gives fresh instances of
+    # training tasks. Seeds: SFT draws from cfg.seed, RL prompts cfg.seed + 1, held-out
+    # cfg.seed + 2.
+    tasks: str = ""
+    split: str = "held_out"
+    num_tasks: int = 32
+    samples: int = 2
+    temperature: float = 1.0
+
+
+def _moved_fields() -> dict[str, str]:
+    """Each field of a section by its old flat name (`heldout_tasks` -> `heldout.tasks`)."""
+    sections = (
+        ("objective", RLObjectiveConfig, ""),
+        ("rollout", RolloutConfig, ""),
+        ("agent", AgentConfig, ""),
+        ("heldout", HeldoutConfig, "heldout_"),
+    )
+    return {
+        f"{prefix}{field.name}": f"{section}.{field.name}"
+        for section, cls, prefix in sections
+        for field in dataclasses.fields(cls)
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """The RL objective, the rollouts that feed it, the agent they play and the held-out
+    evaluation (`launch/rl.py`)."""
+
+    objective: RLObjectiveConfig = RLObjectiveConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    agent: AgentConfig = AgentConfig()
+    heldout: HeldoutConfig = HeldoutConfig()
+    # The RL prompts' task source spec (empty: data.tasks), their split "train".
+    tasks: str = ""
     # Weight sync from trainer to sampler ("" : <workdir>/weights); deltas "xor" or "add".
     weight_store: str = ""
     weight_delta: str = "xor"
@@ -182,22 +232,15 @@ class RLConfig(RLObjectiveConfig):
     warm_start: str = ""
     warm_start_steps: int = 300
     warm_start_lr: float = 3e-3
-    # Held-out evaluation before RL and at the end: `heldout_num_tasks` tasks of the
-    # `heldout_split` split of `heldout_tasks` (a task source spec; empty: the RL tasks'), each
-    # sampled `heldout_samples` times. The split "held_out" holds tasks never trained on (for
-    # builtin: other functions); "train" with the held-out seed gives fresh instances of training
-    # tasks. Seeds: SFT draws from cfg.seed, RL prompts cfg.seed + 1, held-out cfg.seed + 2.
-    heldout_tasks: str = ""
-    heldout_split: str = "held_out"
-    heldout_num_tasks: int = 32
-    heldout_samples: int = 2
-    heldout_temperature: float = 1.0
     # A timeline of the actor loop ("": off): a Chrome / Perfetto trace (JSON trace events) at
     # this .json path, one track per role, and a summary table at <path minus .json>.summary.txt.
     trace: str = ""
+    # The fields this config had before its sections, by old name -> path here: `from_dict` and
+    # `--config.rl.<old>` still take them for one release, with a warning naming the new path.
+    MOVED: typing.ClassVar[dict[str, str]] = _moved_fields()
 
 
-def validate_rl_objective(cfg: RLObjectiveConfig, where: str = "rl") -> None:
+def validate_rl_objective(cfg: RLObjectiveConfig, where: str = "rl.objective") -> None:
     """Rejects unknown choices and out-of-range values, naming the field."""
     choices = (
         ("kl_estimator", KL_ESTIMATORS),
@@ -251,28 +294,29 @@ def parse_resources(spec: str, field: str) -> dict[str, float]:
         _check(
             name not in ("CPU", "GPU"),
             field,
-            f"{name} is not a custom resource (the sampler's GPUs: rl.ray_sampler_gpus)",
+            f"{name} is not a custom resource (the sampler's GPUs: rl.rollout.ray_sampler_gpus)",
         )
         resources[name] = value
     return resources
 
 
 def validate_rl(cfg: RLConfig, where: str = "rl") -> None:
-    """The objective's checks plus the actor loop's."""
-    validate_rl_objective(cfg, where)
-    _check_rl_values(cfg, where)
-    _check_ray_fields(cfg, where)
-    _check_rl_sampling(cfg, where)
+    """Each section's checks, then the fields that must fit together across sections."""
+    validate_rl_objective(cfg.objective, f"{where}.objective")
+    _check_rollout(cfg.rollout, f"{where}.rollout")
+    _check_ray_fields(cfg.rollout, f"{where}.rollout")
+    _check_agent(cfg.agent, f"{where}.agent")
+    _check_heldout(cfg.heldout, f"{where}.heldout")
+    _check_rl_top(cfg, where)
 
 
-def _check_rl_values(cfg: RLConfig, where: str) -> None:
-    """Each field on its own: choices, signs, bucket order."""
+def _check_rollout(cfg: RolloutConfig, where: str) -> None:
+    """Each field on its own: choices, signs, bucket order, sampling."""
     for name, allowed in (
         ("backend", RL_BACKENDS),
         ("env_workers", ENV_WORKER_KINDS),
         ("stale_policy", STALE_POLICIES),
         ("uniform_by", UNIFORM_BY),
-        ("weight_delta", ("xor", "add")),
     ):
         value = getattr(cfg, name)
         _check(value in allowed, f"{where}.{name}", f"{value!r} is not one of {allowed}")
@@ -284,23 +328,10 @@ def _check_rl_values(cfg: RLConfig, where: str) -> None:
         "num_slots",
         "context_len",
         "max_new_tokens",
-        "max_turns",
         "decode_chunk",
-        "summary_max_tokens",
-        "snapshot_every",
-        "warm_start_steps",
-        "heldout_num_tasks",
-        "heldout_samples",
     ):
         _check(getattr(cfg, name) > 0, f"{where}.{name}", "must be positive")
-    for name in (
-        "num_prompts",
-        "max_staleness",
-        "summary_budget",
-        "max_summaries",
-        "schedule_ahead_groups",
-        "open_tab_lines",
-    ):
+    for name in ("num_prompts", "max_staleness", "schedule_ahead_groups"):
         _check(getattr(cfg, name) >= 0, f"{where}.{name}", "must be >= 0")
     _check(
         all(b > 0 for b in cfg.prefill_buckets)
@@ -311,20 +342,27 @@ def _check_rl_values(cfg: RLConfig, where: str) -> None:
     _check(cfg.env_timeout_s >= 0, f"{where}.env_timeout_s", "must be >= 0 (0: derived)")
     _check(0 < cfg.stale_decay <= 1, f"{where}.stale_decay", "must lie in (0, 1]")
     _check(0 <= cfg.hard_prompt_fraction < 1, f"{where}.hard_prompt_fraction", "must lie in [0, 1)")
+    _check(cfg.temperature > 0, f"{where}.temperature", "RL samples: must be > 0")
+    _check(0 < cfg.top_p <= 1, f"{where}.top_p", "must lie in (0, 1]")
+    _check(
+        cfg.group_size <= cfg.num_slots,
+        f"{where}.group_size",
+        f"a group ({cfg.group_size}) must fit in the sampler's num_slots ({cfg.num_slots})",
+    )
 
 
-def _check_ray_fields(cfg: RLConfig, where: str) -> None:
+def _check_ray_fields(cfg: RolloutConfig, where: str) -> None:
     """Ray placement: well-formed, and set only with the Ray backend."""
     _check(cfg.ray_sampler_gpus >= 0, f"{where}.ray_sampler_gpus", "must be >= 0")
     _check(cfg.ray_placement_timeout_s > 0, f"{where}.ray_placement_timeout_s", "must be > 0")
     for name in ("ray_sampler_resources", "ray_env_resources"):
         parse_resources(getattr(cfg, name), f"{where}.{name}")
-    defaults = RLConfig()
+    defaults = RolloutConfig()
     _check(
         cfg.backend != "ray" or cfg.env_workers == defaults.env_workers,
         f"{where}.env_workers",
-        "chooses the threads backend's workers; with rl.backend='ray' environment workers are "
-        "Ray actors (place them with rl.ray_env_resources)",
+        f"chooses the threads backend's workers; with {where}.backend='ray' environment workers "
+        f"are Ray actors (place them with {where}.ray_env_resources)",
     )
     if cfg.backend != "ray":
         for name in (
@@ -337,16 +375,34 @@ def _check_ray_fields(cfg: RLConfig, where: str) -> None:
             _check(
                 getattr(cfg, name) == getattr(defaults, name),
                 f"{where}.{name}",
-                f"places Ray actors: set it with rl.backend='ray' (not {cfg.backend!r})",
+                f"places Ray actors: set it with {where}.backend='ray' (not {cfg.backend!r})",
             )
 
 
-def _check_rl_sampling(cfg: RLConfig, where: str) -> None:
-    """Sampling, tracing and the fields that must fit together (groups in slots, summaries in
-    the context)."""
-    _check(cfg.temperature > 0, f"{where}.temperature", "RL samples: must be > 0")
-    _check(0 < cfg.top_p <= 1, f"{where}.top_p", "must lie in (0, 1]")
-    _check(cfg.heldout_temperature >= 0, f"{where}.heldout_temperature", "must be >= 0")
+def _check_agent(cfg: AgentConfig, where: str) -> None:
+    """Turn and summary budgets (the plug-in names are resolved by `agent.check_agent_config`)."""
+    for name in ("max_turns", "summary_max_tokens"):
+        _check(getattr(cfg, name) > 0, f"{where}.{name}", "must be positive")
+    for name in ("summary_budget", "max_summaries", "open_tab_lines"):
+        _check(getattr(cfg, name) >= 0, f"{where}.{name}", "must be >= 0")
+
+
+def _check_heldout(cfg: HeldoutConfig, where: str) -> None:
+    for name in ("num_tasks", "samples"):
+        _check(getattr(cfg, name) > 0, f"{where}.{name}", "must be positive")
+    _check(cfg.temperature >= 0, f"{where}.temperature", "must be >= 0")
+
+
+def _check_rl_top(cfg: RLConfig, where: str) -> None:
+    """Weight sync, warm start and tracing, and the summaries that must fit the sampler's
+    context."""
+    _check(
+        cfg.weight_delta in ("xor", "add"),
+        f"{where}.weight_delta",
+        f"{cfg.weight_delta!r} is not one of ('xor', 'add')",
+    )
+    for name in ("snapshot_every", "warm_start_steps"):
+        _check(getattr(cfg, name) > 0, f"{where}.{name}", "must be positive")
     if cfg.trace:
         _check(
             cfg.trace.endswith(".json") and "://" not in cfg.trace,
@@ -354,17 +410,15 @@ def _check_rl_sampling(cfg: RLConfig, where: str) -> None:
             f"{cfg.trace!r}: name a local .json file (the summary is written next to it)",
         )
         _check(
-            cfg.backend == "threads",
+            cfg.rollout.backend == "threads",
             f"{where}.trace",
             "traces the threads backend (with ray the sampler and environments run elsewhere)",
         )
+    agent = cfg.agent
     _check(
-        cfg.group_size <= cfg.num_slots,
-        f"{where}.group_size",
-        f"a group ({cfg.group_size}) must fit in the sampler's num_slots ({cfg.num_slots})",
-    )
-    _check(
-        cfg.summary_budget == 0 or cfg.summary_budget + cfg.summary_max_tokens < cfg.context_len,
-        f"{where}.summary_budget",
-        "summary_budget + summary_max_tokens must be below context_len",
+        agent.summary_budget == 0
+        or agent.summary_budget + agent.summary_max_tokens < cfg.rollout.context_len,
+        f"{where}.agent.summary_budget",
+        f"{where}.agent.summary_budget + summary_max_tokens must be below "
+        f"{where}.rollout.context_len",
     )

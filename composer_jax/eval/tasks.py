@@ -60,15 +60,15 @@ def evaluate_tasks(
 ) -> dict:
     """The report of `passk.evaluate` plus "stages" (`agent.stages.stage_breakdown`) and
     "timing" (seconds generating and in environments).
-    `rl` gives the agent (workflow, tools of its evaluation profile, summaries, feedback,
+    `rl.agent` gives the agent (workflow, tools of its evaluation profile, summaries, feedback,
     behaviour rewards); `cfg` the sampling and the episode budget."""
     if cfg.samples < 1:
         raise ValueError(f"samples ({cfg.samples}) must be >= 1")
     ks = tuple(k for k in cfg.ks if k <= cfg.samples)
-    rl = dataclasses.replace(
-        rl, max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, context_len=cfg.context_len
+    agent_cfg = dataclasses.replace(rl.agent, max_turns=cfg.max_turns)
+    environment = agent.env_config(
+        agent_cfg, evaluation=True, require_isolation=cfg.require_isolation
     )
-    environment = agent.env_config(rl, evaluation=True, require_isolation=cfg.require_isolation)
     engine = InferenceEngine(
         model,
         num_slots=cfg.num_slots,
@@ -82,7 +82,15 @@ def evaluate_tasks(
         max_new_tokens=cfg.max_new_tokens,
         seed=cfg.seed,
     )
-    workflow = agent.make_workflow(rl, tokenizer, model.cfg, environment, sampling=sampling)
+    workflow = agent.make_workflow(
+        agent_cfg,
+        tokenizer,
+        model.cfg,
+        environment,
+        max_len=cfg.context_len,
+        sampling=sampling,
+        distill=rl.objective.distill_coef > 0,
+    )
     env_seconds = [0.0]  # summed over the episodes' steps, which overlap each other and decoding
     lock = threading.Lock()
 

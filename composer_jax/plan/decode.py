@@ -104,19 +104,19 @@ def plan_decode_step(
     max_len: int | None = None,
     absorbed: bool = True,
 ) -> DecodePlan:
-    """Compiles one decode step of `slots` rows (default cfg.rl.num_slots, rounded up to a
+    """Compiles one decode step of `slots` rows (default cfg.rl.rollout.num_slots, rounded up to a
     multiple of the devices: every device decodes whole rows) with caches of
-    `max_len` tokens (default cfg.rl.context_len) on `layout`'s devices (`serving_layout`) and
+    `max_len` tokens (default cfg.rl.rollout.context_len) on `layout`'s devices (`serving_layout`) and
     reads its costs."""
     if layout is None:
         layout = make_layout(config_lib.fitted_mesh(cfg, jax.device_count()))
     layout = serving_layout(layout)
     rows = layout.mesh.shape["replica"] * layout.mesh.shape["fsdp"]
     if slots is None:
-        slots = -(-cfg.rl.num_slots // rows) * rows
+        slots = -(-cfg.rl.rollout.num_slots // rows) * rows
     if slots % rows:
         raise ValueError(f"slots: {slots} decode rows do not split over {rows} devices")
-    max_len = cfg.rl.context_len if max_len is None else max_len
+    max_len = cfg.rl.rollout.context_len if max_len is None else max_len
     graphdef, state = abstract_model_state(cfg, layout)
     cache = abstract_cache(cfg, layout, slots, max_len)
     start = time.perf_counter()

@@ -1,7 +1,7 @@
 """Settings of the RL objective (DESIGN.md section 6).
 
 They live in `composer_jax.config`, the one home of typed configs, hung under the experiment config
-as `rl.*` (`--config.rl.kl_coef=0.01`); re-exported here for the objective's modules.
+as `rl.*` (`--config.rl.objective.kl_coef=0.01`); re-exported here for the objective's modules.
 """
 
 from composer_jax.config import (

@@ -257,7 +257,8 @@ def upgrade_stored_config(data: dict) -> dict:
     "builtin_tasks" became "tasks", rl.heldout_tasks (a count) became rl.heldout_num_tasks, the
     held-out splits "functions" / "instances" became "held_out" / "train", and the weights
     rl.reward_weight_<name> became rl.behaviour_rewards items (communication, which scored a
-    missing final message, is now "answered")."""
+    missing final message, is now "answered"). Those flat rl fields then move into their
+    sections in `config.from_dict` (`RLConfig.MOVED`)."""
     data = json.loads(json.dumps(data))  # a deep copy
     section = data.get("data", {})
     if "task_max_ops" in section:

@@ -26,9 +26,15 @@ def make_coordinator(
     cfg, sampler, pool, ledger, prompts, tokenizer=BYTES, model_cfg=ModelConfig(), **kwargs
 ):
     """A Coordinator over the run's workflow (built from `cfg`) in its training environment."""
-    environment = agent.env_config(cfg)
+    environment = agent.env_config(cfg.agent)
     workflow = agent.make_workflow(
-        cfg, tokenizer, model_cfg, environment, seed=kwargs.get("seed", 0)
+        cfg.agent,
+        tokenizer,
+        model_cfg,
+        environment,
+        max_len=cfg.rollout.context_len,
+        sampling=agent.rollout_sampling(cfg.rollout, kwargs.get("seed", 0)),
+        distill=cfg.objective.distill_coef > 0,
     )
     return Coordinator(cfg, sampler, pool, ledger, prompts, workflow, environment, **kwargs)
 

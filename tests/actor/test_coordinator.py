@@ -20,7 +20,7 @@ from composer_jax.actor.samples import group_sequences, groups_to_batch
 from composer_jax.actor.thread_pool import ThreadEnvironmentPool
 from composer_jax.agent import feedback
 from composer_jax.agent.workflow import SUMMARY_OPEN
-from composer_jax.config import ModelConfig, RLConfig
+from composer_jax.config import AgentConfig, ModelConfig, RLConfig, RLObjectiveConfig, RolloutConfig
 from composer_jax.envs.grading import protocol
 from composer_jax.model import init_model
 from composer_jax.rl import SegmentKind
@@ -56,7 +56,10 @@ def test_planted_bad_tool_call_is_distilled_on_that_turn_alone(tmp_path):
         moe_layers=MODEL_CFG.num_moe_layers,
         k=MODEL_CFG.num_experts_per_tok,
     )
-    cfg = RLConfig(group_size=2, groups_per_step=1, max_turns=4, context_len=1024)
+    cfg = RLConfig(
+        rollout=RolloutConfig(group_size=2, groups_per_step=1, context_len=1024),
+        agent=AgentConfig(max_turns=4),
+    )
     with ThreadEnvironmentPool(4, timeout_s=60) as pool:
         coordinator, group = _run_one_group(
             cfg, sampler, pool, GroupLedger(tmp_path / "ledger"), task
@@ -78,7 +81,7 @@ def test_planted_bad_tool_call_is_distilled_on_that_turn_alone(tmp_path):
 
     batch = groups_to_batch([group], 1024)
     model = init_model(MODEL_CFG, seed=3)
-    rl_cfg = RLConfig(distill_coef=1.0, kl_coef=0.0)
+    rl_cfg = RLConfig(objective=RLObjectiveConfig(distill_coef=1.0, kl_coef=0.0))
     logits, _ = trainer_logits(model, batch)
     per_token = distillation_token_kl(logits, teacher_logits(model, batch), batch.teacher_index_BT)
     per_token = np.asarray(per_token)
@@ -100,16 +103,16 @@ def _publish_random_model(tmp_path, seed=0):
 def test_rollout_summarises_repeatedly_and_trains_the_chain_as_one_sample(tmp_path):
     model, store = _publish_random_model(tmp_path)
     cfg = RLConfig(
-        group_size=2,
-        groups_per_step=1,
-        num_slots=2,
-        context_len=640,
-        max_new_tokens=24,
-        max_turns=10,
-        summary_budget=380,
-        summary_max_tokens=24,
-        max_summaries=3,
-        feedback_detectors=(),
+        rollout=RolloutConfig(
+            group_size=2, groups_per_step=1, num_slots=2, context_len=640, max_new_tokens=24
+        ),
+        agent=AgentConfig(
+            max_turns=10,
+            summary_budget=380,
+            summary_max_tokens=24,
+            max_summaries=3,
+            feedback_detectors=(),
+        ),
     )
     sampler = LocalSampler(model, store, num_slots=2, max_len=cfg.context_len)
     assert sampler.sync_weights(wait_for=0) == 0
@@ -146,7 +149,7 @@ def test_rollout_summarises_repeatedly_and_trains_the_chain_as_one_sample(tmp_pa
         sum(int(s.policy_mask.sum()) for s in sequences if s.sample_index == i) for i in range(2)
     ]
     np.testing.assert_array_equal(np.asarray(policy_per_sample), expected)
-    loss, _ = rl_loss(model, batch, RLConfig(kl_coef=0.0))
+    loss, _ = rl_loss(model, batch, RLObjectiveConfig(kl_coef=0.0))
     assert np.isfinite(float(loss))
 
 
@@ -161,7 +164,10 @@ def test_environment_worker_failure_requeues_the_sample(tmp_path, failure):
         moe_layers=MODEL_CFG.num_moe_layers,
         k=MODEL_CFG.num_experts_per_tok,
     )
-    cfg = RLConfig(group_size=2, groups_per_step=1, max_turns=4, feedback_detectors=())
+    cfg = RLConfig(
+        rollout=RolloutConfig(group_size=2, groups_per_step=1),
+        agent=AgentConfig(max_turns=4, feedback_detectors=()),
+    )
     pool = ProcessEnvironmentPool(2, timeout_s=3.0 if failure == "hang" else 30.0)
     ledger = GroupLedger(tmp_path / "ledger")
     coordinator = make_coordinator(cfg, sampler, pool, ledger, [("p0", task)])
@@ -208,14 +214,15 @@ def test_hardest_prompts_are_revisited_late_in_the_epoch(tmp_path):
         script, TOKENIZER, moe_layers=MODEL_CFG.num_moe_layers, k=MODEL_CFG.num_experts_per_tok
     )
     cfg = RLConfig(
-        group_size=2,
-        groups_per_step=1,
-        max_turns=6,
-        num_slots=2,  # one group at a time (until its final turns are graded): in prompt order
-        schedule_ahead_groups=0,
-        max_staleness=100,
-        hard_prompt_fraction=0.99,
-        feedback_detectors=(),
+        rollout=RolloutConfig(
+            group_size=2,
+            groups_per_step=1,
+            num_slots=2,  # one group at a time (until its final turns are graded): in prompt order
+            schedule_ahead_groups=0,
+            max_staleness=100,
+            hard_prompt_fraction=0.99,
+        ),
+        agent=AgentConfig(max_turns=6, feedback_detectors=()),
     )
     ledger = GroupLedger(tmp_path / "ledger")
     prompts = [(f"p{i}", task) for i, task in enumerate(tasks)]
@@ -270,7 +277,10 @@ def test_restart_resumes_samples_mid_episode_from_the_in_flight_record(tmp_path)
     def make_sampler():
         return _HoldingSampler(script, TOKENIZER, moe_layers=MODEL_CFG.num_moe_layers, k=2)
 
-    cfg = RLConfig(group_size=2, groups_per_step=1, max_turns=4, feedback_detectors=())
+    cfg = RLConfig(
+        rollout=RolloutConfig(group_size=2, groups_per_step=1),
+        agent=AgentConfig(max_turns=4, feedback_detectors=()),
+    )
     store = InFlightStore(str(tmp_path / "inflight"))
     ledger = GroupLedger(tmp_path / "ledger")
     first_sampler = make_sampler()
@@ -353,13 +363,14 @@ def _scheduled_groups(finishes, ready, ledger_dir, num_slots, ahead, pool=Thread
     accepts: once `ready(state)` holds (within 60 s) and the loop ran on a while, the groups the
     coordinator started and its samples queued for a slot."""
     cfg = RLConfig(
-        group_size=2,
-        groups_per_step=1,
-        max_turns=1,
-        num_slots=num_slots,
-        max_staleness=100,
-        schedule_ahead_groups=ahead,
-        feedback_detectors=(),
+        rollout=RolloutConfig(
+            group_size=2,
+            groups_per_step=1,
+            num_slots=num_slots,
+            max_staleness=100,
+            schedule_ahead_groups=ahead,
+        ),
+        agent=AgentConfig(max_turns=1, feedback_detectors=()),
     )
     tasks = envs.builtin_tasks(4, seed=51, max_ops=1)
     write = envs.oracle_turns(tasks[0])[0]

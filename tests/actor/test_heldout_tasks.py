@@ -9,14 +9,19 @@ from composer_jax.presets import PRESETS
 
 def _main_job(num_tasks: int):
     cfg = PRESETS["rl_tiny"]()
-    return dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, heldout_num_tasks=num_tasks))
+    return dataclasses.replace(
+        cfg,
+        rl=dataclasses.replace(
+            cfg.rl, heldout=dataclasses.replace(cfg.rl.heldout, num_tasks=num_tasks)
+        ),
+    )
 
 
 def test_trained_prompts_are_the_sft_examples_and_the_rl_prompts():
     cfg = _main_job(1)
     sft = task_source(cfg.data.tasks, "data.tasks").take(cfg.data.sft_tasks, "train", cfg.seed)
     rl = rl_prompt_tasks(cfg)
-    assert len(rl) == cfg.rl.num_prompts
+    assert len(rl) == cfg.rl.rollout.num_prompts
     assert trained_prompts(cfg) == {t.prompt for t in sft} | {t.prompt for t in rl}
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from composer_jax import config, presets
 from composer_jax.actor.setup import store_dir
-from composer_jax.config import ConfigError, RLConfig
+from composer_jax.config import ConfigError, RLConfig, RolloutConfig
 from composer_jax.config.rl import parse_resources
 from launch.runtime import ray_runtime_env
 
@@ -18,21 +18,27 @@ def test_resource_specs_parse_and_bad_ones_name_the_field():
     assert parse_resources("", "f") == {}
     assert parse_resources("gpu_host=1, zone_a=0.5", "f") == {"gpu_host": 1.0, "zone_a": 0.5}
     for bad in ("gpu_host", "gpu_host=", "=1", "a=x", "a=0", "a=-1", "GPU=1", "CPU=2"):
-        with pytest.raises(ConfigError, match=r"^rl\.ray_env_resources: "):
-            config.validate_rl(RLConfig(backend="ray", ray_env_resources=bad))
+        with pytest.raises(ConfigError, match=r"^rl\.rollout\.ray_env_resources: "):
+            config.validate_rl(
+                RLConfig(rollout=RolloutConfig(backend="ray", ray_env_resources=bad))
+            )
 
 
 def test_ray_fields_are_validated_and_need_the_ray_backend():
     config.validate_rl(RLConfig())  # the defaults: threads backend, nothing placed
     config.validate_rl(
         RLConfig(
-            backend="ray",
-            ray_sampler_gpus=1,
-            ray_sampler_resources="gpu_host=1",
-            ray_env_resources="cpu_host=1",
+            rollout=RolloutConfig(
+                backend="ray",
+                ray_sampler_gpus=1,
+                ray_sampler_resources="gpu_host=1",
+                ray_env_resources="cpu_host=1",
+            )
         )
     )
-    assert RLConfig().ray_sampler_gpus == 0  # a CPU-only cluster can place the default sampler
+    assert (
+        RLConfig().rollout.ray_sampler_gpus == 0
+    )  # a CPU-only cluster can place the default sampler
     for overrides, field in (
         ({"backend": "ray", "ray_sampler_gpus": -1}, "ray_sampler_gpus"),
         ({"backend": "ray", "ray_placement_timeout_s": 0}, "ray_placement_timeout_s"),
@@ -43,8 +49,8 @@ def test_ray_fields_are_validated_and_need_the_ray_backend():
         ({"backend": "ray", "num_samplers": 0}, "num_samplers"),
         ({"backend": "ray", "env_workers": "thread"}, "env_workers"),
     ):
-        with pytest.raises(ConfigError, match=rf"^rl\.{field}: "):
-            config.validate_rl(RLConfig(**overrides))
+        with pytest.raises(ConfigError, match=rf"^rl\.rollout\.{field}: "):
+            config.validate_rl(RLConfig(rollout=RolloutConfig(**overrides)))
 
 
 def test_a_relative_weight_store_is_made_absolute(tmp_path, monkeypatch):

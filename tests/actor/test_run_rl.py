@@ -29,22 +29,22 @@ def _args(workdir, *extra):
         "--config.rl.warm_start_steps=4",
         f"--config.steps={STEPS}",
         "--config.train.checkpoint_every=2",
-        "--config.rl.heldout_num_tasks=2",
-        "--config.rl.heldout_samples=1",
-        "--config.rl.group_size=2",
-        f"--config.rl.groups_per_step={GROUPS_PER_STEP}",
-        "--config.rl.num_slots=4",
-        "--config.rl.context_len=512",
-        "--config.rl.max_new_tokens=24",
-        "--config.rl.max_turns=2",  # samples wait between turns: in-flight records matter
-        "--config.rl.max_staleness=8",  # nothing dropped: every prompt must be trained once
-        "--config.rl.skip_uniform_groups=False",
-        "--config.rl.num_prompts=0",  # steps x groups_per_step: one epoch, all trained
+        "--config.rl.heldout.num_tasks=2",
+        "--config.rl.heldout.samples=1",
+        "--config.rl.rollout.group_size=2",
+        f"--config.rl.rollout.groups_per_step={GROUPS_PER_STEP}",
+        "--config.rl.rollout.num_slots=4",
+        "--config.rl.rollout.context_len=512",
+        "--config.rl.rollout.max_new_tokens=24",
+        "--config.rl.agent.max_turns=2",  # samples wait between turns: in-flight records matter
+        "--config.rl.rollout.max_staleness=8",  # nothing dropped: every prompt must be trained once
+        "--config.rl.rollout.skip_uniform_groups=False",
+        "--config.rl.rollout.num_prompts=0",  # steps x groups_per_step: one epoch, all trained
         "--progress=false",
         *extra,
     ]
-    if "--config.rl.backend=ray" not in extra:  # Ray's environment workers are actors
-        args.append("--config.rl.env_workers=thread")
+    if "--config.rl.rollout.backend=ray" not in extra:  # Ray's environment workers are actors
+        args.append("--config.rl.rollout.env_workers=thread")
     return args
 
 
@@ -124,7 +124,11 @@ def test_kill_9_mid_run_resumes_without_losing_or_repeating_groups(tmp_path):
 def test_ray_backend_runs_the_same_smoke_test_on_a_local_cluster(tmp_path, num_samplers):
     workdir = str(tmp_path / "run")
     result = subprocess.run(
-        _args(workdir, "--config.rl.backend=ray", f"--config.rl.num_samplers={num_samplers}"),
+        _args(
+            workdir,
+            "--config.rl.rollout.backend=ray",
+            f"--config.rl.rollout.num_samplers={num_samplers}",
+        ),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -196,10 +200,10 @@ def test_an_error_on_process_0_stops_the_other_processes_at_once(tmp_path):
     workdir = str(tmp_path / "run")
     launcher = [sys.executable, "-m", "launch.multiprocess", "--num_processes=2"]
     launcher += ["--devices_per_process=4", "--"]
-    args = _args(workdir, "--config.rl.warm_start_steps=1", "--config.rl.heldout_split=nope")
+    args = _args(workdir, "--config.rl.warm_start_steps=1", "--config.rl.heldout.split=nope")
     done = subprocess.run(
         launcher + args[2:], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "[0] error: rl.heldout_split:" in done.stderr
-    assert "[1] error: process 0 stopped on ConfigError: rl.heldout_split:" in done.stderr
+    assert "[0] error: rl.heldout.split:" in done.stderr
+    assert "[1] error: process 0 stopped on ConfigError: rl.heldout.split:" in done.stderr

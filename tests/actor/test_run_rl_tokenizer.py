@@ -19,17 +19,17 @@ from composer_jax.train.runs import run_tokenizer
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL_RL = (
     "--config.steps=2",
-    "--config.rl.heldout_num_tasks=2",
-    "--config.rl.heldout_samples=1",
-    "--config.rl.group_size=2",
-    "--config.rl.groups_per_step=2",
-    "--config.rl.num_slots=4",
-    "--config.rl.context_len=512",
-    "--config.rl.max_new_tokens=32",
-    "--config.rl.max_turns=2",
-    "--config.rl.num_prompts=0",
-    "--config.rl.skip_uniform_groups=False",
-    "--config.rl.env_workers=thread",
+    "--config.rl.heldout.num_tasks=2",
+    "--config.rl.heldout.samples=1",
+    "--config.rl.rollout.group_size=2",
+    "--config.rl.rollout.groups_per_step=2",
+    "--config.rl.rollout.num_slots=4",
+    "--config.rl.rollout.context_len=512",
+    "--config.rl.rollout.max_new_tokens=32",
+    "--config.rl.agent.max_turns=2",
+    "--config.rl.rollout.num_prompts=0",
+    "--config.rl.rollout.skip_uniform_groups=False",
+    "--config.rl.rollout.env_workers=thread",
     "--progress=false",
 )
 

@@ -10,7 +10,7 @@ from composer_jax.actor.samples import (
     total_rewards,
 )
 from composer_jax.agent import EpisodeOutcome, reward_weights
-from composer_jax.config import RLConfig
+from composer_jax.config import RLConfig, RLObjectiveConfig
 from composer_jax.parallel.packing import row_attention_lengths
 from composer_jax.rl.batch import SegmentKind, Sequence
 from composer_jax.rl.length_penalty import sample_rewards
@@ -101,11 +101,11 @@ def test_total_rewards_do_not_depend_on_the_padding_it_picks():
     packed to its longest sequence (what the trainer computes, padding aside)."""
     rng = np.random.default_rng(1)
     group, _ = _group(rng, "g", [[37], [90, 21], [61], [130]])
-    cfg = RLConfig(length_penalty_coef=0.05, length_penalty_k=0.01)
+    cfg = RLConfig(objective=RLObjectiveConfig(length_penalty_coef=0.05, length_penalty_k=0.01))
     batch = groups_to_batch(
-        [group], seq_len=130, reward_weights=reward_weights(cfg.behaviour_rewards)
+        [group], seq_len=130, reward_weights=reward_weights(cfg.agent.behaviour_rewards)
     )
-    expected, _ = sample_rewards(batch, cfg)
+    expected, _ = sample_rewards(batch, cfg.objective)
     got = total_rewards(group, cfg)
     np.testing.assert_allclose(got, np.asarray(expected)[:4], rtol=1e-6)
     assert np.ptp(got) > 0

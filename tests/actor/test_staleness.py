@@ -1,4 +1,4 @@
-"""Too-stale groups are dropped (and counted) or re-weighted, per `rl.stale_policy`."""
+"""Too-stale groups are dropped (and counted) or re-weighted, per `rl.rollout.stale_policy`."""
 
 import dataclasses
 
@@ -9,7 +9,7 @@ from composer_jax.actor.ledger import GroupLedger
 from composer_jax.actor.samples import make_group
 from composer_jax.actor.scheduler import next_groups
 from composer_jax.agent import EpisodeOutcome
-from composer_jax.config import RLConfig
+from composer_jax.config import RLConfig, RolloutConfig
 from composer_jax.rl.batch import SegmentKind, Sequence
 
 
@@ -61,7 +61,7 @@ def _ledger(tmp_path, min_versions, rewards=None, lengths=None):
 
 
 def test_uniform_groups_are_skipped_when_asked(tmp_path):
-    rl = dataclasses.replace(RLConfig(), groups_per_step=2, skip_uniform_groups=True)
+    rl = RLConfig(rollout=RolloutConfig(groups_per_step=2, skip_uniform_groups=True))
     rewards = [[0, 0], [1, 0], [1, 1], [0.5, 0.5], [0, 1]]
     ledger = _ledger(tmp_path, [3] * 5, rewards)
     coordinator = _Coordinator(ledger)
@@ -73,8 +73,10 @@ def test_uniform_groups_are_skipped_when_asked(tmp_path):
 
 @pytest.mark.parametrize("policy", ["drop", "reweight"])
 def test_stale_groups_are_dropped_or_reweighted(tmp_path, policy):
-    rl = dataclasses.replace(
-        RLConfig(), groups_per_step=2, max_staleness=2, stale_policy=policy, stale_decay=0.5
+    rl = RLConfig(
+        rollout=RolloutConfig(
+            groups_per_step=2, max_staleness=2, stale_policy=policy, stale_decay=0.5
+        )
     )
     ledger = _ledger(tmp_path, [1, 7, 4, 9, 8])  # trainer at version 9: lags 8, 2, 5, 0, 1
     coordinator = _Coordinator(ledger)
@@ -98,8 +100,8 @@ def test_dynamic_sampling_compares_the_chosen_reward(tmp_path, uniform_by, train
     """Every sample of g1 passes but the shorter one gets a smaller length penalty: by task reward
     g1 is uniform and skipped like g0; by total reward it still has a signal and is trained. g2
     (one pass, one fail) is trained either way."""
-    rl = dataclasses.replace(
-        RLConfig(), groups_per_step=1, skip_uniform_groups=True, uniform_by=uniform_by
+    rl = RLConfig(
+        rollout=RolloutConfig(groups_per_step=1, skip_uniform_groups=True, uniform_by=uniform_by)
     )
     rewards = [[1, 1], [1, 1], [1, 0]]
     ledger = _ledger(tmp_path, [3, 3, 3], rewards, lengths=[(20, 20), (10, 300), (20, 20)])
@@ -127,7 +129,7 @@ def test_weights_scale_the_advantages_of_their_samples():
 
 
 def test_a_damaged_pending_group_is_set_aside_and_its_prompt_redone(tmp_path):
-    rl = dataclasses.replace(RLConfig(), groups_per_step=2)
+    rl = RLConfig(rollout=RolloutConfig(groups_per_step=2))
     ledger = _ledger(tmp_path, [3, 3, 3])
     path = tmp_path / "groups" / "g0.npz"
     data = bytearray(path.read_bytes())

@@ -67,13 +67,13 @@ def test_rl_trains_on_a_mixture_of_jsonl_repositories_and_a_plugin(tmp_path):
         "launch.rl",
         f"--config.workdir={workdir}",
         f"--config.rl.tasks={spec}",
-        "--config.rl.heldout_tasks=builtin:max_ops=1",
+        "--config.rl.heldout.tasks=builtin:max_ops=1",
         *SMALL_RL_FLAGS,
         f"--config.steps={STEPS}",
-        f"--config.rl.groups_per_step={GROUPS}",
-        f"--config.rl.num_prompts={STEPS * GROUPS}",  # the epoch: the groups are trained in the
+        f"--config.rl.rollout.groups_per_step={GROUPS}",
+        f"--config.rl.rollout.num_prompts={STEPS * GROUPS}",  # the epoch: the groups are trained in the
         # order they finish, so a longer epoch would train whichever of its prompts came first
-        "--config.rl.max_staleness=8",
+        "--config.rl.rollout.max_staleness=8",
     ]
     env = dict(os.environ, PYTHONPATH=ROOT)
     done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

@@ -9,7 +9,7 @@ from composer_jax.actor.ledger import GroupLedger
 from composer_jax.actor.samples import group_sequences, groups_to_batch
 from composer_jax.actor.thread_pool import ThreadEnvironmentPool
 from composer_jax.agent.kinds import TURN_END_MARKERS, token_kinds, turn_sampling
-from composer_jax.config import ModelConfig, RLConfig
+from composer_jax.config import AgentConfig, ModelConfig, RLConfig, RolloutConfig
 from composer_jax.data import load_tokenizer
 from composer_jax.data.chat import chat_format_for
 from composer_jax.infer import SamplingParams
@@ -45,7 +45,10 @@ def test_rollout_parses_calls_and_counts_tokens_by_kind(tmp_path, kind):
         moe_layers=MODEL_CFG.num_moe_layers,
         k=MODEL_CFG.num_experts_per_tok,
     )
-    cfg = RLConfig(group_size=2, groups_per_step=1, max_turns=4, context_len=1024)
+    cfg = RLConfig(
+        rollout=RolloutConfig(group_size=2, groups_per_step=1, context_len=1024),
+        agent=AgentConfig(max_turns=4),
+    )
     ledger = GroupLedger(tmp_path / "ledger")
     with ThreadEnvironmentPool(2, timeout_s=60) as pool:
         coordinator = make_coordinator(cfg, sampler, pool, ledger, [("p0", task)], tokenizer)

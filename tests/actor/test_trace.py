@@ -13,7 +13,7 @@ from composer_jax.actor.sampler import LocalSampler
 from composer_jax.actor.samples import groups_to_batch
 from composer_jax.actor.thread_pool import ThreadEnvironmentPool
 from composer_jax.actor.trainer import RLTrainer
-from composer_jax.config import ConfigError, RLConfig
+from composer_jax.config import ConfigError, RLConfig, RolloutConfig
 from composer_jax.model import init_model
 from composer_jax.train.step import split_model
 from tests.actor.scripted import ScriptedSampler, make_coordinator
@@ -47,13 +47,15 @@ def test_a_traced_rollout_and_step_give_role_tracks_and_a_consistent_summary(tmp
     cfg = dataclasses.replace(presets.rl_tiny(), workdir=str(tmp_path / "run"))
     rl = dataclasses.replace(
         cfg.rl,
-        group_size=2,
-        groups_per_step=1,
-        num_slots=2,
-        context_len=CONTEXT,
-        max_new_tokens=8,
-        max_turns=1,
-        feedback_detectors=(),
+        rollout=dataclasses.replace(
+            cfg.rl.rollout,
+            group_size=2,
+            groups_per_step=1,
+            num_slots=2,
+            context_len=CONTEXT,
+            max_new_tokens=8,
+        ),
+        agent=dataclasses.replace(cfg.rl.agent, max_turns=1, feedback_detectors=()),
     )
     model = init_model(cfg.model, 0)
     _, params, buffers = split_model(model)
@@ -141,7 +143,7 @@ def test_tracing_off_is_one_shared_no_op_and_writes_nothing(tmp_path):
     sampler = ScriptedSampler(lambda prompt, turn: turns[turn], TOKENIZER, k=2)
     with ThreadEnvironmentPool(2, timeout_s=60) as pool:
         _rollout(
-            RLConfig(group_size=2, groups_per_step=1),
+            RLConfig(rollout=RolloutConfig(group_size=2, groups_per_step=1)),
             sampler,
             pool,
             GroupLedger(tmp_path / "ledger"),
@@ -155,7 +157,7 @@ def test_tracing_off_is_one_shared_no_op_and_writes_nothing(tmp_path):
     [
         ({"trace": "t.txt"}, "local .json file"),
         ({"trace": "gs://bucket/t.json"}, "local .json file"),
-        ({"trace": "t.json", "backend": "ray"}, "threads backend"),
+        ({"trace": "t.json", "rollout": RolloutConfig(backend="ray")}, "threads backend"),
     ],
 )
 def test_trace_paths_are_validated(overrides, message):

@@ -40,8 +40,14 @@ def test_step_publishes_an_exact_delta_and_resumes(tmp_path):
     engine = InferenceEngine(model, num_slots=4, max_len=SEQ_LEN, prefill_buckets=(SEQ_LEN,))
     tasks = builtin_tasks(2, "train", seed=0, max_ops=1)
     sampling = SamplingParams(max_new_tokens=16, seed=1)
-    rl = config.RLConfig(max_turns=1, context_len=SEQ_LEN)
-    workflow, env = agent.build(rl, ByteTokenizer(), model.cfg, sampling=sampling)
+    workflow, env = agent.build(
+        config.AgentConfig(max_turns=1),
+        ByteTokenizer(),
+        model.cfg,
+        max_len=SEQ_LEN,
+        sampling=sampling,
+        distill=config.RLObjectiveConfig().distill_coef > 0,
+    )
     batch, _ = agent.collect_batch(engine, tasks, 2, workflow, env, seq_len=SEQ_LEN, num_rows=8)
     # The untrained policy scores 0 everywhere and fills every turn (no advantage, no gradient):
     # one sample per group is rewarded instead.
@@ -148,10 +154,25 @@ def test_the_loss_normaliser_is_the_runs_not_the_batchs():
     from composer_jax.rl import policy_objective
     from tests.rl.toy import one_step_batch
 
-    rl = dataclasses.replace(presets.rl_tiny().rl, kl_coef=0.0, length_penalty_coef=0.0)
+    rl = dataclasses.replace(
+        presets.rl_tiny().rl,
+        objective=dataclasses.replace(
+            presets.rl_tiny().rl.objective, kl_coef=0.0, length_penalty_coef=0.0
+        ),
+    )
     objective = rl_objective(rl)
-    assert objective.loss_normalizer == rl.groups_per_step * rl.group_size * rl.max_generation_len
-    assert rl_objective(dataclasses.replace(rl, loss_normalizer=7.0)).loss_normalizer == 7.0
+    assert (
+        objective.loss_normalizer
+        == rl.rollout.groups_per_step * rl.rollout.group_size * rl.objective.max_generation_len
+    )
+    assert (
+        rl_objective(
+            dataclasses.replace(
+                rl, objective=dataclasses.replace(rl.objective, loss_normalizer=7.0)
+            )
+        ).loss_normalizer
+        == 7.0
+    )
     rng = np.random.default_rng()
     choices, reward_v = rng.integers(0, 4, 8), rng.random(4)  # reward of each token value
     logits = rng.normal(size=(8, 2, 4)).astype(np.float32)

@@ -1,6 +1,6 @@
 """A researcher's own agent pieces, outside the package, chosen by config: a workflow that asks
-for a plan first (`--config.rl.workflow=tests.agent.plugins:plan_first`) and a behaviour reward
-(`--config.rl.behaviour_rewards=tests.agent.plugins:thanks=0.1`)."""
+for a plan first (`--config.rl.agent.workflow=tests.agent.plugins:plan_first`) and a behaviour reward
+(`--config.rl.agent.behaviour_rewards=tests.agent.plugins:thanks=0.1`)."""
 
 from composer_jax.agent import AgentWorkflow
 

@@ -14,7 +14,7 @@ import pytest
 from composer_jax.actor.ledger import GroupLedger
 from composer_jax.actor.samples import group_sequences
 from composer_jax.agent import check_agent_config
-from composer_jax.config import ConfigError, RLConfig
+from composer_jax.config import AgentConfig, ConfigError
 from composer_jax.data import ByteTokenizer
 from composer_jax.train.metrics import read_metrics
 from tests.agent.plugins import PLAN_NOTE
@@ -38,17 +38,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 )
 def test_every_plug_in_name_is_checked_before_the_run(field, value, needles):
     with pytest.raises(ConfigError) as error:
-        check_agent_config(dataclasses.replace(RLConfig(), **{field: value}))
-    assert str(error.value).startswith(f"rl.{field}: ")
+        check_agent_config(dataclasses.replace(AgentConfig(), **{field: value}))
+    assert str(error.value).startswith(f"rl.agent.{field}: ")
     assert all(needle in str(error.value) for needle in needles)
     assert "\n" not in str(error.value)
 
 
 def test_a_bad_plug_in_name_stops_launch_rl_with_one_line_and_no_workdir(tmp_path):
     workdir = tmp_path / "run"
-    override = "--config.rl.behaviour_rewards=style=0.05,stlye=0.1"
+    override = "--config.rl.agent.behaviour_rewards=style=0.05,stlye=0.1"
     result = launch("rl", f"--config.workdir={workdir}", override, cwd=tmp_path)
-    one_line_error(result, "rl.behaviour_rewards", "unknown behaviour reward 'stlye'")
+    one_line_error(result, "rl.agent.behaviour_rewards", "unknown behaviour reward 'stlye'")
     assert not workdir.exists()
 
 
@@ -60,11 +60,11 @@ def test_a_workflow_and_a_reward_from_a_test_module_drive_a_run(tmp_path):
         "-m",
         "launch.rl",
         f"--config.workdir={workdir}",
-        "--config.rl.workflow=tests.agent.plugins:plan_first",
-        "--config.rl.behaviour_rewards=tests.agent.plugins:thanks=0.1,answered=0.05",
+        "--config.rl.agent.workflow=tests.agent.plugins:plan_first",
+        "--config.rl.agent.behaviour_rewards=tests.agent.plugins:thanks=0.1,answered=0.05",
         *SMALL_RL_FLAGS,
         f"--config.steps={steps}",
-        "--config.rl.groups_per_step=1",
+        "--config.rl.rollout.groups_per_step=1",
     ]
     env = dict(os.environ, PYTHONPATH=ROOT)
     done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -80,4 +80,4 @@ def test_a_workflow_and_a_reward_from_a_test_module_drive_a_run(tmp_path):
     for seq in group_sequences(group):
         assert ByteTokenizer().decode(seq.tokens).startswith(PLAN_NOTE)
     config = json.loads((workdir / "config.json").read_text())
-    assert config["rl"]["workflow"] == "tests.agent.plugins:plan_first"
+    assert config["rl"]["agent"]["workflow"] == "tests.agent.plugins:plan_first"

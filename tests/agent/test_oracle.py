@@ -48,12 +48,19 @@ def test_the_script_uses_only_the_tools_offered():
 
 def _played(rl, tasks, tokenizer=TOKENIZER):
     model = presets.rl_tiny().model
-    workflow, env = agent.build(rl, tokenizer, model)
+    workflow, env = agent.build(
+        rl.agent,
+        tokenizer,
+        model,
+        max_len=rl.rollout.context_len,
+        sampling=agent.rollout_sampling(rl.rollout),
+        distill=rl.objective.distill_coef > 0,
+    )
     engine = OracleEngine(
         [OracleScript(t, env.tools, env.open_tab_lines) for t in tasks],
         tokenizer,
         4,
-        rl.context_len,
+        rl.rollout.context_len,
         model.num_moe_layers,
         model.num_experts_per_tok,
     )
@@ -61,7 +68,10 @@ def _played(rl, tasks, tokenizer=TOKENIZER):
 
 
 def test_scripted_episodes_solve_repository_tasks_through_the_workflow():
-    rl = dataclasses.replace(presets.rl_agent_tiny().rl, open_tab_lines=0)  # every tool used
+    rl = dataclasses.replace(
+        presets.rl_agent_tiny().rl,
+        agent=dataclasses.replace(presets.rl_agent_tiny().rl.agent, open_tab_lines=0),
+    )  # every tool used
     tokenizer = data.load_tokenizer("code_bpe_2k")
     tasks = envs.load_task_source("builtin_repo:max_ops=2").take(4, "train", seed=5)
     outcomes = _played(rl, tasks, tokenizer)
@@ -75,13 +85,18 @@ def test_scripted_episodes_solve_repository_tasks_through_the_workflow():
 
 
 def test_with_the_function_in_an_open_tab_the_script_edits_at_once():
-    rl = dataclasses.replace(presets.rl_agent_tiny().rl, open_tab_lines=40, summary_budget=0)
+    rl = dataclasses.replace(
+        presets.rl_agent_tiny().rl,
+        agent=dataclasses.replace(
+            presets.rl_agent_tiny().rl.agent, open_tab_lines=40, summary_budget=0
+        ),
+    )
     tokenizer = data.load_tokenizer("code_bpe_2k")
     tasks = envs.load_task_source("builtin_repo:max_ops=2").take(2, "train", seed=5)
     tools = [
         [
             envs.parse_turn(t).calls[0].tool
-            for _, _, t in OracleScript(task, rl.tools.split(","), 40).steps[:-1]
+            for _, _, t in OracleScript(task, rl.agent.tools.split(","), 40).steps[:-1]
         ]
         for task in tasks
     ]
@@ -94,14 +109,17 @@ def test_with_the_function_in_an_open_tab_the_script_edits_at_once():
 
 def test_episode_examples_train_on_the_agents_tokens_only(tmp_path):
     cfg = presets.rl_agent_tiny()
-    cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, open_tab_lines=0))
+    cfg = dataclasses.replace(
+        cfg,
+        rl=dataclasses.replace(cfg.rl, agent=dataclasses.replace(cfg.rl.agent, open_tab_lines=0)),
+    )
     tokenizer = data.load_tokenizer("code_bpe_2k")
     tasks = envs.load_task_source(cfg.data.tasks).take(3, "train", seed=0)
     examples = episode_examples(cfg, tokenizer, tasks)
     assert len(examples) >= 6  # two or more generations per episode
     for example in examples:
         tokens, mask = example["tokens"], example["loss_mask"]
-        assert tokens.shape == mask.shape and len(tokens) < cfg.rl.context_len
+        assert tokens.shape == mask.shape and len(tokens) < cfg.rl.rollout.context_len
         taught = tokenizer.decode(tokens[mask == 1])
         assert "<call" in taught or "<final>" in taught or "Done: " in taught
         assert "<output" not in taught and "Tools:" not in taught
@@ -111,7 +129,11 @@ def test_episode_examples_train_on_the_agents_tokens_only(tmp_path):
 
 def test_episodes_that_do_not_fit_are_left_out_and_none_is_an_error():
     cfg = presets.rl_agent_tiny()
-    small = dataclasses.replace(cfg.rl, context_len=200, summary_budget=0)
+    small = dataclasses.replace(
+        cfg.rl,
+        rollout=dataclasses.replace(cfg.rl.rollout, context_len=200),
+        agent=dataclasses.replace(cfg.rl.agent, summary_budget=0),
+    )
     cfg = dataclasses.replace(cfg, rl=small, data=dataclasses.replace(cfg.data, sft_tasks=2))
     tasks = envs.load_task_source(cfg.data.tasks).take(2, "train", seed=1)
     outcomes = _played(small, tasks)

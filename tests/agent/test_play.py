@@ -28,11 +28,15 @@ def model():
     return init_model(dataclasses.replace(presets.tiny().model, dtype="float32"), 0)
 
 
-def _workflow(model, max_turns, max_len, sampling, env=None, **rl):
-    """The built-in workflow over `model` for episodes of at most `max_turns` turns."""
-    cfg = config.RLConfig(max_turns=max_turns, context_len=max_len, **rl)
+def _workflow(model, max_turns, max_len, sampling, env=None):
+    """The built-in workflow over `model` for episodes of at most `max_turns` turns (distilling,
+    as the default objective does)."""
+    cfg = config.AgentConfig(max_turns=max_turns)
     env = env or agent.env_config(cfg)
-    return agent.make_workflow(cfg, ByteTokenizer(), model.cfg, env, sampling=sampling), env
+    workflow = agent.make_workflow(
+        cfg, ByteTokenizer(), model.cfg, env, max_len=max_len, sampling=sampling, distill=True
+    )
+    return workflow, env
 
 
 def test_token_kinds_follow_the_protocol():
@@ -193,7 +197,7 @@ def test_episode_without_room_for_a_turn_is_truncated(model):
 
 def test_evaluation_scores_prompts_without_room_as_zero_and_says_so(model, caplog):
     """A held-out prompt longer than the context scores 0 with a warning naming it and
-    rl.context_len; the evaluation still plays the other tasks (it used to fail building
+    rl.rollout.context_len; the evaluation still plays the other tasks (it used to fail building
     sequences)."""
     chat = chat_format_for(ByteTokenizer())
 
@@ -204,14 +208,15 @@ def test_evaluation_scores_prompts_without_room_as_zero_and_says_so(model, caplo
     short, long = tasks[0], tasks[-1]
     lengths = prompt_tokens(short), prompt_tokens(long)
     assert lengths[0] + 16 < lengths[1]
-    cfg = dataclasses.replace(
-        config.RLConfig(), context_len=lengths[0] + 16, num_slots=4, max_new_tokens=8, max_turns=1
+    cfg = config.RLConfig(
+        rollout=config.RolloutConfig(context_len=lengths[0] + 16, num_slots=4, max_new_tokens=8),
+        agent=config.AgentConfig(max_turns=1),
     )
     evaluator = Evaluator(
-        cfg, [short, long], ByteTokenizer(), 2, 1.0, agent.env_config(cfg, evaluation=True)
+        cfg, [short, long], ByteTokenizer(), 2, 1.0, agent.env_config(cfg.agent, evaluation=True)
     )
     with caplog.at_level("WARNING"):
         result = evaluator.evaluate(model)
     assert result.per_task.shape == (2,) and result.per_task[1] == 0
     assert f"task {long.task_id}: its prompt ({lengths[1]} tokens)" in caplog.text
-    assert short.task_id not in caplog.text and "raise rl.context_len" in caplog.text
+    assert short.task_id not in caplog.text and "raise rl.rollout.context_len" in caplog.text

@@ -48,13 +48,21 @@ def scripts(task):
 def play(task, turns):
     rl = dataclasses.replace(
         presets.rl_agent_tiny().rl,
-        summary_budget=0,
-        context_len=4096,
-        max_turns=4,
-        max_new_tokens=2048,
-        feedback_detectors=(),
+        agent=dataclasses.replace(
+            presets.rl_agent_tiny().rl.agent, summary_budget=0, max_turns=4, feedback_detectors=()
+        ),
+        rollout=dataclasses.replace(
+            presets.rl_agent_tiny().rl.rollout, context_len=4096, max_new_tokens=2048
+        ),
     )
-    workflow, environment = agent.build(rl, BYTES, ModelConfig())
+    workflow, environment = agent.build(
+        rl.agent,
+        BYTES,
+        ModelConfig(),
+        max_len=rl.rollout.context_len,
+        sampling=agent.rollout_sampling(rl.rollout),
+        distill=rl.objective.distill_coef > 0,
+    )
     engine = ScriptedEngine(lambda prompt, turn: turns[min(turn, len(turns) - 1)], BYTES, 1)
     (outcome,) = agent.play(engine, [(task, "k")], workflow, environment)
     return outcome

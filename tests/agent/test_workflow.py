@@ -14,7 +14,7 @@ from composer_jax.actor.sampler import LocalSampler
 from composer_jax.actor.samples import group_sequences
 from composer_jax.actor.thread_pool import ThreadEnvironmentPool
 from composer_jax.agent.workflow import SUMMARY_OPEN
-from composer_jax.config import ModelConfig, RLConfig
+from composer_jax.config import AgentConfig, ModelConfig, RLConfig, RLObjectiveConfig, RolloutConfig
 from composer_jax.model import init_model
 from composer_jax.rl import SegmentKind
 from composer_jax.train.step import split_model
@@ -64,7 +64,14 @@ def _async_episodes(cfg, sampler, tasks, tmp_path) -> dict[str, list]:
 
 def _played(cfg, engine, tasks) -> dict[str, list]:
     """The same episodes through agent.play: the keys are the actor loop's episode ids."""
-    workflow, env = agent.build(cfg, TOKENIZER, MODEL_CFG, max_len=cfg.context_len)
+    workflow, env = agent.build(
+        cfg.agent,
+        TOKENIZER,
+        MODEL_CFG,
+        max_len=cfg.rollout.context_len,
+        sampling=agent.rollout_sampling(cfg.rollout),
+        distill=cfg.objective.distill_coef > 0,
+    )
     jobs = [(task, f"p{i}-s{j}-a0") for i, task in enumerate(tasks) for j in range(cfg.group_size)]
     outcomes = agent.play(engine, jobs, workflow, env, env_threads=2)
     return {
@@ -98,12 +105,9 @@ def _indexed(outcome, sample):
 def test_the_actor_loop_and_play_give_the_same_scripted_episodes(tmp_path):
     tasks = envs.builtin_tasks(2, seed=61, max_ops=1)
     cfg = RLConfig(
-        group_size=2,
-        max_turns=6,
-        context_len=1024,
-        summary_budget=560,
-        summary_max_tokens=48,
-        distill_coef=0.1,
+        rollout=RolloutConfig(group_size=2, context_len=1024),
+        agent=AgentConfig(max_turns=6, summary_budget=560, summary_max_tokens=48),
+        objective=RLObjectiveConfig(distill_coef=0.1),
     )
     script = SeededScript(tasks)
     args = dict(moe_layers=MODEL_CFG.num_moe_layers, k=MODEL_CFG.num_experts_per_tok, seeded=True)
@@ -129,14 +133,8 @@ def test_the_actor_loop_and_play_sample_the_same_tokens_with_a_real_model(tmp_pa
     with WeightPublisher(open_store(store)) as publisher:
         publisher.publish(split_model(model)[1], 0)
     cfg = RLConfig(
-        group_size=1,
-        num_slots=2,
-        context_len=640,
-        max_new_tokens=24,
-        max_turns=5,
-        summary_budget=420,
-        summary_max_tokens=24,
-        max_summaries=2,
+        rollout=RolloutConfig(group_size=1, num_slots=2, context_len=640, max_new_tokens=24),
+        agent=AgentConfig(max_turns=5, summary_budget=420, summary_max_tokens=24, max_summaries=2),
     )
     tasks = envs.builtin_tasks(2, seed=62, max_ops=1)
 

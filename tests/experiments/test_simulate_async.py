@@ -11,7 +11,7 @@ import pytest
 from composer_jax import presets
 from composer_jax.actor import scheduler
 from composer_jax.actor.simulation import Costs, Lengths, SimConfig, Workload, simulate
-from composer_jax.config import RLConfig
+from composer_jax.config import RLConfig, RolloutConfig
 from composer_jax.model import init_model
 from experiments import simulate_async
 
@@ -37,7 +37,7 @@ def _config(
 ) -> SimConfig:
     """One sampler of 8 slots, steps of 2 groups x 4, no staleness bound to speak of."""
     loop = {"group_size": 4, "groups_per_step": 2, "num_slots": 8, "max_new_tokens": 2000}
-    rl = RLConfig(**{**loop, "max_staleness": 100, **(rl or {})})
+    rl = RLConfig(rollout=RolloutConfig(**{**loop, "max_staleness": 100, **(rl or {})}))
     work = Workload(lengths=lengths, prompt_tokens=100, **(workload or {}))
     return SimConfig(rl=rl, workload=work, costs=costs, steps=steps, **overrides)
 
@@ -103,7 +103,12 @@ def test_a_long_tail_costs_the_synchronous_loop_more_than_the_asynchronous_one()
 
     def rate(lengths, staleness):
         cfg = _config(costs, lengths, steps=200, padded_decode=False)
-        cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, max_staleness=staleness))
+        cfg = dataclasses.replace(
+            cfg,
+            rl=dataclasses.replace(
+                cfg.rl, rollout=dataclasses.replace(cfg.rl.rollout, max_staleness=staleness)
+            ),
+        )
         return simulate(cfg).samples_per_s
 
     mean = round(float(np.mean(LONG_TAIL.draw(np.random.default_rng(0), 100_000, 2000))))
@@ -151,7 +156,13 @@ def test_admission_and_training_go_through_the_schedulers_own_functions(monkeypa
         max(
             simulate(
                 dataclasses.replace(
-                    synchronous, rl=dataclasses.replace(synchronous.rl, stale_policy="reweight")
+                    synchronous,
+                    rl=dataclasses.replace(
+                        synchronous.rl,
+                        rollout=dataclasses.replace(
+                            synchronous.rl.rollout, stale_policy="reweight"
+                        ),
+                    ),
                 )
             ).staleness
         )
@@ -191,7 +202,9 @@ def test_the_trainer_line_gives_seconds_per_token_and_per_step():
 def test_calibration_pieces_measure_positive_costs():
     """At toy sizes: a decode step of the preset's model and one grading of a built-in task."""
     cfg = presets.rl_tiny()
-    rl = dataclasses.replace(cfg.rl, context_len=128, prefill_buckets=(64,))
+    rl = dataclasses.replace(
+        cfg.rl, rollout=dataclasses.replace(cfg.rl.rollout, context_len=128, prefill_buckets=(64,))
+    )
     model = init_model(cfg.model, 0)
     assert simulate_async.decode_step_seconds(model, rl, rows=1, prompt_len=40, steps=1) > 0
     assert simulate_async.grading_seconds(1) > 0

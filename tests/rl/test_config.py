@@ -19,17 +19,20 @@ def test_defaults_are_valid_and_round_trip():
 @pytest.mark.parametrize(
     "changes,field",
     [
-        ({"kl_estimator": "k4"}, "rl.kl_estimator"),
-        ({"kl_placement": "in_advantage"}, "rl.kl_placement"),
-        ({"kl_estimator": "exact"}, "rl.kl_placement"),  # exact KL with the default in_reward
-        ({"importance_weighting": "clip"}, "rl.importance_weighting"),
-        ({"advantage_mode": "std"}, "rl.advantage_mode"),
-        ({"kl_coef": -0.1}, "rl.kl_coef"),
-        ({"importance_cap": 0.0}, "rl.importance_cap"),
-        ({"clip_eps_low": 1.0}, "rl.clip_eps_low"),
-        ({"length_penalty_k": 0.0}, "rl.length_penalty_k"),
-        ({"length_weight_tool_output": -1.0}, "rl.length_weight_tool_output"),
-        ({"max_generation_len": 0}, "rl.max_generation_len"),
+        ({"kl_estimator": "k4"}, "rl.objective.kl_estimator"),
+        ({"kl_placement": "in_advantage"}, "rl.objective.kl_placement"),
+        (
+            {"kl_estimator": "exact"},
+            "rl.objective.kl_placement",
+        ),  # exact KL with the default in_reward
+        ({"importance_weighting": "clip"}, "rl.objective.importance_weighting"),
+        ({"advantage_mode": "std"}, "rl.objective.advantage_mode"),
+        ({"kl_coef": -0.1}, "rl.objective.kl_coef"),
+        ({"importance_cap": 0.0}, "rl.objective.importance_cap"),
+        ({"clip_eps_low": 1.0}, "rl.objective.clip_eps_low"),
+        ({"length_penalty_k": 0.0}, "rl.objective.length_penalty_k"),
+        ({"length_weight_tool_output": -1.0}, "rl.objective.length_weight_tool_output"),
+        ({"max_generation_len": 0}, "rl.objective.max_generation_len"),
     ],
 )
 def test_invalid_values_name_the_field(changes, field):

@@ -37,10 +37,8 @@ def test_weighted_components_enter_the_total_and_the_metrics():
     messy = {**clean, "answered": -1.0, "style": -0.5}
     samples = [_sample(rng, 1.0, **clean), _sample(rng, 1.0, **messy)]
     group = make_group("g0", "t0", samples)
-    cfg = RLObjectiveConfig(
-        length_penalty_coef=0.0, behaviour_rewards=("answered=0.05", "style=0.1", "harm=0.5")
-    )
-    weights = reward_weights(cfg.behaviour_rewards)
+    cfg = RLObjectiveConfig(length_penalty_coef=0.0)
+    weights = reward_weights(("answered=0.05", "style=0.1", "harm=0.5"))
     batch = groups_to_batch([group], 64, reward_weights=weights)
     assert set(batch.rewards_N) == {"task", "answered", "style", "harm"}
     totals, metrics = sample_rewards(batch, cfg)
@@ -71,6 +69,6 @@ def test_rl_presets_ship_the_reports_defaults(preset):
     cfg = presets.PRESETS[preset]()
     assert cfg.model.replay_min_ratio > 0  # the plausibility filter is on
     assert cfg.optim.weight_decay == 0.0 and cfg.optim.name == "adamw"
-    weights = reward_weights(cfg.rl.behaviour_rewards)
+    weights = reward_weights(cfg.rl.agent.behaviour_rewards)
     assert set(weights) >= {"style", "tool_misuse", "answered", "harm"}
     assert all(w > 0 for w in weights.values())

@@ -163,19 +163,24 @@ def _small_rl(workdir: str, **fields) -> config.ExperimentConfig:
     cfg = presets.PRESETS["rl_tiny"]()
     rl = dataclasses.replace(
         cfg.rl,
+        heldout=dataclasses.replace(cfg.rl.heldout, num_tasks=2, samples=1),
+        rollout=dataclasses.replace(
+            cfg.rl.rollout,
+            group_size=2,
+            groups_per_step=GROUPS_PER_STEP,
+            num_slots=4,
+            context_len=512,
+            max_new_tokens=24,
+            max_staleness=8,  # nothing dropped: every prompt must be trained once
+            skip_uniform_groups=False,
+            num_prompts=0,
+            env_workers="thread",
+        ),
+        agent=dataclasses.replace(
+            cfg.rl.agent,
+            max_turns=2,  # samples wait between turns: in-flight records matter
+        ),
         warm_start_steps=4,
-        heldout_num_tasks=2,
-        heldout_samples=1,
-        group_size=2,
-        groups_per_step=GROUPS_PER_STEP,
-        num_slots=4,
-        context_len=512,
-        max_new_tokens=24,
-        max_turns=2,  # samples wait between turns: in-flight records matter
-        max_staleness=8,  # nothing dropped: every prompt must be trained once
-        skip_uniform_groups=False,
-        num_prompts=0,
-        env_workers="thread",
     )
     train = dataclasses.replace(cfg.train, checkpoint_every=2)
     return dataclasses.replace(cfg, workdir=workdir, steps=STEPS, train=train, rl=rl, **fields)

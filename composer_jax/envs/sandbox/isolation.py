@@ -36,7 +36,7 @@ HOW_TO_ISOLATE = (
     "install bubblewrap (apt-get install bubblewrap / dnf install bubblewrap), or allow "
     "unprivileged user namespaces for util-linux unshare (sysctl kernel.unprivileged_userns_clone=1;"
     " on Ubuntu 24.04+ kernel.apparmor_restrict_unprivileged_userns=0); for a quick local "
-    "experiment without isolation set require_isolation=False (--config.rl.require_sandbox=False)"
+    "experiment without isolation set require_isolation=False (--config.rl.agent.require_sandbox=False)"
 )
 
 # Host directories the sandbox sees read-only (symlinks, as on merged-/usr systems, stay links).

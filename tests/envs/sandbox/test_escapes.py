@@ -76,7 +76,7 @@ def test_rl_config_passes_the_requirement_to_every_environment():
     from composer_jax import config as config_lib
     from composer_jax import presets
 
-    assert presets.rl_tiny().rl.require_sandbox
+    assert presets.rl_tiny().rl.agent.require_sandbox
     assert config_lib.RLConfig().require_sandbox
 
 
@@ -307,8 +307,8 @@ def test_a_too_short_worker_timeout_is_refused():
     from composer_jax import config as config_lib
     from composer_jax.actor.setup import env_timeout as _env_timeout
 
-    rl = config_lib.RLConfig(env_timeout_s=60.0)
-    with pytest.raises(config_lib.ConfigError, match="rl.env_timeout_s"):
+    rl = config_lib.RLConfig(rollout=config_lib.RolloutConfig(env_timeout_s=60.0))
+    with pytest.raises(config_lib.ConfigError, match="rl.rollout.env_timeout_s"):
         _env_timeout(rl, envs.EnvConfig())
     assert _env_timeout(config_lib.RLConfig(), envs.EnvConfig()) == envs.EnvConfig().step_seconds()
 
