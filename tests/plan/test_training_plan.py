@@ -124,6 +124,8 @@ def test_a_scanned_loop_counts_each_trip_like_the_written_out_one():
         (["--config.mesh.bogus=2"], "--config.mesh.bogus: no such field"),
         (["--devices=3"], "mesh.ep"),
         (["--device=TPU9"], "--device: unknown device"),
+        (["--config.mesh.fsdp=16", "--config.mesh.replica=1"], "mesh: axes"),
+        (["--config.mesh.fsdp=8", "--config.mesh.cp=1"], "batch_size: 4 is not divisible"),
         (["--steps=bogus"], "--steps: unknown step 'bogus'"),
         (["--steps=decode", "--slots=3"], "--slots: 3 decode rows do not split over 8 devices"),
     ],
@@ -186,3 +188,28 @@ def test_each_knob_is_planned_and_ranked_by_its_peak(tiny_8, monkeypatch):
     assert knobs[1].plan is None and "batch_size" in knobs[1].error
     text = training.render_knobs(base, knobs, devices.by_name("H200"))
     assert "cannot plan          fsdp=8" in text and "fits; step" in text
+
+
+def test_the_scanned_block_plans_the_written_out_layers():
+    """The plan compiles the layer stack as one scanned block and counts its costs once per
+    trip; against the same model with every layer compiled (scan_layers=False) the state, FLOPs
+    and the expert and gradient exchanges are the same, while the scanned program gathers FSDP
+    weights again in the backward loop (where the written-out one keeps the forward's gather
+    alive), so it moves more all-gather bytes and holds fewer temporaries."""
+    cfg = presets.tiny()
+    layout = make_layout(config_lib.MeshConfig(fsdp=4, cp=2), jax.devices()[:8])
+    plans = {}
+    for scan in (True, False):
+        model = dataclasses.replace(cfg.model, num_layers=4, scan_layers=scan)
+        plans[scan] = training.plan_training_step(dataclasses.replace(cfg, model=model), layout)
+    block, whole = plans[True], plans[False]
+    assert block.params_bytes == whole.params_bytes
+    assert block.optimizer_bytes == whole.optimizer_bytes
+    assert block.argument_bytes == whole.argument_bytes
+    assert block.flops == whole.flops > 0
+    for kind in ("all-to-all", "all-reduce", "collective-permute"):
+        assert block.collective_bytes[kind] == whole.collective_bytes[kind], kind
+    assert block.collective_count["all-to-all"] == whole.collective_count["all-to-all"] == 15
+    assert whole.collective_bytes["all-gather"] <= block.collective_bytes["all-gather"]
+    assert block.collective_bytes["all-gather"] <= 1.25 * whole.collective_bytes["all-gather"]
+    assert 0.75 * whole.temp_bytes <= block.temp_bytes <= whole.temp_bytes
