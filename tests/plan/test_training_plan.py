@@ -142,22 +142,20 @@ def test_bad_plans_are_one_line_errors(args, needle):
     assert done.returncode == 2 and len(lines) == 1 and needle in lines[0], done.stderr[-2000:]
 
 
-def test_the_1t_plan_ends_in_a_table_or_one_line():
-    """XLA's CPU compiler crashes (SIGFPE) on the 1T step at 128 devices with jaxlib 0.12: the
-    plan reports that in one line instead of a native stack (or prints its table, once fixed)."""
+def test_the_1t_plan_prints_its_table():
+    """The 1T step at the preset's layout on 128 devices compiles (XLA:CPU's loop-fusion emitter
+    once crashed on it: launch.plan routes elementwise fusions around it) and does not fit."""
     done = subprocess.run(
-        [sys.executable, "-m", "launch.plan", "--config=kimi_k2", "--devices=128"],
+        [sys.executable, "-m", "launch.plan", "--config=kimi_k2", "--devices=128", "--knobs=never"],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=600,
     )
-    if done.returncode == 0:
-        assert "training step, phase main" in done.stdout
-    else:
-        errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-        assert done.returncode == 1 and len(errors) == 1 and "crashed" in errors[0]
-        assert "Fatal Python error" not in done.stderr
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "training step, phase main (batch 512 x 32768), 128 devices" in done.stdout
+    assert "(replica=1 x fsdp=64 x cp=2)" in done.stdout and "does NOT fit" in done.stdout
+    assert "decode step" in done.stdout
 
 
 def test_the_layout_knobs_are_the_changes_that_apply_to_the_mesh():
