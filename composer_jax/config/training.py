@@ -91,6 +91,10 @@ class TrainConfig:
     """The training phases and the step's settings: losses, logging, evaluation, checkpoints."""
 
     phases: tuple[PhaseConfig, ...] = (PhaseConfig(),)
+    # Gradient accumulation: each step's batch runs as this many micro-batches (a forward and a
+    # backward each, gradients summed) before one optimizer update; the loss is the whole
+    # batch's, so the update is the same as in one pass. Activation memory for step time.
+    microbatches: int = 1
     mtp_weight: float = 0.3
     mtp_loss: str = (
         "distill"  # "distill": KL to the main head's (stop-gradient) logits; "ce": labels.

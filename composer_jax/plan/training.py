@@ -88,14 +88,18 @@ class Knob:
 
 def layout_knobs(cfg: config_lib.ExperimentConfig, devices: int) -> list[tuple[str, object]]:
     """(flags, config) for each layout change that could lower a step's memory: layer
-    rematerialisation, the replica axis folded into fsdp (FSDP instead of HSDP), and twice or
-    half the context parallelism; only changes that apply to `cfg`'s resolved mesh."""
+    rematerialisation, twice the micro-batches (gradient accumulation), the replica axis folded
+    into fsdp (FSDP instead of HSDP), and twice or half the context parallelism; only changes
+    that apply to `cfg`'s resolved mesh."""
     mesh = config_lib.fitted_mesh(cfg, devices)
     r, f, c = mesh.replica, mesh.fsdp, mesh.cp
     out = []
     if not cfg.model.remat:
         model = dataclasses.replace(cfg.model, remat=True)
         out.append(("--config.model.remat=True", dataclasses.replace(cfg, model=model)))
+    micro = 2 * cfg.train.microbatches
+    train = dataclasses.replace(cfg.train, microbatches=micro)
+    out.append((f"--config.train.microbatches={micro}", dataclasses.replace(cfg, train=train)))
 
     def with_mesh(replica: int, fsdp: int, cp: int) -> tuple[str, object]:
         flags = f"--config.mesh.replica={replica} --config.mesh.fsdp={fsdp} --config.mesh.cp={cp}"
