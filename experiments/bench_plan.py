@@ -22,15 +22,6 @@ import time
 
 from absl import app, flags
 
-_CONFIG = flags.DEFINE_string("config", "kimi_k2", "Preset whose training step is planned.")
-_DEVICES = flags.DEFINE_list("devices", ["8", "32", "64", "256"], "Virtual device counts.")
-_LAYERS = flags.DEFINE_list("layers", ["2", "4", "8"], "Layer counts (num_layers).")
-_SCAN = flags.DEFINE_list("scan", ["true", "false"], "Layers scanned, written out, or both.")
-_LIMIT = flags.DEFINE_integer("limit_s", 300, "Time limit of one case, in seconds.")
-_OUT = flags.DEFINE_string("out", "", "JSON file for the rows (default: print only).")
-_PYTHON = flags.DEFINE_string(
-    "python", sys.executable, "Interpreter of each case (with this checkout on its PYTHONPATH)."
-)
 FSDP_CAP = 64
 
 # Runs a command and reports its peak resident memory: RUSAGE_CHILDREN covers only this
@@ -95,19 +86,34 @@ def run_case(
     return row
 
 
+def _define_flags() -> None:
+    """The command line's flags, defined only when this runs as a script: a test importing
+    `run_case` must not register flags other experiments define too."""
+    flags.DEFINE_string("config", "kimi_k2", "Preset whose training step is planned.")
+    flags.DEFINE_list("devices", ["8", "32", "64", "256"], "Virtual device counts.")
+    flags.DEFINE_list("layers", ["2", "4", "8"], "Layer counts (num_layers).")
+    flags.DEFINE_list("scan", ["true", "false"], "Layers scanned, written out, or both.")
+    flags.DEFINE_integer("limit_s", 300, "Time limit of one case, in seconds.")
+    flags.DEFINE_string("out", "", "JSON file for the rows (default: print only).")
+    flags.DEFINE_string(
+        "python", sys.executable, "Interpreter of each case (with this checkout on its PYTHONPATH)."
+    )
+
+
 def main(argv):
     del argv
+    f = flags.FLAGS
     rows = []
     cases = itertools.product(
-        map(int, _DEVICES.value), map(int, _LAYERS.value), [s == "true" for s in _SCAN.value]
+        map(int, f.devices), map(int, f.layers), [s == "true" for s in f.scan]
     )
     for devices, layers, scan in cases:
-        row = run_case(_CONFIG.value, devices, layers, scan, _LIMIT.value, _PYTHON.value)
+        row = run_case(f.config, devices, layers, scan, f.limit_s, f.python)
         rows.append(row)
         print(json.dumps(row), flush=True)
-        if _OUT.value:
-            with open(_OUT.value, "w") as f:
-                json.dump({"config": _CONFIG.value, "rows": rows}, f, indent=1)
+        if f.out:
+            with open(f.out, "w") as out:
+                json.dump({"config": f.config, "rows": rows}, out, indent=1)
     print("\n| devices | layers | layers compiled | compile s | wall s | peak RSS GiB | outcome |")
     print("| ---: | ---: | --- | ---: | ---: | ---: | --- |")
     for r in rows:
@@ -119,4 +125,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)
