@@ -83,13 +83,13 @@ def _check_training(cfg: ExperimentConfig) -> None:
         _check(p.fraction > 0, f"train.phases[{i}].fraction", "must be positive")
         _check(p.seq_len > 1, f"train.phases[{i}].seq_len", "must be > 1")
         _check(p.batch_size > 0, f"train.phases[{i}].batch_size", "must be positive")
+        _check(p.microbatches > 0, f"train.phases[{i}].microbatches", "must be positive")
         _check(
             p.data in ("corpus", "tasks"),
             f"train.phases[{i}].data",
             f"must be 'corpus' or 'tasks', got {p.data!r}",
         )
     _check(t.mtp_loss in ("distill", "ce"), "train.mtp_loss", f"unknown MTP loss {t.mtp_loss!r}")
-    _check(t.microbatches > 0, "train.microbatches", "must be positive")
     for name in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "eval_batches"):
         _check(getattr(t, name) > 0, f"train.{name}", "must be positive")
     _check(0 < cfg.data.eval_fraction < 1, "data.eval_fraction", "must lie in (0, 1)")
@@ -138,13 +138,12 @@ def _check_fits(cfg: ExperimentConfig, num_devices: int) -> None:
         f"divide model.num_experts={cfg.model.num_experts}",
     )
     data_parallel = shape["replica"] * shape["fsdp"]
-    split = data_parallel * cfg.train.microbatches
     for i, p in enumerate(cfg.train.phases):
         _check(
-            p.batch_size % split == 0,
+            p.batch_size % (data_parallel * p.microbatches) == 0,
             f"train.phases[{i}].batch_size",
             f"{p.batch_size} is not divisible by replica*fsdp={data_parallel}"
-            + (f" x train.microbatches={cfg.train.microbatches}" if split > data_parallel else ""),
+            + (f" x microbatches={p.microbatches}" if p.microbatches > 1 else ""),
         )
         _check(
             p.seq_len % (2 * shape["cp"]) == 0 or shape["cp"] == 1,

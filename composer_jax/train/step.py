@@ -192,14 +192,15 @@ def accumulated_gradients(
     batch: Batch,
     train_cfg: TrainConfig,
     num_mtp_layers: int,
+    microbatches: int,
 ) -> tuple[dict[str, jax.Array], Any]:
     """(metrics, gradients) of the whole batch's pretraining loss, taken one micro-batch at a
-    time (`train.microbatches`, in a scan: one micro-batch's activations live at once) and
-    summed; each micro-batch's loss is its share of the batch's mean (`target_counts`), so the
-    sums are the whole batch's loss, gradients and metrics."""
+    time (in a scan: one micro-batch's activations live at once) and summed; each
+    micro-batch's loss is its share of the batch's mean (`target_counts`), so the sums are the
+    whole batch's loss, gradients and metrics."""
     counts = target_counts(batch, num_mtp_layers)
     with use_layout(layout):
-        micro = split_microbatches(batch, train_cfg.microbatches)
+        micro = split_microbatches(batch, microbatches)
 
     def one(mb):
         return loss_gradients(
@@ -224,12 +225,13 @@ def train_step(
     layout: Layout | None,
     state: TrainState,
     batch: Batch,
+    microbatches: int = 1,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step; `layout` (bound before jit) enables EP/CP and activation shardings.
-    With `train.microbatches` > 1 the gradients are accumulated over micro-batches first."""
-    if train_cfg.microbatches > 1:
+    With `microbatches` > 1 (the phase's) the gradients are accumulated over micro-batches."""
+    if microbatches > 1:
         metrics, grads = accumulated_gradients(
-            graphdef, layout, state, batch, train_cfg, model_cfg.num_mtp_layers
+            graphdef, layout, state, batch, train_cfg, model_cfg.num_mtp_layers, microbatches
         )
         params, opt_state, metrics = update_params(optimizer, schedule, state, grads, metrics)
     else:

@@ -163,13 +163,14 @@ def test_the_layout_knobs_are_the_changes_that_apply_to_the_mesh():
     flags = [f for f, _ in training.layout_knobs(cfg, 8)]
     assert flags == [
         "--config.model.remat=True",
-        "--config.train.microbatches=2",
+        "--config.train.phases[0].microbatches=2",
         "--config.mesh.replica=1 --config.mesh.fsdp=4 --config.mesh.cp=2",
         "--config.mesh.replica=2 --config.mesh.fsdp=1 --config.mesh.cp=4",
         "--config.mesh.replica=2 --config.mesh.fsdp=4 --config.mesh.cp=1",
     ]
     remat = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=True))
-    assert [f for f, _ in training.layout_knobs(remat, 8)][0] == "--config.train.microbatches=2"
+    first = training.layout_knobs(remat, 8, phase=1)[0][0]
+    assert first == "--config.train.phases[1].microbatches=2"
 
 
 def test_each_knob_is_planned_and_ranked_by_its_peak(tiny_8, monkeypatch):
@@ -177,7 +178,7 @@ def test_each_knob_is_planned_and_ranked_by_its_peak(tiny_8, monkeypatch):
     unsplittable = dataclasses.replace(cfg, mesh=config_lib.MeshConfig(fsdp=8, cp=1))
     remat = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=True))
     monkeypatch.setattr(
-        training, "layout_knobs", lambda c, n: [("fsdp=8", unsplittable), ("remat", remat)]
+        training, "layout_knobs", lambda c, n, p: [("fsdp=8", unsplittable), ("remat", remat)]
     )
     seen = []
     knobs = training.rank_knobs(cfg, 8, on_plan=seen.append)
