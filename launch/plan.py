@@ -135,8 +135,8 @@ def main(argv):
     if "decode" in _STEPS.value:
         try:
             plan = decode.plan_decode_step(cfg, slots=_SLOTS.value)
-        except ValueError as error:
-            cli.fail(f"--{error}")
+        except decode.PlanError as error:
+            cli.fail(str(error))
         print(decode.render(plan, device), flush=True)
 
 

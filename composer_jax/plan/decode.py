@@ -37,12 +37,19 @@ class DecodePlan(costs.CompiledCosts):
     cache_bytes: int
 
 
-def serving_layout(layout: Layout) -> Layout:
-    """`layout`'s devices with context parallelism folded into fsdp: a decode step has one
-    position per row, so nothing splits along the sequence."""
+class PlanError(ValueError):
+    """A decode plan the command line cannot make; the message names the flag."""
+
+
+def serving_layout(layout: Layout, num_experts: int) -> Layout:
+    """`layout`'s devices without context parallelism (a decode step has one position per row,
+    nothing splits along the sequence): the cp axis folded into fsdp, or into replica where the
+    larger fsdp would no longer divide the experts."""
     r, f, c = (layout.mesh.shape[a] for a in AXES)
-    mesh = Mesh(layout.mesh.devices.reshape(r, f * c, 1), AXES)
-    return dataclasses.replace(layout, mesh=mesh)
+    folded = dataclasses.replace(layout, mesh=Mesh(layout.mesh.devices.reshape(r, f * c, 1), AXES))
+    if num_experts % folded.ep_size == 0:
+        return folded
+    return dataclasses.replace(layout, mesh=Mesh(layout.mesh.devices.reshape(r * c, f, 1), AXES))
 
 
 def abstract_model_state(cfg: config_lib.ExperimentConfig, layout: Layout):
@@ -110,12 +117,12 @@ def plan_decode_step(
     reads its costs."""
     if layout is None:
         layout = make_layout(config_lib.fitted_mesh(cfg, jax.device_count()))
-    layout = serving_layout(layout)
+    layout = serving_layout(layout, cfg.model.num_experts)
     rows = layout.mesh.shape["replica"] * layout.mesh.shape["fsdp"]
     if slots is None:
         slots = -(-cfg.rl.num_slots // rows) * rows
     if slots % rows:
-        raise ValueError(f"slots: {slots} decode rows do not split over {rows} devices")
+        raise PlanError(f"--slots: {slots} decode rows do not split over {rows} devices")
     max_len = cfg.rl.context_len if max_len is None else max_len
     graphdef, state = abstract_model_state(cfg, layout)
     cache = abstract_cache(cfg, layout, slots, max_len)

@@ -29,7 +29,7 @@ def test_the_decode_plan_is_what_a_sharded_sampler_holds_and_exchanges():
     cfg = presets.tiny()
     layout = make_layout(config_lib.MeshConfig(fsdp=4, cp=2), jax.devices()[:8])
     plan = decode.plan_decode_step(cfg, layout, slots=8, max_len=64)
-    serving = decode.serving_layout(layout)
+    serving = decode.serving_layout(layout, cfg.model.num_experts)
     assert plan.mesh == {"replica": 1, "fsdp": 8, "cp": 1}
 
     _, abstract = decode.abstract_model_state(cfg, layout)
@@ -63,3 +63,10 @@ def test_the_decode_plan_is_what_a_sharded_sampler_holds_and_exchanges():
     text = decode.render(plan, devices.by_name("H200"))
     for needle in ("decode step, 8 slots x 64 tokens", "latent cache", "tokens/s", "HBM"):
         assert needle in text
+
+
+def test_the_serving_layout_keeps_the_experts_divisible():
+    """cp goes into fsdp, or into replica when fsdp x cp would not divide the experts."""
+    layout = make_layout(config_lib.MeshConfig(fsdp=2, cp=4, ep=("fsdp",)), jax.devices()[:8])
+    assert dict(decode.serving_layout(layout, 8).mesh.shape) == {"replica": 1, "fsdp": 8, "cp": 1}
+    assert dict(decode.serving_layout(layout, 6).mesh.shape) == {"replica": 4, "fsdp": 2, "cp": 1}
