@@ -14,14 +14,14 @@ import time
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from composer_jax import config as config_lib
 from composer_jax.infer.cache import LatentCache
 from composer_jax.infer.decode import MIN_STOP_TABLE, DecodeInputs, decode_chunk
 from composer_jax.model import Transformer
 from composer_jax.model.layers import dtype_of, logical_axes_of
-from composer_jax.parallel.mesh import AXES, Layout, make_layout, use_layout
+from composer_jax.parallel.mesh import AXES, Layout, make_layout, use_layout, with_shardings
 from composer_jax.parallel.report import bytes_per_device
 from composer_jax.plan import costs
 from composer_jax.plan.devices import DeviceSpec
@@ -57,15 +57,7 @@ def abstract_model_state(cfg: config_lib.ExperimentConfig, layout: Layout):
     model = nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     shardings = layout.tree_shardings(logical_axes_of(state), state)
-    abstract = jax.tree.map(
-        lambda sharding, variable: jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), variable
-        ),
-        shardings,
-        state,
-        is_leaf=lambda x: isinstance(x, NamedSharding),
-    )
-    return graphdef, abstract
+    return graphdef, with_shardings(shardings, state)
 
 
 def abstract_cache(cfg: config_lib.ExperimentConfig, layout: Layout, slots: int, max_len: int):

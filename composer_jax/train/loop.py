@@ -40,6 +40,7 @@ from composer_jax.data.tokenizer import check_vocab
 from composer_jax.model.layers import logical_axes_of
 from composer_jax.model.transformer import Transformer, param_rngs
 from composer_jax.parallel import Layout, make_layout
+from composer_jax.parallel.mesh import with_shardings
 from composer_jax.parallel.packing import balanced_row_order
 from composer_jax.parallel.report import sharding_table
 from composer_jax.train.checkpoint import CheckpointError
@@ -234,14 +235,7 @@ def make_setup(
         lambda: init_train_state(Transformer(cfg.model, nnx.Rngs(0)), optimizer)
     )
     shardings = state_shardings(shapes, layout)
-    abstract = jax.tree.map(
-        lambda sharding, sub: jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), sub
-        ),
-        shardings,
-        shapes,
-        is_leaf=lambda x: isinstance(x, NamedSharding),
-    )
+    abstract = with_shardings(shardings, shapes)
     return TrainSetup(cfg, layout, bounds, schedule, optimizer, graphdef, abstract, shardings)
 
 

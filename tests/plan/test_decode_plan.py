@@ -13,16 +13,7 @@ from composer_jax.model import Transformer
 from composer_jax.parallel import hlo, make_layout
 from composer_jax.parallel.mesh import use_layout
 from composer_jax.plan import decode, devices
-
-
-def _device0_bytes(tree) -> int:
-    device = jax.devices()[0]
-    return sum(
-        shard.data.nbytes
-        for x in jax.tree.leaves(tree)
-        for shard in x.addressable_shards
-        if shard.device == device
-    )
+from tests.plan.helpers import device0_bytes
 
 
 def test_the_decode_plan_is_what_a_sharded_sampler_holds_and_exchanges():
@@ -41,8 +32,8 @@ def test_the_decode_plan_is_what_a_sharded_sampler_holds_and_exchanges():
         param_shardings=jax.tree.map(lambda x: x.sharding, abstract),
         trace_context=lambda: use_layout(serving),
     )
-    assert plan.params_bytes == _device0_bytes(engine.state) > 0
-    assert plan.cache_bytes == _device0_bytes(engine.cache) > 0
+    assert plan.params_bytes == device0_bytes(engine.state) > 0
+    assert plan.cache_bytes == device0_bytes(engine.cache) > 0
     # Experts are split over the devices: each holds an eighth of the routed weights.
     expert = engine.state["moe_layers"]["mlp"]["gate"].get_value()
     assert expert.addressable_shards[0].data.shape[1] * 8 == expert.shape[1]

@@ -19,19 +19,9 @@ from composer_jax import presets
 from composer_jax.parallel import hlo, make_layout
 from composer_jax.plan import costs, devices, training
 from composer_jax.train.loop import make_train_setup
+from tests.plan.helpers import device0_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _device0_bytes(tree) -> int:
-    """Bytes device 0 really holds of a tree of arrays."""
-    device = jax.devices()[0]
-    return sum(
-        shard.data.nbytes
-        for x in jax.tree.leaves(tree)
-        for shard in x.addressable_shards
-        if shard.device == device
-    )
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +35,8 @@ def test_the_plan_is_what_a_real_run_allocates_and_exchanges(tiny_8):
     cfg, layout, plan = tiny_8
     setup = make_train_setup(cfg, layout)
     state = setup.init_state()  # allocated, as a run does
-    assert plan.params_bytes == _device0_bytes(state.params) > 0
-    assert plan.optimizer_bytes == _device0_bytes(state.opt_state) > 0
+    assert plan.params_bytes == device0_bytes(state.params) > 0
+    assert plan.optimizer_bytes == device0_bytes(state.opt_state) > 0
     phase = cfg.train.phases[0]
     shape = (phase.batch_size, phase.seq_len)
     tokens = jax.device_put(
