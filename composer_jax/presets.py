@@ -129,7 +129,10 @@ def kimi_k2_model() -> ModelConfig:
 def kimi_k2() -> ExperimentConfig:
     return ExperimentConfig(
         model=kimi_k2_model(),
-        mesh=MeshConfig(replica=-1, fsdp=64, cp=2),
+        # 64-way FSDP (the long-context phase's batch of 64 caps replica x fsdp at 64) with the
+        # experts split over it (64 divides the 384 experts), context parallelism over the rest:
+        # cp=2 on 128 GPUs, 4 on 256, 16 on 1024.
+        mesh=MeshConfig(replica=1, fsdp=64, cp=-1, ep=("fsdp",)),
         train=TrainConfig(
             phases=(
                 PhaseConfig("main", fraction=0.9, seq_len=32768, batch_size=512),

@@ -4,6 +4,7 @@ bands, paired per-task differences of held-out reward.
   python -m launch.compare runs/lr_seed                      # a sweep's root, or run folders
   python -m launch.compare runs/a runs/b --out=cmp --metrics=loss,eval_nll --curves=loss
   python -m launch.compare runs/ws --scatter=warm_start/loss,heldout_after --baseline=1
+  python -m launch.compare runs/rl_from_each_seed --ignore=rl.warm_start   # one warm start a seed
   python -m launch.compare mlflow:http://tracking:5000#composer-jax   # runs an MLflow tracker logged
 
 Runs that differ only by seed form a group. Writes <out>/compare.md (printed too), curves.png and
@@ -24,6 +25,9 @@ _METRICS = flags.DEFINE_list("metrics", [], "Final metrics of the table (default
 _CURVES = flags.DEFINE_list("curves", [], "Metrics plotted against step (default: by run kind).")
 _BASELINE = flags.DEFINE_integer("baseline", 0, "Group that paired differences are taken against.")
 _SCATTER = flags.DEFINE_list("scatter", [], "x,y: final y against final x per run.")
+_IGNORE = flags.DEFINE_list(
+    "ignore", [], "Config fields that do not split groups (e.g. rl.warm_start, one per seed)."
+)
 
 
 def main(argv):
@@ -47,6 +51,7 @@ def main(argv):
             baseline=_BASELINE.value,
             scatter=tuple(_SCATTER.value) or None,
             command="python -m launch.compare " + shlex.join(sys.argv[1:]),
+            ignore=tuple(_IGNORE.value),
         )
     except (FileNotFoundError, ValueError, IndexError) as error:
         cli.fail(str(error))

@@ -9,8 +9,8 @@ The steps are compiled for CPU devices standing in for the GPUs (XLA's CPU SPMD 
 the same collectives; kernels and fusion differ), so memory is what the partitioned program
 holds, and time is an estimate from the named GPU's datasheet peaks (the table says how). When
 the training step does not fit the GPU (or with --knobs=always), each layout change that could
-help (remat, FSDP instead of HSDP, more or less context parallelism) is planned too and ranked
-by its peak.
+help (remat, micro-batches, FSDP instead of HSDP, more or less context parallelism) is planned
+too and ranked by its peak.
 """
 
 import importlib.metadata
@@ -23,6 +23,9 @@ from absl import flags
 
 from launch import cli
 
+# The command line as given: defining --config takes the typed overrides (tuples such as
+# --config.mesh.ep) out of sys.argv, and the compiling child must get them too.
+_ARGV = list(sys.argv[1:])
 _CONFIG = cli.define_config("tiny")
 _DEVICES = flags.DEFINE_integer("devices", 8, "Virtual devices to plan for (the mesh's size).")
 _DEVICE = flags.DEFINE_string("device", "H200", "GPU whose datasheet prices the plan.")
@@ -48,24 +51,28 @@ def _simulate(devices: int) -> None:
         raise RuntimeError("launch.plan must choose the device count before JAX is imported")
     flags_now = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     flags_now.append(f"--xla_force_host_platform_device_count={devices}")
+    # XLA:CPU's fusion emitters divide by zero on some fusions of the 1T step (SIGFPE, jaxlib
+    # 0.11.2 and 0.12, at 8 to 256 devices): elementwise fusions go to its YNNPACK library path
+    # next to the dots (the default), and on jaxlib 0.12 the tiled emitter takes its older
+    # lowering. Both change CPU code generation only: the partitioned program, its collectives
+    # and its FLOPs are the same.
+    flags_now.append(f"--xla_cpu_experimental_ynn_fusion_type={YNN_FUSIONS}")
     jaxlib = tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2])
     if jaxlib >= (0, 12):
-        # XLA:CPU's tiled-fusion emitter divides by zero on some fusions of the 1T step (SIGFPE
-        # in xtile's GetSchedule, jaxlib 0.12); its older lowering avoids it at 256 devices
-        # (fsdp 64 x cp 4), not at 8 to 128, where `_compile_in_child` reports it.
         flags_now.append("--xla_cpu_use_new_xtile_lowering=false")
     os.environ["XLA_FLAGS"] = " ".join(flags_now)
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 CHILD = "CJ_PLAN_CHILD"
+YNN_FUSIONS = "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE"
 
 
 def _compile_in_child() -> None:
     """Runs this command again in a child, so a crash of XLA's CPU compiler (a signal, not an
     exception) ends the plan with one line instead of a native stack."""
     child = subprocess.run(
-        [sys.executable, "-m", "launch.plan", *sys.argv[1:]],
+        [sys.executable, "-m", "launch.plan", *_ARGV],
         env=dict(os.environ, **{CHILD: "1"}),
         stderr=subprocess.PIPE,
         text=True,
@@ -75,8 +82,8 @@ def _compile_in_child() -> None:
     else:
         name = signal.Signals(-child.returncode).name
         cli.fail(
-            f"XLA's CPU compiler crashed ({name}) compiling this plan; its tiled-fusion emitter "
-            "is known to crash on the 1T step at 8 to 128 devices: try another --devices or mesh",
+            f"XLA's CPU compiler crashed ({name}) compiling this plan: try another --devices or "
+            "mesh",
             status=1,
         )
     sys.exit(child.returncode)
@@ -130,8 +137,8 @@ def main(argv):
     if "decode" in _STEPS.value:
         try:
             plan = decode.plan_decode_step(cfg, slots=_SLOTS.value)
-        except ValueError as error:
-            cli.fail(f"--{error}")
+        except decode.PlanError as error:
+            cli.fail(str(error))
         print(decode.render(plan, device), flush=True)
 
 

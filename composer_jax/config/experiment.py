@@ -83,6 +83,7 @@ def _check_training(cfg: ExperimentConfig) -> None:
         _check(p.fraction > 0, f"train.phases[{i}].fraction", "must be positive")
         _check(p.seq_len > 1, f"train.phases[{i}].seq_len", "must be > 1")
         _check(p.batch_size > 0, f"train.phases[{i}].batch_size", "must be positive")
+        _check(p.microbatches > 0, f"train.phases[{i}].microbatches", "must be positive")
         _check(
             p.data in ("corpus", "tasks"),
             f"train.phases[{i}].data",
@@ -139,9 +140,10 @@ def _check_fits(cfg: ExperimentConfig, num_devices: int) -> None:
     data_parallel = shape["replica"] * shape["fsdp"]
     for i, p in enumerate(cfg.train.phases):
         _check(
-            p.batch_size % data_parallel == 0,
+            p.batch_size % (data_parallel * p.microbatches) == 0,
             f"train.phases[{i}].batch_size",
-            f"{p.batch_size} is not divisible by replica*fsdp={data_parallel}",
+            f"{p.batch_size} is not divisible by replica*fsdp={data_parallel}"
+            + (f" x microbatches={p.microbatches}" if p.microbatches > 1 else ""),
         )
         _check(
             p.seq_len % (2 * shape["cp"]) == 0 or shape["cp"] == 1,

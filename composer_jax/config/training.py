@@ -68,6 +68,10 @@ class PhaseConfig:
     batch_size: int = 8
     lr_scale: float = 1.0
     data: str = "corpus"
+    # Gradient accumulation: each step's batch runs as this many micro-batches (a forward and a
+    # backward each, gradients summed) before one optimizer update; the loss is the whole
+    # batch's, so the update is the same as in one pass. Activation memory for step time.
+    microbatches: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

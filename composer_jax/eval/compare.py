@@ -226,12 +226,14 @@ def load_run(workdir: str) -> RunRecord:
     return RunRecord(workdir, config, read_records(os.path.join(workdir, "metrics.jsonl")), heldout)
 
 
-def group_runs(runs: list[RunRecord]) -> list[Group]:
-    """Runs equal but for seed and workdir share a group, labelled by the fields that differ
-    between groups (in the order the runs came)."""
+def group_runs(runs: list[RunRecord], ignore: tuple[str, ...] = ()) -> list[Group]:
+    """Runs equal but for seed, workdir and the `ignore` fields (e.g. "rl.warm_start" when each
+    seed has its own warm start) share a group, labelled by the fields that differ between
+    groups (in the order the runs came)."""
+    ignored = set(IGNORED_FIELDS) | set(ignore)
     keys, members = [], {}
     for run in runs:
-        flat = {k: v for k, v in field_paths(run.config).items() if k not in IGNORED_FIELDS}
+        flat = {k: v for k, v in field_paths(run.config).items() if k not in ignored}
         key = tuple(sorted(flat.items(), key=lambda kv: kv[0]))
         if key not in members:
             keys.append(key)
@@ -588,11 +590,13 @@ def compare_runs(
     baseline: int = 0,
     scatter: tuple[str, str] | None = None,
     command: str | None = None,
+    ignore: tuple[str, ...] = (),
 ) -> Report:
-    """Reads the runs under `paths`, groups them by seed, and writes `compare.md`, `curves.png`
-    (and `scatter.png`) to `out_dir` (nothing written when it is None)."""
+    """Reads the runs under `paths`, groups them by seed (and the `ignore` fields), and writes
+    `compare.md`, `curves.png` (and `scatter.png`) to `out_dir` (nothing written when it is
+    None)."""
     runs = read_runs(paths)
-    groups = group_runs(runs)
+    groups = group_runs(runs, ignore)
     metrics = list(metrics) if metrics else default_metrics(runs)
     table, rows = summary_table(groups, metrics)
     diff_text, differences = differences_table(groups, baseline)

@@ -103,6 +103,20 @@ class Layout:
         return NamedSharding(self.mesh, P(BATCH_AXES, "cp"))
 
 
+def with_shardings(shardings, shapes):
+    """`shapes` (arrays or ShapeDtypeStructs) as ShapeDtypeStructs carrying `shardings`, a tree
+    of NamedShardings whose leaves may each cover a subtree of `shapes` (an nnx Variable): the
+    abstract inputs a step is lowered from without allocating them."""
+    return jax.tree.map(
+        lambda sharding, sub: jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), sub
+        ),
+        shardings,
+        shapes,
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+
+
 def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     """Mesh over all (or the given) devices with axes (replica, fsdp, cp).
 

@@ -14,14 +14,14 @@ import time
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from composer_jax import config as config_lib
 from composer_jax.infer.cache import LatentCache
 from composer_jax.infer.decode import MIN_STOP_TABLE, DecodeInputs, decode_chunk
 from composer_jax.model import Transformer
 from composer_jax.model.layers import dtype_of, logical_axes_of
-from composer_jax.parallel.mesh import AXES, Layout, make_layout, use_layout
+from composer_jax.parallel.mesh import AXES, Layout, make_layout, use_layout, with_shardings
 from composer_jax.parallel.report import bytes_per_device
 from composer_jax.plan import costs
 from composer_jax.plan.devices import DeviceSpec
@@ -37,12 +37,19 @@ class DecodePlan(costs.CompiledCosts):
     cache_bytes: int
 
 
-def serving_layout(layout: Layout) -> Layout:
-    """`layout`'s devices with context parallelism folded into fsdp: a decode step has one
-    position per row, so nothing splits along the sequence."""
+class PlanError(ValueError):
+    """A decode plan the command line cannot make; the message names the flag."""
+
+
+def serving_layout(layout: Layout, num_experts: int) -> Layout:
+    """`layout`'s devices without context parallelism (a decode step has one position per row,
+    nothing splits along the sequence): the cp axis folded into fsdp, or into replica where the
+    larger fsdp would no longer divide the experts."""
     r, f, c = (layout.mesh.shape[a] for a in AXES)
-    mesh = Mesh(layout.mesh.devices.reshape(r, f * c, 1), AXES)
-    return dataclasses.replace(layout, mesh=mesh)
+    folded = dataclasses.replace(layout, mesh=Mesh(layout.mesh.devices.reshape(r, f * c, 1), AXES))
+    if num_experts % folded.ep_size == 0:
+        return folded
+    return dataclasses.replace(layout, mesh=Mesh(layout.mesh.devices.reshape(r * c, f, 1), AXES))
 
 
 def abstract_model_state(cfg: config_lib.ExperimentConfig, layout: Layout):
@@ -50,15 +57,7 @@ def abstract_model_state(cfg: config_lib.ExperimentConfig, layout: Layout):
     model = nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     shardings = layout.tree_shardings(logical_axes_of(state), state)
-    abstract = jax.tree.map(
-        lambda sharding, variable: jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), variable
-        ),
-        shardings,
-        state,
-        is_leaf=lambda x: isinstance(x, NamedSharding),
-    )
-    return graphdef, abstract
+    return graphdef, with_shardings(shardings, state)
 
 
 def abstract_cache(cfg: config_lib.ExperimentConfig, layout: Layout, slots: int, max_len: int):
@@ -110,12 +109,12 @@ def plan_decode_step(
     reads its costs."""
     if layout is None:
         layout = make_layout(config_lib.fitted_mesh(cfg, jax.device_count()))
-    layout = serving_layout(layout)
+    layout = serving_layout(layout, cfg.model.num_experts)
     rows = layout.mesh.shape["replica"] * layout.mesh.shape["fsdp"]
     if slots is None:
         slots = -(-cfg.rl.rollout.num_slots // rows) * rows
     if slots % rows:
-        raise ValueError(f"slots: {slots} decode rows do not split over {rows} devices")
+        raise PlanError(f"--slots: {slots} decode rows do not split over {rows} devices")
     max_len = cfg.rl.rollout.context_len if max_len is None else max_len
     graphdef, state = abstract_model_state(cfg, layout)
     cache = abstract_cache(cfg, layout, slots, max_len)

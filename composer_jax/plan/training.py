@@ -56,7 +56,7 @@ def plan_training_step(
     p = cfg.train.phases[phase]
     start = time.perf_counter()
     compiled = (
-        setup.jit_train_step()
+        setup.jit_train_step(phase=phase)
         .lower(setup.abstract_state, abstract_batch(layout, p.batch_size, p.seq_len))
         .compile()
     )
@@ -86,16 +86,26 @@ class Knob:
     error: str = ""
 
 
-def layout_knobs(cfg: config_lib.ExperimentConfig, devices: int) -> list[tuple[str, object]]:
+def layout_knobs(
+    cfg: config_lib.ExperimentConfig, devices: int, phase: int = 0
+) -> list[tuple[str, object]]:
     """(flags, config) for each layout change that could lower a step's memory: layer
-    rematerialisation, the replica axis folded into fsdp (FSDP instead of HSDP), and twice or
-    half the context parallelism; only changes that apply to `cfg`'s resolved mesh."""
+    rematerialisation, twice the planned phase's micro-batches (gradient accumulation), the
+    replica axis folded into fsdp (FSDP instead of HSDP), and twice or half the context
+    parallelism; only changes that apply to `cfg`'s resolved mesh."""
     mesh = config_lib.fitted_mesh(cfg, devices)
     r, f, c = mesh.replica, mesh.fsdp, mesh.cp
     out = []
     if not cfg.model.remat:
         model = dataclasses.replace(cfg.model, remat=True)
         out.append(("--config.model.remat=True", dataclasses.replace(cfg, model=model)))
+    planned = cfg.train.phases[phase]
+    micro = 2 * planned.microbatches
+    phases = list(cfg.train.phases)
+    phases[phase] = dataclasses.replace(planned, microbatches=micro)
+    train = dataclasses.replace(cfg.train, phases=tuple(phases))
+    flag = f"--config.train.phases[{phase}].microbatches={micro}"
+    out.append((flag, dataclasses.replace(cfg, train=train)))
 
     def with_mesh(replica: int, fsdp: int, cp: int) -> tuple[str, object]:
         flags = f"--config.mesh.replica={replica} --config.mesh.fsdp={fsdp} --config.mesh.cp={cp}"
@@ -118,7 +128,7 @@ def rank_knobs(
     their peak memory per device, the plans that failed (a config the mesh cannot take) last.
     `on_plan(knob)` is called as each one finishes (progress)."""
     knobs = []
-    for flags, changed in layout_knobs(cfg, devices):
+    for flags, changed in layout_knobs(cfg, devices, phase):
         try:
             config_lib.validate(changed, num_devices=devices)
             knob = Knob(flags, plan_training_step(changed, phase=phase))

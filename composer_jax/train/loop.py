@@ -40,6 +40,7 @@ from composer_jax.data.tokenizer import check_vocab
 from composer_jax.model.layers import logical_axes_of
 from composer_jax.model.transformer import Transformer, param_rngs
 from composer_jax.parallel import Layout, make_layout
+from composer_jax.parallel.mesh import with_shardings
 from composer_jax.parallel.packing import balanced_row_order
 from composer_jax.parallel.report import sharding_table
 from composer_jax.train.checkpoint import CheckpointError
@@ -180,8 +181,9 @@ class TrainSetup:
         """A fresh, sharded train state (parameters initialised on device, never on host)."""
         return jax.jit(self._init_fn, out_shardings=self.shardings)()
 
-    def jit_train_step(self, donate: bool = True):
-        """`train_step` jitted with the state's and the batch's shardings (state donated)."""
+    def jit_train_step(self, donate: bool = True, phase: int = 0):
+        """`train_step` of phase `phase` (its micro-batches) jitted with the state's and the
+        batch's shardings (state donated)."""
         step = functools.partial(
             train_step,
             self.graphdef,
@@ -190,6 +192,7 @@ class TrainSetup:
             self.cfg.train,
             self.schedule,
             self.layout,
+            microbatches=self.cfg.train.phases[phase].microbatches,
         )
         return jax.jit(
             step,
@@ -232,14 +235,7 @@ def make_setup(
         lambda: init_train_state(Transformer(cfg.model, nnx.Rngs(0)), optimizer)
     )
     shardings = state_shardings(shapes, layout)
-    abstract = jax.tree.map(
-        lambda sharding, sub: jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), sub
-        ),
-        shardings,
-        shapes,
-        is_leaf=lambda x: isinstance(x, NamedSharding),
-    )
+    abstract = with_shardings(shardings, shapes)
     return TrainSetup(cfg, layout, bounds, schedule, optimizer, graphdef, abstract, shardings)
 
 
@@ -395,7 +391,7 @@ class _Pretraining:
         self.step = int(state.step)
         self.last_saved = resume_step
         self.eval_end: float | None = None
-        self._step_fn = setup.jit_train_step()
+        self._step_fns = [setup.jit_train_step(phase=i) for i in range(len(cfg.train.phases))]
         self._eval_fn = jax.jit(functools.partial(eval_step, setup.graphdef, setup.layout))
         self.corpora = _Corpora(cfg, folder.tokenizer, sft_examples)
         self._eval_batches = _eval_batches(cfg, self.corpora, setup.layout)
@@ -443,7 +439,7 @@ class _Pretraining:
         t0, logged_at, stopping = time.perf_counter(), self.step, None
         while self.step < phase_end and stopping is None:
             batch = _global_batch(next(iterator), self.setup.layout)
-            self.state, metrics = self._step_fn(self.state, batch)
+            self.state, metrics = self._step_fns[phase_index](self.state, batch)
             self.step += 1
             _check_finite(metrics, self.step, self.folder, self.last_saved)
             stopping = stop.agreed()

@@ -26,7 +26,7 @@ from flax import nnx
 from composer_jax.config import ModelConfig, TrainConfig
 from composer_jax.model.moe import ExpertBias, update_expert_bias
 from composer_jax.model.transformer import Transformer, forward
-from composer_jax.parallel.mesh import Layout, use_layout
+from composer_jax.parallel.mesh import Layout, constrain, use_layout
 
 Batch = dict[str, jax.Array]
 
@@ -74,18 +74,31 @@ def token_cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Arr
     return log_z - picked
 
 
-def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
-    return jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(mask.sum(), 1)
+def _masked_mean(x: jax.Array, mask: jax.Array, count: jax.Array | None = None) -> jax.Array:
+    """Mean of `x` where `mask`, over `count` tokens (default: the mask's own)."""
+    count = mask.sum() if count is None else count
+    return jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(count, 1)
+
+
+def target_counts(batch: Batch, num_mtp_layers: int) -> jax.Array:
+    """[1 + depths] target tokens of the main head and of each MTP depth in `batch`: the
+    denominators of its mean losses."""
+    return jnp.stack(
+        [batch_targets(batch, 1 + depth)[1].sum() for depth in range(1 + num_mtp_layers)]
+    )
 
 
 def pretrain_loss(
-    m: Transformer, batch: Batch, cfg: TrainConfig
+    m: Transformer, batch: Batch, cfg: TrainConfig, counts: jax.Array | None = None
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Cross-entropy of the main head plus `mtp_weight` x mean MTP loss over depths."""
+    """Cross-entropy of the main head plus `mtp_weight` x mean MTP loss over depths. `counts`
+    (`target_counts` of a whole batch this one is a micro-batch of) makes each mean a share of
+    the whole batch's, so the micro-batches' losses add up to it."""
     out = forward(m, batch["tokens"], batch["positions"], batch["segment_ids"])
     logits = m.logits(out.hidden_BTD)
     targets, mask = batch_targets(batch, 1)
-    ce = _masked_mean(token_cross_entropy(logits, targets), mask)
+    count = None if counts is None else counts[0]
+    ce = _masked_mean(token_cross_entropy(logits, targets), mask, count)
     metrics = {
         "ce": ce,
         "tokens": mask.sum().astype(jnp.float32),
@@ -105,12 +118,45 @@ def pretrain_loss(
                 teacher = jnp.roll(teacher_logp, -depth, axis=1)
                 student = jax.nn.log_softmax(student_logits, axis=-1)
                 per_token = jnp.sum(jnp.exp(teacher) * (teacher - student), axis=-1)
-            mtp_losses.append(_masked_mean(per_token, mtp_mask))
+            count = None if counts is None else counts[depth]
+            mtp_losses.append(_masked_mean(per_token, mtp_mask, count))
         mtp = jnp.mean(jnp.stack(mtp_losses))
         metrics["mtp"] = mtp
         loss = loss + cfg.mtp_weight * mtp
     metrics["loss"] = loss
     return loss, metrics
+
+
+def loss_gradients(
+    graphdef: nnx.GraphDef,
+    layout: Layout | None,
+    state: TrainState,
+    model_loss: Callable[[Transformer], tuple[jax.Array, dict]],
+) -> tuple[dict[str, jax.Array], Any]:
+    """(metrics, gradients) of `model_loss` (of the model merged from the state's params and
+    buffers) with respect to the params."""
+
+    def loss_fn(params):
+        return model_loss(nnx.merge(graphdef, params, state.buffers))
+
+    with use_layout(layout):
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return metrics, grads
+
+
+def update_params(
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    state: TrainState,
+    grads: Any,
+    metrics: dict[str, jax.Array],
+) -> tuple[Any, Any, dict[str, jax.Array]]:
+    """The optimizer update from `grads`: (new params, new optimizer state, `metrics` plus
+    grad_norm and lr)."""
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(metrics, grad_norm=optax.tree_utils.tree_norm(grads), lr=schedule(state.step))
+    return params, opt_state, metrics
 
 
 def apply_gradients(
@@ -121,20 +167,53 @@ def apply_gradients(
     state: TrainState,
     model_loss: Callable[[Transformer], tuple[jax.Array, dict]],
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
-    """The gradient step every trainer shares: differentiate `model_loss` (of the model merged
-    from the state's params and buffers) with respect to the params, apply the optimizer.
+    """The gradient step every trainer shares: differentiate `model_loss`, apply the optimizer.
     Returns (new params, new optimizer state, the loss's metrics plus grad_norm and lr)."""
+    metrics, grads = loss_gradients(graphdef, layout, state, model_loss)
+    return update_params(optimizer, schedule, state, grads, metrics)
 
-    def loss_fn(params):
-        return model_loss(nnx.merge(graphdef, params, state.buffers))
 
+def split_microbatches(batch: Batch, microbatches: int) -> Batch:
+    """[B, ...] arrays as [microbatches, B / microbatches, ...]: micro-batch k takes rows k,
+    k + microbatches, ..., so a device's contiguous rows hold a share of every micro-batch and
+    splitting moves nothing between devices."""
+
+    def split(x):
+        x = x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1)
+        return constrain(x, (None, "batch", "seq")[: x.ndim])
+
+    return jax.tree.map(split, batch)
+
+
+def accumulated_gradients(
+    graphdef: nnx.GraphDef,
+    layout: Layout | None,
+    state: TrainState,
+    batch: Batch,
+    train_cfg: TrainConfig,
+    num_mtp_layers: int,
+    microbatches: int,
+) -> tuple[dict[str, jax.Array], Any]:
+    """(metrics, gradients) of the whole batch's pretraining loss, taken one micro-batch at a
+    time (in a scan: one micro-batch's activations live at once) and summed; each
+    micro-batch's loss is its share of the batch's mean (`target_counts`), so the sums are the
+    whole batch's loss, gradients and metrics."""
+    counts = target_counts(batch, num_mtp_layers)
     with use_layout(layout):
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics["grad_norm"] = optax.tree_utils.tree_norm(grads)
-    metrics["lr"] = schedule(state.step)
-    return params, opt_state, metrics
+        micro = split_microbatches(batch, microbatches)
+
+    def one(mb):
+        return loss_gradients(
+            graphdef, layout, state, lambda m: pretrain_loss(m, mb, train_cfg, counts)
+        )
+
+    def body(total, mb):
+        return jax.tree.map(jnp.add, total, one(mb)), None
+
+    first = jax.tree.map(lambda x: x[0], micro)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(one, first))
+    total, _ = jax.lax.scan(body, zeros, micro)
+    return total
 
 
 def train_step(
@@ -146,11 +225,24 @@ def train_step(
     layout: Layout | None,
     state: TrainState,
     batch: Batch,
+    microbatches: int = 1,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer step; `layout` (bound before jit) enables EP/CP and activation shardings."""
-    params, opt_state, metrics = apply_gradients(
-        graphdef, optimizer, schedule, layout, state, lambda m: pretrain_loss(m, batch, train_cfg)
-    )
+    """One optimizer step; `layout` (bound before jit) enables EP/CP and activation shardings.
+    With `microbatches` > 1 (the phase's) the gradients are accumulated over micro-batches."""
+    if microbatches > 1:
+        metrics, grads = accumulated_gradients(
+            graphdef, layout, state, batch, train_cfg, model_cfg.num_mtp_layers, microbatches
+        )
+        params, opt_state, metrics = update_params(optimizer, schedule, state, grads, metrics)
+    else:
+        params, opt_state, metrics = apply_gradients(
+            graphdef,
+            optimizer,
+            schedule,
+            layout,
+            state,
+            lambda m: pretrain_loss(m, batch, train_cfg),
+        )
     load = metrics.pop("expert_load")
     buffers = state.buffers
     if load.shape[0]:

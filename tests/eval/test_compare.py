@@ -76,6 +76,19 @@ def test_groups_by_seed_and_reports_t_intervals(sweep):
     assert (root / "out" / "compare.md").read_text() == report.markdown
 
 
+def test_ignored_fields_do_not_split_groups(sweep):
+    """Runs each warm-started from their own seed's run differ in rl.warm_start only: with the
+    field ignored they are one group per learning rate, as the seeds of one setting."""
+    root, _ = sweep
+    runs = [compare.load_run(p) for p in compare.find_runs([str(root)])]
+    for run in runs:
+        run.config["rl"]["warm_start"] = f"runs/sft/seed={run.seed}"
+    assert len(compare.group_runs(runs)) == 6
+    groups = compare.group_runs(runs, ignore=("rl.warm_start",))
+    assert [g.label for g in groups] == ["learning_rate=0.001", "learning_rate=0.003"]
+    assert [[r.seed for r in g.runs] for g in groups] == [[0, 1, 2], [0, 1, 2]]
+
+
 def test_paired_differences_pair_tasks_of_the_same_seed(sweep):
     root, truth = sweep
     groups = compare.group_runs([compare.load_run(p) for p in compare.find_runs([str(root)])])

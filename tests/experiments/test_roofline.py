@@ -8,8 +8,8 @@ import pytest
 
 from composer_jax import presets
 from composer_jax.model import accounting
-from experiments import roofline
 from composer_jax.plan import devices
+from experiments import roofline
 
 # Round numbers: 100 FLOP/s bf16, 200 fp8, 400 fp4; 10 B/s HBM; 20 B/s NVLink (10 one way).
 TOY = devices.DeviceSpec("toy", 100.0, 200.0, 400.0, 10.0, 20.0, 1e9, 1)

@@ -13,23 +13,14 @@ from composer_jax.model import Transformer
 from composer_jax.parallel import hlo, make_layout
 from composer_jax.parallel.mesh import use_layout
 from composer_jax.plan import decode, devices
-
-
-def _device0_bytes(tree) -> int:
-    device = jax.devices()[0]
-    return sum(
-        shard.data.nbytes
-        for x in jax.tree.leaves(tree)
-        for shard in x.addressable_shards
-        if shard.device == device
-    )
+from tests.plan.helpers import device0_bytes
 
 
 def test_the_decode_plan_is_what_a_sharded_sampler_holds_and_exchanges():
     cfg = presets.tiny()
     layout = make_layout(config_lib.MeshConfig(fsdp=4, cp=2), jax.devices()[:8])
     plan = decode.plan_decode_step(cfg, layout, slots=8, max_len=64)
-    serving = decode.serving_layout(layout)
+    serving = decode.serving_layout(layout, cfg.model.num_experts)
     assert plan.mesh == {"replica": 1, "fsdp": 8, "cp": 1}
 
     _, abstract = decode.abstract_model_state(cfg, layout)
@@ -41,8 +32,8 @@ def test_the_decode_plan_is_what_a_sharded_sampler_holds_and_exchanges():
         param_shardings=jax.tree.map(lambda x: x.sharding, abstract),
         trace_context=lambda: use_layout(serving),
     )
-    assert plan.params_bytes == _device0_bytes(engine.state) > 0
-    assert plan.cache_bytes == _device0_bytes(engine.cache) > 0
+    assert plan.params_bytes == device0_bytes(engine.state) > 0
+    assert plan.cache_bytes == device0_bytes(engine.cache) > 0
     # Experts are split over the devices: each holds an eighth of the routed weights.
     expert = engine.state["moe_layers"]["mlp"]["gate"].get_value()
     assert expert.addressable_shards[0].data.shape[1] * 8 == expert.shape[1]
@@ -63,3 +54,10 @@ def test_the_decode_plan_is_what_a_sharded_sampler_holds_and_exchanges():
     text = decode.render(plan, devices.by_name("H200"))
     for needle in ("decode step, 8 slots x 64 tokens", "latent cache", "tokens/s", "HBM"):
         assert needle in text
+
+
+def test_the_serving_layout_keeps_the_experts_divisible():
+    """cp goes into fsdp, or into replica when fsdp x cp would not divide the experts."""
+    layout = make_layout(config_lib.MeshConfig(fsdp=2, cp=4, ep=("fsdp",)), jax.devices()[:8])
+    assert dict(decode.serving_layout(layout, 8).mesh.shape) == {"replica": 1, "fsdp": 8, "cp": 1}
+    assert dict(decode.serving_layout(layout, 6).mesh.shape) == {"replica": 4, "fsdp": 2, "cp": 1}

@@ -19,19 +19,9 @@ from composer_jax import presets
 from composer_jax.parallel import hlo, make_layout
 from composer_jax.plan import costs, devices, training
 from composer_jax.train.loop import make_train_setup
+from tests.plan.helpers import device0_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _device0_bytes(tree) -> int:
-    """Bytes device 0 really holds of a tree of arrays."""
-    device = jax.devices()[0]
-    return sum(
-        shard.data.nbytes
-        for x in jax.tree.leaves(tree)
-        for shard in x.addressable_shards
-        if shard.device == device
-    )
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +35,8 @@ def test_the_plan_is_what_a_real_run_allocates_and_exchanges(tiny_8):
     cfg, layout, plan = tiny_8
     setup = make_train_setup(cfg, layout)
     state = setup.init_state()  # allocated, as a run does
-    assert plan.params_bytes == _device0_bytes(state.params) > 0
-    assert plan.optimizer_bytes == _device0_bytes(state.opt_state) > 0
+    assert plan.params_bytes == device0_bytes(state.params) > 0
+    assert plan.optimizer_bytes == device0_bytes(state.opt_state) > 0
     phase = cfg.train.phases[0]
     shape = (phase.batch_size, phase.seq_len)
     tokens = jax.device_put(
@@ -124,6 +114,8 @@ def test_a_scanned_loop_counts_each_trip_like_the_written_out_one():
         (["--config.mesh.bogus=2"], "--config.mesh.bogus: no such field"),
         (["--devices=3"], "mesh.ep"),
         (["--device=TPU9"], "--device: unknown device"),
+        (["--config.mesh.fsdp=16", "--config.mesh.replica=1"], "mesh: axes"),
+        (["--config.mesh.fsdp=8", "--config.mesh.cp=1"], "batch_size: 4 is not divisible"),
         (["--steps=bogus"], "--steps: unknown step 'bogus'"),
         (["--steps=decode", "--slots=3"], "--slots: 3 decode rows do not split over 8 devices"),
     ],
@@ -140,22 +132,20 @@ def test_bad_plans_are_one_line_errors(args, needle):
     assert done.returncode == 2 and len(lines) == 1 and needle in lines[0], done.stderr[-2000:]
 
 
-def test_the_1t_plan_ends_in_a_table_or_one_line():
-    """XLA's CPU compiler crashes (SIGFPE) on the 1T step at 128 devices with jaxlib 0.12: the
-    plan reports that in one line instead of a native stack (or prints its table, once fixed)."""
+def test_the_1t_plan_prints_its_table():
+    """The 1T step at the preset's layout on 128 devices compiles (XLA:CPU's loop-fusion emitter
+    once crashed on it: launch.plan routes elementwise fusions around it) and does not fit."""
     done = subprocess.run(
-        [sys.executable, "-m", "launch.plan", "--config=kimi_k2", "--devices=128"],
+        [sys.executable, "-m", "launch.plan", "--config=kimi_k2", "--devices=128", "--knobs=never"],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=600,
     )
-    if done.returncode == 0:
-        assert "training step, phase main" in done.stdout
-    else:
-        errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-        assert done.returncode == 1 and len(errors) == 1 and "crashed" in errors[0]
-        assert "Fatal Python error" not in done.stderr
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "training step, phase main (batch 512 x 32768), 128 devices" in done.stdout
+    assert "(replica=1 x fsdp=64 x cp=2)" in done.stdout and "does NOT fit" in done.stdout
+    assert "decode step" in done.stdout
 
 
 def test_the_layout_knobs_are_the_changes_that_apply_to_the_mesh():
@@ -163,12 +153,14 @@ def test_the_layout_knobs_are_the_changes_that_apply_to_the_mesh():
     flags = [f for f, _ in training.layout_knobs(cfg, 8)]
     assert flags == [
         "--config.model.remat=True",
+        "--config.train.phases[0].microbatches=2",
         "--config.mesh.replica=1 --config.mesh.fsdp=4 --config.mesh.cp=2",
         "--config.mesh.replica=2 --config.mesh.fsdp=1 --config.mesh.cp=4",
         "--config.mesh.replica=2 --config.mesh.fsdp=4 --config.mesh.cp=1",
     ]
     remat = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=True))
-    assert [f for f, _ in training.layout_knobs(remat, 8)][0].startswith("--config.mesh")
+    first = training.layout_knobs(remat, 8, phase=1)[0][0]
+    assert first == "--config.train.phases[1].microbatches=2"
 
 
 def test_each_knob_is_planned_and_ranked_by_its_peak(tiny_8, monkeypatch):
@@ -176,7 +168,7 @@ def test_each_knob_is_planned_and_ranked_by_its_peak(tiny_8, monkeypatch):
     unsplittable = dataclasses.replace(cfg, mesh=config_lib.MeshConfig(fsdp=8, cp=1))
     remat = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=True))
     monkeypatch.setattr(
-        training, "layout_knobs", lambda c, n: [("fsdp=8", unsplittable), ("remat", remat)]
+        training, "layout_knobs", lambda c, n, p: [("fsdp=8", unsplittable), ("remat", remat)]
     )
     seen = []
     knobs = training.rank_knobs(cfg, 8, on_plan=seen.append)
@@ -186,3 +178,28 @@ def test_each_knob_is_planned_and_ranked_by_its_peak(tiny_8, monkeypatch):
     assert knobs[1].plan is None and "batch_size" in knobs[1].error
     text = training.render_knobs(base, knobs, devices.by_name("H200"))
     assert "cannot plan          fsdp=8" in text and "fits; step" in text
+
+
+def test_the_scanned_block_plans_the_written_out_layers():
+    """The plan compiles the layer stack as one scanned block and counts its costs once per
+    trip; against the same model with every layer compiled (scan_layers=False) the state, FLOPs
+    and the expert and gradient exchanges are the same, while the scanned program gathers FSDP
+    weights again in the backward loop (where the written-out one keeps the forward's gather
+    alive), so it moves more all-gather bytes and holds fewer temporaries."""
+    cfg = presets.tiny()
+    layout = make_layout(config_lib.MeshConfig(fsdp=4, cp=2), jax.devices()[:8])
+    plans = {}
+    for scan in (True, False):
+        model = dataclasses.replace(cfg.model, num_layers=4, scan_layers=scan)
+        plans[scan] = training.plan_training_step(dataclasses.replace(cfg, model=model), layout)
+    block, whole = plans[True], plans[False]
+    assert block.params_bytes == whole.params_bytes
+    assert block.optimizer_bytes == whole.optimizer_bytes
+    assert block.argument_bytes == whole.argument_bytes
+    assert block.flops == whole.flops > 0
+    for kind in ("all-to-all", "all-reduce", "collective-permute"):
+        assert block.collective_bytes[kind] == whole.collective_bytes[kind], kind
+    assert block.collective_count["all-to-all"] == whole.collective_count["all-to-all"] == 15
+    assert whole.collective_bytes["all-gather"] <= block.collective_bytes["all-gather"]
+    assert block.collective_bytes["all-gather"] <= 1.25 * whole.collective_bytes["all-gather"]
+    assert 0.75 * whole.temp_bytes <= block.temp_bytes <= whole.temp_bytes

@@ -108,8 +108,8 @@ def test_killed_run_resumes_with_identical_losses(tmp_path, corpus, sig):
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, corpus, monkeypatch):
     real_step = loop.train_step
 
-    def poisoned_step(*args):
-        state, metrics = real_step(*args)
+    def poisoned_step(*args, **kwargs):
+        state, metrics = real_step(*args, **kwargs)
         metrics["loss"] = jnp.where(state.step >= 5, jnp.nan, metrics["loss"])
         return state, metrics
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from composer_jax import config as config_lib
-from composer_jax import optim
+from composer_jax import optim, presets
 from composer_jax.model import init_model
 from composer_jax.parallel import make_layout
 from composer_jax.train import step as S
@@ -98,7 +98,7 @@ def test_pretrain_loss_matches_numpy(mtp_loss):
     np.testing.assert_allclose(loss, np.mean(ce) + 0.7 * np.mean(depth_losses), rtol=1e-5)
 
 
-def _run_steps(cfg, layout, batches):
+def _run_steps(cfg, layout, batches, microbatches=1):
     train_cfg = config_lib.TrainConfig()
     opt_cfg = config_lib.OptimizerConfig(warmup_steps=1)
     schedule = optim.learning_rate_schedule(opt_cfg, 10)
@@ -109,7 +109,16 @@ def _run_steps(cfg, layout, batches):
     shardings = state_shardings(jax.eval_shape(lambda: state), layout)
     state = jax.device_put(state, shardings)
     step = jax.jit(
-        functools.partial(S.train_step, graphdef, optimizer, cfg, train_cfg, schedule, layout),
+        functools.partial(
+            S.train_step,
+            graphdef,
+            optimizer,
+            cfg,
+            train_cfg,
+            schedule,
+            layout,
+            microbatches=microbatches,
+        ),
         in_shardings=(shardings, layout.batch_sharding()),
     )
     losses = []
@@ -159,3 +168,49 @@ def test_loss_mask_limits_the_targets():
     ]
     np.testing.assert_allclose(metrics["ce"], np.mean(terms), rtol=1e-5)
     assert metrics["tokens"] == len(terms)
+
+
+@pytest.mark.parametrize("microbatches", [2, 4])
+def test_microbatches_accumulate_the_whole_batchs_gradient(microbatches):
+    """Gradients accumulated over micro-batches (rows of different token counts, a loss mask,
+    MTP) are the whole batch's: the same metrics, and the same gradients as one pass."""
+    cfg = _model_cfg()
+    m = init_model(cfg, seed=4)
+    graphdef, params, buffers = S.split_model(m)
+    state = S.TrainState(jnp.zeros((), jnp.int32), params, buffers, None)
+    rng = np.random.default_rng(8)
+    batch = _packed_batch(rng, B=8, T=24)
+    batch["loss_mask"] = (rng.uniform(size=batch["tokens"].shape) < 0.7).astype(np.int32)
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    train_cfg = config_lib.TrainConfig()
+    whole_metrics, whole = S.loss_gradients(
+        graphdef, None, state, lambda model: S.pretrain_loss(model, batch, train_cfg)
+    )
+    metrics, grads = jax.jit(
+        lambda st, b: S.accumulated_gradients(graphdef, None, st, b, train_cfg, 1, microbatches)
+    )(state, batch)
+    for name in ("loss", "ce", "mtp", "tokens", "expert_load"):
+        np.testing.assert_allclose(metrics[name], whole_metrics[name], rtol=2e-5, atol=1e-7)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(whole)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
+
+
+def test_microbatched_step_on_8_devices_equals_one_pass_on_one():
+    """A step of 2 micro-batches on fsdp=4 x cp=2 gives the one-device, one-pass step."""
+    cfg = small_model_config(dtype="float32")  # 8 experts, one per device
+    batches = [_packed_batch(np.random.default_rng(s), B=8, T=32) for s in (11, 12)]
+    one = make_layout(config_lib.MeshConfig(fsdp=1), devices=jax.devices()[:1])
+    eight = make_layout(config_lib.MeshConfig(fsdp=4, cp=2), devices=jax.devices()[:8])
+    want_losses, want = _run_steps(cfg, one, batches)
+    got_losses, got = _run_steps(cfg, eight, batches, microbatches=2)
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_microbatches_must_split_the_phases_batch():
+    tiny = presets.tiny()
+    phases = (dataclasses.replace(tiny.train.phases[0], microbatches=3), *tiny.train.phases[1:])
+    cfg = dataclasses.replace(tiny, train=dataclasses.replace(tiny.train, phases=phases))
+    with pytest.raises(config_lib.ConfigError, match=r"phases\[0\].batch_size.* x microbatches=3"):
+        config_lib.validate(cfg, num_devices=1)

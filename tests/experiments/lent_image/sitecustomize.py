@@ -23,7 +23,9 @@ NOT_ON_THE_IMAGE = (
 class _NotOnTheImage(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name.partition(".")[0] in NOT_ON_THE_IMAGE:
-            raise ModuleNotFoundError(f"No module named {name!r} (not on the lent image)", name=name)
+            raise ModuleNotFoundError(
+                f"No module named {name!r} (not on the lent image)", name=name
+            )
         return None
 
 
