@@ -115,7 +115,7 @@ def test_episode_examples_train_on_the_agents_tokens_only(tmp_path):
     )
     tokenizer = data.load_tokenizer("code_bpe_2k")
     tasks = envs.load_task_source(cfg.data.tasks).take(3, "train", seed=0)
-    examples = episode_examples(cfg, tokenizer, tasks)
+    examples = episode_examples(cfg.rl.agent, cfg.rl.rollout, cfg.model, tokenizer, tasks)
     assert len(examples) >= 6  # two or more generations per episode
     for example in examples:
         tokens, mask = example["tokens"], example["loss_mask"]
@@ -138,6 +138,6 @@ def test_episodes_that_do_not_fit_are_left_out_and_none_is_an_error():
     tasks = envs.load_task_source(cfg.data.tasks).take(2, "train", seed=1)
     outcomes = _played(small, tasks)
     assert all(o.truncated and o.reward == 0 for o in outcomes)  # no room for the episode
-    assert episode_examples(cfg, TOKENIZER, tasks) == []
+    assert episode_examples(cfg.rl.agent, cfg.rl.rollout, cfg.model, TOKENIZER, tasks) == []
     with pytest.raises(ConfigError, match="data.sft_style: the scripted agent solved none"):
         sft_examples(cfg)(TOKENIZER)

@@ -72,10 +72,15 @@ def _played(cfg, engine, tasks) -> dict[str, list]:
         sampling=agent.rollout_sampling(cfg.rollout),
         distill=cfg.objective.distill_coef > 0,
     )
-    jobs = [(task, f"p{i}-s{j}-a0") for i, task in enumerate(tasks) for j in range(cfg.group_size)]
+    jobs = [
+        (task, f"p{i}-s{j}-a0")
+        for i, task in enumerate(tasks)
+        for j in range(cfg.rollout.group_size)
+    ]
     outcomes = agent.play(engine, jobs, workflow, env, env_threads=2)
     return {
-        f"p{i}": outcomes[i * cfg.group_size : (i + 1) * cfg.group_size] for i in range(len(tasks))
+        f"p{i}": outcomes[i * cfg.rollout.group_size : (i + 1) * cfg.rollout.group_size]
+        for i in range(len(tasks))
     }
 
 
@@ -139,7 +144,7 @@ def test_the_actor_loop_and_play_sample_the_same_tokens_with_a_real_model(tmp_pa
     tasks = envs.builtin_tasks(2, seed=62, max_ops=1)
 
     def sampler():
-        local = LocalSampler(model, store, num_slots=2, max_len=cfg.context_len)
+        local = LocalSampler(model, store, num_slots=2, max_len=cfg.rollout.context_len)
         assert local.sync_weights(wait_for=0) == 0  # the bf16 snapshot both sample from
         return local
 
