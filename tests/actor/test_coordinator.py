@@ -81,14 +81,13 @@ def test_planted_bad_tool_call_is_distilled_on_that_turn_alone(tmp_path):
 
     batch = groups_to_batch([group], 1024)
     model = init_model(MODEL_CFG, seed=3)
-    rl_cfg = RLConfig(objective=RLObjectiveConfig(distill_coef=1.0, kl_coef=0.0))
     logits, _ = trainer_logits(model, batch)
     per_token = distillation_token_kl(logits, teacher_logits(model, batch), batch.teacher_index_BT)
     per_token = np.asarray(per_token)
     policy_turn = np.asarray(batch.teacher_index_BT) >= 0
     assert per_token[policy_turn].min() > 0  # the hint changes the teacher on every such token
     assert np.all(per_token[~policy_turn] == 0)
-    _, metrics = rl_loss(model, batch, rl_cfg)
+    _, metrics = rl_loss(model, batch, RLObjectiveConfig(distill_coef=1.0, kl_coef=0.0))
     assert float(metrics["distill_loss"]) > 0
 
 
@@ -114,7 +113,7 @@ def test_rollout_summarises_repeatedly_and_trains_the_chain_as_one_sample(tmp_pa
             feedback_detectors=(),
         ),
     )
-    sampler = LocalSampler(model, store, num_slots=2, max_len=cfg.context_len)
+    sampler = LocalSampler(model, store, num_slots=2, max_len=cfg.rollout.context_len)
     assert sampler.sync_weights(wait_for=0) == 0
     task = envs.builtin_tasks(1, seed=5, max_ops=1)[0]
     with ThreadEnvironmentPool(4, timeout_s=60) as pool:
@@ -141,7 +140,7 @@ def test_rollout_summarises_repeatedly_and_trains_the_chain_as_one_sample(tmp_pa
             assert carried.startswith(SUMMARY_OPEN + TOKENIZER.decode(summary))
             assert not after.policy_mask[: len(prompt) + len(summary)].any()
 
-    batch = groups_to_batch([group], cfg.context_len)
+    batch = groups_to_batch([group], cfg.rollout.context_len)
     policy_per_sample = per_sample_sum(
         batch.policy_mask_BT.astype(np.float32), batch.sample_index_BT, batch.num_samples
     )
