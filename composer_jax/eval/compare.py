@@ -25,7 +25,7 @@ import tempfile
 
 import numpy as np
 
-from composer_jax.config import field_paths
+from composer_jax.config import RLConfig, field_paths
 from composer_jax.eval.passk import heldout_metric_order, mean_interval
 
 IGNORED_FIELDS = ("seed", "workdir")
@@ -230,10 +230,10 @@ def group_runs(runs: list[RunRecord], ignore: tuple[str, ...] = ()) -> list[Grou
     """Runs equal but for seed, workdir and the `ignore` fields (e.g. "rl.warm_start" when each
     seed has its own warm start) share a group, labelled by the fields that differ between
     groups (in the order the runs came)."""
-    ignored = set(IGNORED_FIELDS) | set(ignore)
+    ignored = {_current_path(f) for f in (*IGNORED_FIELDS, *ignore)}
     keys, members = [], {}
     for run in runs:
-        flat = {k: v for k, v in field_paths(run.config).items() if k not in ignored}
+        flat = {k: v for k, v in _config_paths(run).items() if k not in ignored}
         key = tuple(sorted(flat.items(), key=lambda kv: kv[0]))
         if key not in members:
             keys.append(key)
@@ -251,6 +251,19 @@ def group_runs(runs: list[RunRecord], ignore: tuple[str, ...] = ()) -> list[Grou
         label = ", ".join(parts) or "all runs"
         groups.append(Group(label, sorted(members[key], key=lambda r: r.seed)))
     return groups
+
+
+def _config_paths(run: RunRecord) -> dict:
+    """{field path: value} of the run's config, an older run's flat rl fields at their section
+    paths, so runs from before and after rl's sections group and pair as the same setting."""
+    return {_current_path(k): v for k, v in field_paths(run.config).items()}
+
+
+def _current_path(path: str) -> str:
+    """An old flat rl path at its section's ("rl.kl_coef" -> "rl.objective.kl_coef", from
+    `RLConfig.MOVED`); any other path as it is."""
+    moved = RLConfig.MOVED.get(path.removeprefix("rl.")) if path.startswith("rl.") else None
+    return f"rl.{moved}" if moved else path
 
 
 def _text(value) -> str:
@@ -329,11 +342,11 @@ def summary_table(groups: list[Group], metrics: list[str]) -> tuple[str, list[di
 # ----------------------------------------------------------------------------- paired differences
 
 
-HELDOUT_FIELDS = re.compile(r"^(seed|data\.tasks|rl\.tasks|rl\.heldout_\w+)$")
+HELDOUT_FIELDS = re.compile(r"^(seed|data\.tasks|rl\.tasks|rl\.heldout\.\w+)$")
 
 
 def _heldout_setting(run: RunRecord) -> dict:
-    return {k: v for k, v in field_paths(run.config).items() if HELDOUT_FIELDS.match(k)}
+    return {k: v for k, v in _config_paths(run).items() if HELDOUT_FIELDS.match(k)}
 
 
 def paired_difference(baseline: Group, other: Group, which: str = "after") -> dict | None:

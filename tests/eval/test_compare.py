@@ -29,7 +29,7 @@ def config(lr, seed, workdir):
         "optim": {"learning_rate": lr, "b1": 0.9},
         "train": {"phases": [{"name": "main", "seq_len": 64}]},
         "mesh": {"ep": ["fsdp", "cp"]},
-        "rl": {"heldout_num_tasks": 6, "heldout_split": "train"},
+        "rl": {"heldout": {"num_tasks": 6, "split": "train"}},
         "data": {"tasks": "builtin"},
         "seed": seed,
         "workdir": workdir,
@@ -156,6 +156,35 @@ def test_different_heldout_tasks_are_not_paired(tmp_path):
     groups = compare.group_runs([compare.load_run(p) for p in compare.find_runs([str(tmp_path)])])
     with pytest.raises(ValueError, match="different held-out tasks"):
         compare.paired_difference(groups[0], groups[1])
+
+
+def _rl_run(tmp_path, name, seed, rl, lr=0.001):
+    folder = str(tmp_path / name)
+    cfg = {**config(lr, seed, folder), "rl": rl}
+    write_run(folder, cfg, [{"step": 1, "loss": 1.0}], {"before": {"per_task": [0.1, 0.2]}})
+    return compare.load_run(folder)
+
+
+def test_runs_from_before_rl_had_sections_group_and_pair_with_newer_runs(tmp_path):
+    """An older run's config.json has flat rl fields (rl.heldout_num_tasks): the same setting as
+    a newer run's rl.heldout.num_tasks, for grouping, --ignore and held-out pairing alike."""
+    flat = {"heldout_num_tasks": 6, "heldout_split": "train", "kl_coef": 0.01}
+    sections = {"heldout": {"num_tasks": 6, "split": "train"}, "objective": {"kl_coef": 0.01}}
+    old = _rl_run(tmp_path, "old", 0, flat)
+    new = _rl_run(tmp_path, "new", 1, sections)
+    (group,) = compare.group_runs([old, new])
+    assert group.runs == [old, new]
+    other = _rl_run(tmp_path, "other", 0, sections, lr=0.003)
+    assert compare.paired_difference(
+        compare.Group("old", [old]), compare.Group("new", [other]), "before"
+    )
+    fewer = _rl_run(tmp_path, "fewer", 0, {**flat, "heldout_num_tasks": 7})
+    with pytest.raises(ValueError, match="different held-out tasks"):
+        compare.paired_difference(
+            compare.Group("new", [other]), compare.Group("7", [fewer]), "before"
+        )
+    (ignored,) = compare.group_runs([old, new, fewer], ignore=("rl.heldout_num_tasks",))
+    assert len(ignored.runs) == 3
 
 
 def test_sub_run_metrics_and_scatter(sweep):
