@@ -77,7 +77,7 @@ def test_rl_config_passes_the_requirement_to_every_environment():
     from composer_jax import presets
 
     assert presets.rl_tiny().rl.agent.require_sandbox
-    assert config_lib.RLConfig().require_sandbox
+    assert config_lib.RLConfig().agent.require_sandbox
 
 
 @pytest.mark.parametrize("backend", ISOLATING)
