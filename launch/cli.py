@@ -35,6 +35,9 @@ JSON_CONFIG_FILE = os.path.join(LAUNCH_DIR, "json_config.py")
 
 # (`--config.<path>`, raw value) of the overrides parsed here, in command-line order.
 _TYPED_OVERRIDES: list[tuple[str, str]] = []
+# One line for each old flat `--config.rl.<field>` given, printed when the flags are parsed: an
+# entry point may execute itself again in between (`malloc`), which would print them twice.
+_MOVED_WARNINGS: list[str] = []
 
 
 class CommandLineError(ValueError):
@@ -143,14 +146,15 @@ def _resolve_presets(argv: list[str]) -> list[str]:
 
 def _moved_overrides(argv: list[str]) -> list[str]:
     """`--config.rl.<old>` of a field that moved into a section of rl (`RLConfig.MOVED`)
-    rewritten to its new path, with a one-line warning (the old paths work for one release)."""
+    rewritten to its new path, with a one-line warning in `_MOVED_WARNINGS` (the old paths work
+    for one release)."""
     out = []
     for arg in argv:
         match = re.fullmatch(r"(--?config\.rl\.)(\w+)([=\[.].*)?", arg, flags=re.DOTALL)
         new = match and config_lib.RLConfig.MOVED.get(match.group(2))
         if new:
-            print(
-                f"warning: --config.rl.{match.group(2)} is now --config.rl.{new}", file=sys.stderr
+            _MOVED_WARNINGS.append(
+                f"warning: --config.rl.{match.group(2)} is now --config.rl.{new}"
             )
             arg = f"{match.group(1)}{new}{match.group(3) or ''}"
         out.append(arg)
@@ -359,7 +363,10 @@ def _flag_error(error: flags.Error) -> str:
 
 def _parse(argv: list[str], positional: bool = False) -> list[str]:
     """Parses flags; unknown flags or config fields, bad values and (unless the entry point takes
-    them) positional arguments end the program with a one-line error."""
+    them) positional arguments end the program with a one-line error. Old flat rl paths warn
+    here, once."""
+    for line in _MOVED_WARNINGS:
+        print(line, file=sys.stderr)
     try:
         rest = flags.FLAGS(_resolve_presets(argv))
         if "config" in flags.FLAGS:

@@ -2,6 +2,7 @@
 (unknown fields, positional arguments, bad values, a workdir that is a file, a missing warm
 start) with nothing left behind."""
 
+import json
 import os
 import re
 import subprocess
@@ -92,8 +93,6 @@ def test_a_missing_warm_start_leaves_no_workdir(tmp_path):
 
 def resolved(*args, cwd):
     """The config `--print_config` prints for these flags."""
-    import json
-
     result = launch("pretrain", "--print_config", *args, cwd=cwd)
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout)
@@ -120,7 +119,7 @@ def test_print_config_applies_tuple_none_and_indexed_overrides(tmp_path):
 def test_printed_config_loads_back_as_json_and_variants_select_presets(tmp_path):
     printed = resolved("--config.steps=11", "--config.mesh.ep=", cwd=tmp_path)
     path = tmp_path / "run.json"
-    path.write_text(__import__("json").dumps(printed))
+    path.write_text(json.dumps(printed))
     assert resolved(f"--config={path}", cwd=tmp_path) == printed
     preset_file = os.path.join(REPO, "launch", "preset_config.py")
     by_variant = resolved(f"--config={preset_file}:rl_tiny", cwd=tmp_path)
@@ -196,6 +195,32 @@ def test_a_run_folder_is_config_workdir_and_the_old_spelling_warns(tmp_path):
     assert new.returncode == old.returncode == 2
     assert "--config.workdir" not in new.stderr and "warning: --workdir is now" in old.stderr
     one_line_error(launch("export", "--out=x", cwd=tmp_path), "--config.workdir", "required")
+
+
+def test_an_old_flat_rl_override_warns_once_and_lands_in_its_section(tmp_path):
+    """rl's fields moved into sections (objective, rollout, agent, heldout); the old flat paths
+    still work for one release, each with one warning line naming its new path (printed once,
+    though the entry point executes itself again for its malloc settings)."""
+    result = launch(
+        "rl",
+        "--print_config",
+        "--config.rl.kl_coef=0.01",
+        "--config.rl.heldout_num_tasks",
+        "5",
+        "--config.rl.prefill_buckets=64,128",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stderr.splitlines() == [
+        "warning: --config.rl.kl_coef is now --config.rl.objective.kl_coef",
+        "warning: --config.rl.heldout_num_tasks is now --config.rl.heldout.num_tasks",
+        "warning: --config.rl.prefill_buckets is now --config.rl.rollout.prefill_buckets",
+    ]
+    rl = json.loads(result.stdout)["rl"]
+    assert rl["objective"]["kl_coef"] == 0.01
+    assert rl["heldout"]["num_tasks"] == 5
+    assert rl["rollout"]["prefill_buckets"] == [64, 128]
+    assert "kl_coef" not in rl and "heldout_num_tasks" not in rl
 
 
 def test_print_config_refuses_what_a_run_would_refuse(tmp_path):
