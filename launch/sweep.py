@@ -216,7 +216,7 @@ def run_status(workdir: str, steps: int, entry: str) -> str:
     started: the workdir exists; new otherwise."""
     if not os.path.isdir(workdir):
         return "new"
-    from composer_jax.eval.compare import read_records
+    from composer_jax.eval.run_records import read_records
 
     records = read_records(os.path.join(workdir, "metrics.jsonl"))
     done = max((r["step"] for r in records), default=-1) >= steps
