@@ -143,19 +143,24 @@ def _lead(cfg, folder, model, warm_params, warm_buffers, channel, progress) -> R
     return _close(cfg, loop, interrupted, progress)
 
 
-def _build(cfg, folder, model, warm_params, warm_buffers, channel, progress) -> _Loop:
-    """The held-out check before RL, the trainer (restored), the ledger (rewound), the sampler,
-    the environments and the coordinator with the groups that were in flight."""
-    rl, tokenizer = cfg.rl, folder.tokenizer
-    heldout_env = agent_env_config(rl.agent, evaluation=True)
-    evaluator = Evaluator(
+def _evaluator(cfg, tokenizer) -> Evaluator:
+    """The held-out check: the run's held-out tasks played with the agent's evaluation tools."""
+    rl = cfg.rl
+    return Evaluator(
         rl,
         heldout_task_set(cfg),
         tokenizer,
         rl.heldout.samples,
         rl.heldout.temperature,
-        heldout_env,
+        agent_env_config(rl.agent, evaluation=True),
     )
+
+
+def _build(cfg, folder, model, warm_params, warm_buffers, channel, progress) -> _Loop:
+    """The held-out check before RL, the trainer (restored), the ledger (rewound), the sampler,
+    the environments and the coordinator with the groups that were in flight."""
+    rl, tokenizer = cfg.rl, folder.tokenizer
+    evaluator = _evaluator(cfg, tokenizer)
     before = heldout_once(cfg, evaluator, model, _heldout_path(cfg), "before", progress)
     ledger = GroupLedger(os.path.join(cfg.workdir, "ledger"))
     store = store_dir(cfg)
