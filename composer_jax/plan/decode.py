@@ -17,10 +17,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from composer_jax import config as config_lib
-from composer_jax.infer.cache import LatentCache
+from composer_jax.infer.cache import init_cache
 from composer_jax.infer.decode import MIN_STOP_TABLE, DecodeInputs, decode_chunk
 from composer_jax.model import Transformer
-from composer_jax.model.layers import dtype_of, logical_axes_of
+from composer_jax.model.layers import logical_axes_of
 from composer_jax.parallel.mesh import AXES, Layout, make_layout, use_layout, with_shardings
 from composer_jax.parallel.report import bytes_per_device
 from composer_jax.plan import costs
@@ -61,17 +61,15 @@ def abstract_model_state(cfg: config_lib.ExperimentConfig, layout: Layout):
 
 
 def abstract_cache(cfg: config_lib.ExperimentConfig, layout: Layout, slots: int, max_len: int):
-    """The latent cache of `slots` rows, its slot axis over the batch axes where they divide it."""
-    m = cfg.model
-    dt = dtype_of(m.dtype)
-
-    def spec(width: int) -> jax.ShapeDtypeStruct:
-        shape = (m.num_layers, slots, max_len, width)
-        return jax.ShapeDtypeStruct(
-            shape, dt, sharding=layout.sharding((None, "batch", None, None), shape)
-        )
-
-    return LatentCache(spec(m.kv_lora_rank), spec(m.qk_rope_head_dim))
+    """The latent cache `init_cache` makes for `slots` rows, as ShapeDtypeStructs with the slot
+    axis over the batch axes where they divide it."""
+    shapes = jax.eval_shape(lambda: init_cache(cfg.model, cfg.model.num_layers, slots, max_len))
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=layout.sharding((None, "batch", None, None), x.shape)
+        ),
+        shapes,
+    )
 
 
 def abstract_inputs(layout: Layout, slots: int) -> DecodeInputs:

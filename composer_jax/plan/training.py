@@ -56,7 +56,7 @@ def plan_training_step(
     p = cfg.train.phases[phase]
     start = time.perf_counter()
     compiled = (
-        setup.jit_train_step(phase=phase)
+        setup.jit_train_step(microbatches=p.microbatches)
         .lower(setup.abstract_state, abstract_batch(layout, p.batch_size, p.seq_len))
         .compile()
     )

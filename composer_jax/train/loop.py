@@ -181,9 +181,9 @@ class TrainSetup:
         """A fresh, sharded train state (parameters initialised on device, never on host)."""
         return jax.jit(self._init_fn, out_shardings=self.shardings)()
 
-    def jit_train_step(self, donate: bool = True, phase: int = 0):
-        """`train_step` of phase `phase` (its micro-batches) jitted with the state's and the
-        batch's shardings (state donated)."""
+    def jit_train_step(self, donate: bool = True, microbatches: int = 1):
+        """`train_step` over `microbatches` micro-batches (a phase's), jitted with the state's
+        and the batch's shardings (state donated)."""
         step = functools.partial(
             train_step,
             self.graphdef,
@@ -192,7 +192,7 @@ class TrainSetup:
             self.cfg.train,
             self.schedule,
             self.layout,
-            microbatches=self.cfg.train.phases[phase].microbatches,
+            microbatches=microbatches,
         )
         return jax.jit(
             step,
@@ -391,7 +391,9 @@ class _Pretraining:
         self.step = int(state.step)
         self.last_saved = resume_step
         self.eval_end: float | None = None
-        self._step_fns = [setup.jit_train_step(phase=i) for i in range(len(cfg.train.phases))]
+        # One jitted step per micro-batch count: phases that share one share its compilations.
+        counts = {p.microbatches for p in cfg.train.phases}
+        self._step_fns = {m: setup.jit_train_step(microbatches=m) for m in counts}
         self._eval_fn = jax.jit(functools.partial(eval_step, setup.graphdef, setup.layout))
         self.corpora = _Corpora(cfg, folder.tokenizer, sft_examples)
         self._eval_batches = _eval_batches(cfg, self.corpora, setup.layout)
@@ -439,7 +441,8 @@ class _Pretraining:
         t0, logged_at, stopping = time.perf_counter(), self.step, None
         while self.step < phase_end and stopping is None:
             batch = _global_batch(next(iterator), self.setup.layout)
-            self.state, metrics = self._step_fns[phase_index](self.state, batch)
+            step_fn = self._step_fns[cfg.train.phases[phase_index].microbatches]
+            self.state, metrics = step_fn(self.state, batch)
             self.step += 1
             _check_finite(metrics, self.step, self.folder, self.last_saved)
             stopping = stop.agreed()
