@@ -11,8 +11,9 @@ re-weighted per `stale_policy`), on an in-memory ledger. The timing is a model:
   turns and then queued samples (FIFO, into free slots) are prefilled, then every running row
   gets one token per decode step, which costs decode_s(rows), or decode_s(num_slots) with
   `padded_decode` (the shipped engine always decodes all its slots). A sample keeps its slot
-  between turns (tool time, then its tool output is prefilled) and frees it after its last turn;
-  grading then takes grading_s.
+  between turns (tool time, a pure delay, then its tool output is prefilled) and frees it
+  after its last turn; its environment work (grading_s) then waits for one of `env_workers`
+  (the real loop's pool; 0: as many as needed).
 - The coordinator schedules a group whenever its samples fit the slots plus
   `schedule_ahead_groups` and the group is admitted; each sample goes to the least loaded sampler.
 - The trainer trains a step of `groups_per_step` groups in train_s_per_token * tokens / ranks +
@@ -20,11 +21,12 @@ re-weighted per `stale_policy`), on an in-memory ledger. The timing is a model:
   for rebuild_s to load it: between two decode steps with in-flight updates (generations go on
   under the new weights), or once its running generations have finished without them (it admits
   nothing meanwhile). max_staleness 0 is the synchronous loop.
+- On a shared machine (2 cores) each role slows while the other runs (`Costs.decode_slowdown`,
+  `train_slowdown`, `grading_slowdown`); compilation is a one-off cost of the first train step and decode.
 A sample's staleness is its oldest token's (the version when it started); the mean token lag
 counts every generated token at the version that produced it.
-Not modelled: environment workers as a limited pool (tool and grading time are pure delays),
-the prompt epoch's end (a dropped group's prompt is one more group), and the prefill's own first
-token (every generated token costs a decode step).
+Not modelled: the prompt epoch's end (a dropped group's prompt is one more group), and the
+prefill's own first token (every generated token costs a decode step).
 """
 
 from __future__ import annotations
@@ -59,6 +61,17 @@ class Costs:
     publish_s: float = 0.57
     rebuild_s: float = 0.05
     grading_s: float = 0.092
+    # One-off start-up costs (compilation): the trainer's first step and the sampler's first
+    # decode take this much longer.
+    train_first_s: float = 0.0
+    sampler_first_s: float = 0.0
+    # A shared machine (2 cores, not an accelerator per role): while the trainer trains, a
+    # decode step (and a prefill) takes decode_slowdown times as long; a train step that starts while a sampler
+    # decodes takes train_slowdown times as long, a grading that starts while either works
+    # grading_slowdown times. 1.0: each role has its own hardware.
+    decode_slowdown: float = 1.0
+    train_slowdown: float = 1.0
+    grading_slowdown: float = 1.0
 
     def __post_init__(self):
         if len(self.decode_rows) != len(self.decode_s) or not self.decode_rows:
@@ -82,7 +95,11 @@ class Costs:
     def load(cls, path: str) -> Costs:
         """The costs in a JSON file written by `dump` (other keys, e.g. "context", ignored)."""
         with open(path) as f:
-            data = json.load(f)
+            return cls.from_dict(json.load(f))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Costs:
+        """The costs in `data` (as `dataclasses.asdict` gives them; other keys ignored)."""
         values = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}
         for name in ("decode_rows", "decode_s"):
             if name in values:
@@ -127,7 +144,9 @@ class Workload:
     """What an episode is: `turns` generations, each but the last followed by `tool_s` seconds
     of tool time and `tool_output_tokens` to prefill before the next. With `share_prefixes` (the
     engine's default) a group's prompt is prefilled once per sampler and weights version, and
-    its other samples copy the cache."""
+    its other samples copy the cache. A share `uniform_fraction` of the groups get equal rewards
+    (all their samples fail, say): with dynamic sampling (rl.rollout.skip_uniform_groups) the
+    trainer drops them, through the scheduler's own `next_groups`."""
 
     lengths: Lengths = Lengths()
     prompt_tokens: int = 280
@@ -135,13 +154,15 @@ class Workload:
     tool_s: float = 0.0
     tool_output_tokens: int = 0
     share_prefixes: bool = True
+    uniform_fraction: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
 class SimConfig:
     """`rl` gives the loop's settings (group_size, groups_per_step, max_staleness, stale_policy,
     stale_decay, num_slots, num_samplers, schedule_ahead_groups, max_new_tokens); the run lasts
-    `steps` trainer steps. A step trains at least `min_train_tokens` tokens (the shipped trainer
+    `steps` trainer steps. Gradings wait for one of `env_workers` (0: never wait). A step
+    trains at least `min_train_tokens` tokens (the shipped trainer
     pads its batch to groups_per_step x group_size rows of context_len; 0: the tokens alone)."""
 
     rl: RLConfig
@@ -150,6 +171,7 @@ class SimConfig:
     steps: int = 100
     trainer_ranks: int = 1
     min_train_tokens: int = 0
+    env_workers: int = 0  # a pool that grades one sample at a time each (0: unlimited)
     inflight_updates: bool = True
     padded_decode: bool = True
     seed: int = 0
@@ -168,7 +190,17 @@ class SimResult:
     token_lag: float  # mean over trained generated tokens of (trainer version - token's version)
     dropped_groups: int
     reweighted_groups: int
+    uninformative_groups: int  # dropped by dynamic sampling
     generated_samples: int  # scheduled, trained or not
+    step_ends: list[float]  # simulated time at which each trainer step ended
+
+    def samples_per_s_after(self, step: int) -> float:
+        """Trained samples per second over the steps after `step` (as the real loop's
+        throughput is read after step 1, whose compilation it leaves out)."""
+        if not 0 < step < self.steps:
+            raise ValueError(f"step {step} must be in 1..{self.steps - 1}")
+        per_step = self.trained_samples / self.steps
+        return per_step * (self.steps - step) / (self.step_ends[-1] - self.step_ends[step - 1])
 
 
 class _Sample:
@@ -192,10 +224,12 @@ class _Group:
         "generated",
         "version_sum",
         "prefix",
+        "rewards",
     )
 
-    def __init__(self, group_id: str, size: int):
+    def __init__(self, group_id: str, size: int, uniform: bool):
         self.group_id, self.unscored = group_id, size
+        self.rewards = np.zeros(size) if uniform else np.arange(size, dtype=float)
         self.prefix: tuple[_Sampler, int] | None = None  # where its prompt was last prefilled
         self.min_version = 1 << 62
         self.tokens = self.generated = self.version_sum = 0
@@ -207,6 +241,7 @@ class _Ledger:
 
     def __init__(self):
         self.groups: dict[str, _Group] = {}
+        self.dropped_uninformative = 0
 
     def pending(self) -> list[str]:
         return list(self.groups)
@@ -222,6 +257,12 @@ class _Ledger:
 
     def load(self, group_id: str) -> _Group:
         return self.groups[group_id]
+
+    def drop(self, group_ids: list[str], version: int, reason: str) -> None:
+        """`GroupLedger.drop`: next_groups drops the groups dynamic sampling skips."""
+        for gid in group_ids:
+            del self.groups[gid]
+        self.dropped_uninformative += len(group_ids)
 
 
 IDLE, WAKING, DECODING, LOADING = "idle", "waking", "decoding", "loading"
@@ -241,6 +282,7 @@ class _Sampler:
         self.version = self.available = 0
         self.load_steps, self.load_versions = [0], [0]  # the version in use from each step count
         self.state, self.at_boundary = IDLE, False
+        self.started = False
         self.busy = self.seg_start = self.run_start = self.step_s = 0.0
         self.row_seconds = 0.0  # integral of the running rows over the decoding time
         self.run_steps = 0
@@ -270,7 +312,7 @@ class _Sampler:
             self.token += 1
             sim.at(sim.now, self.wake, self.token)
             return
-        if not self._can_act():
+        if not self._can_act() and self.step_s == self._step_cost():
             return
         steps = max(1, math.ceil((sim.now - self.run_start) / self.step_s - 1e-9))
         if steps < self.run_steps:
@@ -337,12 +379,20 @@ class _Sampler:
         if not self.running:
             self.state = IDLE
             return
-        rows = sim.rl.rollout.num_slots if sim.cfg.padded_decode else len(self.running)
-        self.state, self.step_s = DECODING, sim.decode_s[rows]
+        self.state, self.step_s = DECODING, self._step_cost()
         self.run_steps = self.running[0][0] - self.steps
-        self.run_start = sim.now + prefill * costs.prefill_s_per_token
+        slowdown = costs.decode_slowdown if sim.training else 1.0
+        self.run_start = sim.now + prefill * costs.prefill_s_per_token * slowdown
+        if not self.started:  # compiles its prefill and decode
+            self.started, self.run_start = True, self.run_start + costs.sampler_first_s
         self.token += 1
         sim.at(self.run_start + self.run_steps * self.step_s, self.wake, self.token)
+
+    def _step_cost(self) -> float:
+        """Seconds of one decode step of the running rows, now."""
+        sim = self.sim
+        rows = sim.rl.rollout.num_slots if sim.cfg.padded_decode else len(self.running)
+        return sim.decode_s[rows] * (sim.cfg.costs.decode_slowdown if sim.training else 1.0)
 
     def _loaded(self, version: int) -> None:
         self.busy += self.sim.now - self.seg_start
@@ -389,9 +439,10 @@ class Simulation:
     until cfg.steps trainer steps. It is also the coordinator `next_groups` talks to."""
 
     def __init__(self, cfg: SimConfig):
+        # Simulated groups have task rewards only: all equal or not (Workload.uniform_fraction).
         rl = dataclasses.replace(
-            cfg.rl, rollout=dataclasses.replace(cfg.rl.rollout, skip_uniform_groups=False)
-        )  # simulated groups: no rewards
+            cfg.rl, rollout=dataclasses.replace(cfg.rl.rollout, uniform_by="task")
+        )
         # The coordinator's bound on samples holding or awaiting a slot.
         self.capacity = (
             rl.rollout.num_slots * rl.rollout.num_samplers
@@ -405,6 +456,7 @@ class Simulation:
         self._events: list = []
         self.tie = itertools.count()
         self._rng = np.random.default_rng(cfg.seed)
+        self._uniform_rng = np.random.default_rng([cfg.seed, 1])
         self._lengths: list[int] = []
         self.samplers = [_Sampler(self) for _ in range(rl.rollout.num_samplers)]
         self.ledger = _Ledger()
@@ -412,6 +464,9 @@ class Simulation:
         self.training = False
         self.train_busy = 0.0
         self.trained_samples = self.generated = self.dropped = self.reweighted = 0
+        self.step_ends: list[float] = []
+        self.env_busy = 0  # environment workers grading
+        self.env_queue: collections.deque[_Sample] = collections.deque()
         self.staleness: collections.Counter[int] = collections.Counter()
         self.lag_sum = self.lag_tokens = 0
 
@@ -444,7 +499,10 @@ class Simulation:
     def _start_group(self) -> list[_Sampler]:
         """Queues a new group's samples, each on the least loaded sampler; returns those."""
         rl, turns = self.rl, self.cfg.workload.turns
-        group = _Group(f"g{self.generated // rl.rollout.group_size}", rl.rollout.group_size)
+        uniform = self._uniform_rng.random() < self.cfg.workload.uniform_fraction
+        group = _Group(
+            f"g{self.generated // rl.rollout.group_size}", rl.rollout.group_size, uniform
+        )
         self.untrained += 1
         self.needing_slots += rl.rollout.group_size
         self.generated += rl.rollout.group_size
@@ -462,11 +520,25 @@ class Simulation:
         return fed
 
     def sample_generated(self, sample: _Sample) -> None:
-        """Its last turn left the sampler: its slot is free and grading starts."""
+        """Its last turn left the sampler: its slot is free and it is graded (once an
+        environment worker is free, with a pool of them)."""
         self.needing_slots -= 1
-        self.at(self.now + self.cfg.costs.grading_s, self._graded, sample)
+        if self.cfg.env_workers and self.env_busy == self.cfg.env_workers:
+            self.env_queue.append(sample)
+            return
+        self._grade(sample)
+
+    def _grade(self, sample: _Sample) -> None:
+        self.env_busy += 1
+        seconds = self.cfg.costs.grading_s
+        if self.training or any(s.state == DECODING for s in self.samplers):
+            seconds *= self.cfg.costs.grading_slowdown
+        self.at(self.now + seconds, self._graded, sample)
 
     def _graded(self, sample: _Sample) -> None:
+        self.env_busy -= 1
+        if self.env_queue:  # FIFO
+            self._grade(self.env_queue.popleft())
         group, work = sample.group, self.cfg.workload
         generated = sum(sample.turns)
         extra = work.prompt_tokens + work.tool_output_tokens * (len(sample.turns) - 1)
@@ -514,13 +586,24 @@ class Simulation:
         costs = self.cfg.costs
         tokens = max(sum(g.tokens for g in groups), self.cfg.min_train_tokens)
         seconds = costs.train_s_per_token * tokens / self.cfg.trainer_ranks
-        seconds += costs.train_overhead_s
-        self.training = True
+        seconds += costs.train_overhead_s + (costs.train_first_s if version == 0 else 0.0)
+        if any(s.state == DECODING for s in self.samplers):
+            seconds *= costs.train_slowdown
         self.train_busy += seconds
+        self._set_training(True)
         self.at(self.now + seconds, self._trained, len(groups))
 
+    def _set_training(self, training: bool) -> None:
+        """With a shared machine the decoding samplers change pace at their next step."""
+        self.training = training
+        if self.cfg.costs.decode_slowdown != 1.0:
+            for sampler in self.samplers:
+                if sampler.state == DECODING:
+                    sampler.poke()
+
     def _trained(self, count: int) -> None:
-        self.training = False
+        self._set_training(False)
+        self.step_ends.append(self.now)
         self.trained_samples += count * self.rl.rollout.group_size
         self.groups_trained(count, self.trainer_version + 1)
         self.at(self.now + self.cfg.costs.publish_s, self._published, self.trainer_version)
@@ -545,7 +628,9 @@ class Simulation:
             token_lag=self.lag_sum / max(self.lag_tokens, 1),
             dropped_groups=self.dropped,
             reweighted_groups=self.reweighted,
+            uninformative_groups=self.ledger.dropped_uninformative,
             generated_samples=self.generated,
+            step_ends=self.step_ends,
         )
 
 

@@ -4,6 +4,7 @@ policy, and the cheap pieces of its calibration."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -208,3 +209,134 @@ def test_calibration_pieces_measure_positive_costs():
     model = init_model(cfg.model, 0)
     assert simulate_async.decode_step_seconds(model, rl, rows=1, prompt_len=40, steps=1) > 0
     assert simulate_async.grading_seconds(1) > 0
+
+
+def test_one_off_start_up_costs_shift_every_synchronous_step():
+    """The trainer's first step and the sampler's first decode compile: in the synchronous loop
+    each later step ends exactly that much later, and the throughput after step 1 is unchanged."""
+    costs = dataclasses.replace(FREE, train_s_per_token=1e-3)
+    base = simulate(_config(costs, rl={"max_staleness": 0}))
+    slow = dataclasses.replace(costs, train_first_s=5.0, sampler_first_s=2.0)
+    started = simulate(_config(slow, rl={"max_staleness": 0}))
+    assert np.allclose(np.subtract(started.step_ends, base.step_ends), 7.0)
+    assert started.samples_per_s_after(1) == pytest.approx(base.samples_per_s_after(1))
+    assert base.samples_per_s_after(1) == pytest.approx(
+        8 * 9 / (base.step_ends[-1] - base.step_ends[0])
+    )
+    with pytest.raises(ValueError, match="must be in 1..9"):
+        base.samples_per_s_after(10)
+
+
+def test_dynamic_sampling_drops_uniform_groups_through_the_scheduler():
+    """A share of the groups get equal rewards: with skip_uniform_groups next_groups drops them
+    (the trainer waits for more), without it they train like the rest."""
+    work = {"uniform_fraction": 0.5}
+    skip = simulate(_config(steps=200, workload=work, rl={"skip_uniform_groups": True}))
+    keep = simulate(_config(steps=200, workload=work, rl={"skip_uniform_groups": False}))
+    assert keep.uninformative_groups == 0 and skip.trained_samples == keep.trained_samples
+    share = skip.uninformative_groups / (skip.uninformative_groups + 400)
+    assert 0.4 < share < 0.6
+    assert skip.samples_per_s == pytest.approx(keep.samples_per_s / 2, rel=0.15)
+    assert skip.generated_samples >= 4 * (400 + skip.uninformative_groups)
+
+
+def test_sample_tokens_split_a_packed_group_into_generated_and_other_tokens():
+    """Two samples; the first has two sequences (a summary restarts it), the second one."""
+    mask = [0, 0, 1, 1, 1] + [0, 1] + [0, 0, 0, 1, 1] + [0, 0]  # the last two: padding
+    arrays = {
+        "sequence_lengths": np.array([5, 2, 5]),
+        "sequence_sample": np.array([0, 0, 1]),
+        "policy_mask": np.array(mask, bool),
+    }
+    generated, other = simulate_async.sample_tokens(arrays)
+    assert generated.tolist() == [4, 2] and other.tolist() == [3, 3]
+
+
+def test_validation_compares_throughput_and_staleness_within_their_bounds():
+    assert simulate_async.total_variation({0: 2, 1: 2}, {0: 1, 1: 3}) == pytest.approx(0.25)
+    assert simulate_async.total_variation({0: 5}, {1: 7}) == pytest.approx(1.0)
+    measured = {"samples_per_s": 10.0, "staleness": {0: 10, 1: 10}}
+    close = simulate_async.compare(measured, {"samples_per_s": 11.0, "staleness": {0: 12, 1: 8}})
+    assert close["ok"] and close["throughput_error"] == pytest.approx(0.1)
+    slow = simulate_async.compare(measured, {"samples_per_s": 8.0, "staleness": {0: 1, 1: 1}})
+    assert not slow["ok"]
+    skewed = simulate_async.compare(measured, {"samples_per_s": 10.0, "staleness": {0: 1}})
+    assert not skewed["ok"] and skewed["staleness_tvd"] == pytest.approx(0.5)
+
+
+def test_a_shared_machine_slows_each_role_only_while_the_other_runs():
+    """Synchronous: trainer and sampler never overlap, so the slowdowns change nothing;
+    asynchronous: each one costs time."""
+    costs = dataclasses.replace(FREE, train_s_per_token=1e-3)
+    shared = dataclasses.replace(costs, decode_slowdown=2.0, train_slowdown=3.0)
+    sync = {"max_staleness": 0}
+    assert simulate(_config(shared, rl=sync)).step_ends == pytest.approx(
+        simulate(_config(costs, rl=sync)).step_ends
+    )
+    fast = simulate(_config(costs, LONG_TAIL, steps=100))
+    for slowdown in ({"decode_slowdown": 2.0}, {"train_slowdown": 3.0}):
+        slow = simulate(_config(dataclasses.replace(costs, **slowdown), LONG_TAIL, steps=100))
+        assert slow.seconds > 1.1 * fast.seconds
+
+
+def test_a_pool_of_environment_workers_queues_the_gradings():
+    """Constant lengths: a step's 8 samples end together; one worker grades them one after
+    another (8 s), unlimited workers at once (1 s)."""
+    costs = dataclasses.replace(FREE, grading_s=1.0)
+    sync = {"max_staleness": 0}
+    pooled = simulate(_config(costs, rl=sync, env_workers=1))
+    unlimited = simulate(_config(costs, rl=sync))
+    assert pooled.seconds - unlimited.seconds == pytest.approx(10 * 7.0)
+
+
+def _span(tid, category, start_ms, dur_ms, name="", **args):
+    return {
+        "ph": "X",
+        "pid": 1,
+        "tid": tid,
+        "cat": category,
+        "name": name or category,
+        "ts": start_ms * 1e3,
+        "dur": dur_ms * 1e3,
+        "args": args,
+    }
+
+
+def test_costs_read_off_a_trace_of_the_loop(tmp_path):
+    """A synthetic trace. Sampler: three decode calls alone (10 ms, then 2 ms of emit), one that
+    compiles (left out), two during a train step (1.5 s). Trainer: steps of pack + reference +
+    train_step: the first compiles, the second runs alone (1 s), the third beside decoding
+    (3 s). Environment: a start (5 ms), a grading alone (100 ms), one beside training (150 ms)."""
+    names = {1: "sampler", 2: "trainer", 3: "weight publish", 4: "env worker 0"}
+    events = [
+        {"ph": "M", "pid": 1, "tid": t, "name": "thread_name", "args": {"name": n}}
+        for t, n in names.items()
+    ]
+    events += [_span(1, "decode", t, 10, running=4) for t in (0, 20, 40)]
+    events += [_span(1, "emit", t, 2) for t in (10, 30, 50)]
+    events += [_span(1, "compile", 5000, 2000), _span(1, "decode", 5000, 2500)]
+    events += [_span(2, "compile", 100, 5000)]
+    steps = ((100, (100, 100, 9800)), (20000, (100, 200, 700)), (30000, (300, 300, 2400)))
+    for start, parts in steps:
+        for category, dur in zip(("pack", "reference", "train_step"), parts):
+            events.append(_span(2, category, start, dur, rows=32))
+            start += dur
+    events += [_span(1, "decode", 30000 + i * 1500, 1500) for i in range(2)]
+    events += [_span(1, "prefill", 50000, 50, rows=2), _span(3, "publish", 60000, 200)]
+    events += [_span(1, "weight_reload", 61000, 20), _span(4, "env", 62000, 5, "start")]
+    events += [_span(4, "env", 62100, 100, "step"), _span(4, "env", 30100, 150, "step")]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    cfg = presets.rl_tiny()
+    costs = simulate_async.costs_from_traces([str(path)], cfg, prompt_tokens=100, samples=2)
+    rollout = cfg.rl.rollout
+    assert costs.decode_rows == (rollout.num_slots,) and costs.decode_s == pytest.approx((0.012,))
+    assert costs.decode_slowdown == pytest.approx(1.5 / 0.012)
+    tokens = rollout.groups_per_step * rollout.group_size * rollout.context_len
+    assert costs.train_s_per_token == pytest.approx(1.0 / tokens)
+    assert costs.train_slowdown == pytest.approx(3.0)
+    assert costs.prefill_s_per_token == pytest.approx(0.05 / 200)
+    assert (costs.publish_s, costs.rebuild_s) == pytest.approx((0.2, 0.02))
+    assert costs.grading_s == pytest.approx((2 * 0.1 + 0.005) / 2)
+    assert costs.grading_slowdown == pytest.approx(1.5)
+    assert (costs.train_first_s, costs.sampler_first_s) == pytest.approx((5.0, 2.0))
