@@ -283,9 +283,9 @@ def costs_from_traces(paths: list[str], cfg, prompt_tokens: float, samples: int)
       beside decoding) and beside decoding (> 50%), per padded token (batch x context_len); the
       ratio is train_slowdown;
     (a kind never seen alone is taken as seen, and its slowdown is 1)
-    - grading: the environment's seconds per sample (`samples` finished in all runs), its
-      "step" calls alone (< 10% beside decoding, prefill or training) and beside them (> 50%;
-      the ratio is grading_slowdown), its other calls pooled;
+    - environment: the grading per sample (`samples` finished in all runs) from its "step"
+      calls alone (< 10% beside decoding, prefill or training) and beside them (> 50%; the
+      ratio is env_slowdown), and the mean "start" and "close" calls;
     - prefill per prompt token alone (prefilled rows x `prompt_tokens`), publish, reload, and each
       role's compilations (the most of any run) as its one-off start-up cost; decode and
       prefill calls that compiled are left out of their means."""
@@ -305,16 +305,14 @@ def costs_from_traces(paths: list[str], cfg, prompt_tokens: float, samples: int)
         train_s_per_token=step_alone / train_tokens,
         publish_s=mean(seen["publish"]),
         rebuild_s=mean(seen["reload"]),
-        grading_s=(
-            mean(seen["grade_alone"] or seen["grade_shared"]) * len(seen["grade"])
-            + sum(seen["env_other"])
-        )
-        / samples,
+        grading_s=mean(seen["env_alone"] or seen["env_shared"]) * len(seen["env_step"]) / samples,
+        env_start_s=mean(seen["start"] or [0.0]),
+        env_close_s=mean(seen["close"] or [0.0]),
         train_first_s=max(seen["trainer_compile"]),
         sampler_first_s=max(seen["sampler_compile"]),
         decode_slowdown=(_per_call(seen, "during") or sampler_alone) / sampler_alone,
         train_slowdown=_ratio(seen["step_shared"], seen["step_alone"]),
-        grading_slowdown=_ratio(seen["grade_shared"], seen["grade_alone"]),
+        env_slowdown=_ratio(seen["env_shared"], seen["env_alone"]),
     )
 
 
@@ -356,7 +354,9 @@ def _trace_costs(path: str) -> dict[str, list[float]]:
     compile_s = collections.Counter()
     for e in by["compile"]:
         compile_s[names[e["tid"]]] += seconds(e)
-    grades = [e for e in by["env"] if e["name"] == "step"]
+    env = collections.defaultdict(list)
+    for e in by["env"]:
+        env[e["name"]].append(e)
     return {
         **{
             f"{kind}_{when}": [
@@ -371,10 +371,11 @@ def _trace_costs(path: str) -> dict[str, list[float]]:
         "prefill_rows": [
             e["args"].get("rows", 1) for e in by["prefill"] if not _covered(*_interval(e), training)
         ],
-        "grade": [seconds(e) for e in grades],
-        "grade_alone": [seconds(e) for e in grades if _covered(*_interval(e), working) < 0.1],
-        "grade_shared": [seconds(e) for e in grades if _covered(*_interval(e), working) > 0.5],
-        "env_other": [seconds(e) for e in by["env"] if e["name"] != "step"],
+        "start": [seconds(e) for e in env["start"]],
+        "close": [seconds(e) for e in env["close"]],
+        "env_step": [seconds(e) for e in env["step"]],
+        "env_alone": [seconds(e) for e in env["step"] if _covered(*_interval(e), working) < 0.1],
+        "env_shared": [seconds(e) for e in env["step"] if _covered(*_interval(e), working) > 0.5],
         "step_alone": [t for t, start, end in steps if _covered(start, end, decoding) < 0.1],
         "step_shared": [t for t, start, end in steps if _covered(start, end, decoding) > 0.5],
         "publish": [seconds(e) for e in by["publish"]],

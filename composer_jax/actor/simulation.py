@@ -12,8 +12,10 @@ re-weighted per `stale_policy`), on an in-memory ledger. The timing is a model:
   gets one token per decode step, which costs decode_s(rows), or decode_s(num_slots) with
   `padded_decode` (the shipped engine always decodes all its slots). A sample keeps its slot
   between turns (tool time, a pure delay, then its tool output is prefilled) and frees it
-  after its last turn; its environment work (grading_s) then waits for one of `env_workers`
-  (the real loop's pool; 0: as many as needed).
+  after its last turn; then it is graded (grading_s). With a pool of `env_workers` (the real
+  loop's `WorkerPool`) each episode is pinned to the worker with the fewest, whose calls run
+  one at a time in order: its start (before the sample can queue for a slot), its grading and
+  its close; without one (0), grading is a pure delay.
 - The coordinator schedules a group whenever its samples fit the slots plus
   `schedule_ahead_groups` and the group is admitted; each sample goes to the least loaded sampler.
 - The trainer trains a step of `groups_per_step` groups in train_s_per_token * tokens / ranks +
@@ -22,7 +24,7 @@ re-weighted per `stale_policy`), on an in-memory ledger. The timing is a model:
   under the new weights), or once its running generations have finished without them (it admits
   nothing meanwhile). max_staleness 0 is the synchronous loop.
 - On a shared machine (2 cores) each role slows while the other runs (`Costs.decode_slowdown`,
-  `train_slowdown`, `grading_slowdown`); compilation is a one-off cost of the first train step and decode.
+  `train_slowdown`, `env_slowdown`); compilation is a one-off cost of the first train step and decode.
 A sample's staleness is its oldest token's (the version when it started); the mean token lag
 counts every generated token at the version that produced it.
 Not modelled: the prompt epoch's end (a dropped group's prompt is one more group), and the
@@ -66,12 +68,16 @@ class Costs:
     train_first_s: float = 0.0
     sampler_first_s: float = 0.0
     # A shared machine (2 cores, not an accelerator per role): while the trainer trains, a
-    # decode step (and a prefill) takes decode_slowdown times as long; a train step that starts while a sampler
-    # decodes takes train_slowdown times as long, a grading that starts while either works
-    # grading_slowdown times. 1.0: each role has its own hardware.
+    # decode step (and a prefill) takes decode_slowdown times as long; a train step that starts
+    # while a sampler decodes takes train_slowdown times as long, an environment call that
+    # starts while either works env_slowdown times. 1.0: each role has its own hardware.
     decode_slowdown: float = 1.0
     train_slowdown: float = 1.0
-    grading_slowdown: float = 1.0
+    env_slowdown: float = 1.0
+    # With a pool of environment workers (SimConfig.env_workers), the calls that start and
+    # close an episode's environment take these on its worker.
+    env_start_s: float = 0.0
+    env_close_s: float = 0.0
 
     def __post_init__(self):
         if len(self.decode_rows) != len(self.decode_s) or not self.decode_rows:
@@ -204,10 +210,11 @@ class SimResult:
 
 
 class _Sample:
-    __slots__ = ("group", "turns", "turn", "min_version", "start_step", "version_sum")
+    __slots__ = ("group", "turns", "turn", "min_version", "start_step", "version_sum", "worker")
 
     def __init__(self, group: _Group, turns: list[int]):
         self.group, self.turns, self.turn = group, turns, 0
+        self.worker: _EnvWorker | None = None  # its environment's, with a pool
         self.min_version = -1  # set when its first turn starts
         self.start_step = 0  # the sampler's decode step count when the current turn started
         self.version_sum = 0  # sum over its generated tokens of the version that made them
@@ -263,6 +270,17 @@ class _Ledger:
         for gid in group_ids:
             del self.groups[gid]
         self.dropped_uninformative += len(group_ids)
+
+
+class _EnvWorker:
+    """An environment worker of the pool: its episodes (pinned at start, to the worker with the
+    fewest) and its calls, run one at a time in order."""
+
+    __slots__ = ("episodes", "busy", "calls")
+
+    def __init__(self):
+        self.episodes, self.busy = 0, False
+        self.calls: collections.deque = collections.deque()  # (seconds, done, sample)
 
 
 IDLE, WAKING, DECODING, LOADING = "idle", "waking", "decoding", "loading"
@@ -465,8 +483,7 @@ class Simulation:
         self.train_busy = 0.0
         self.trained_samples = self.generated = self.dropped = self.reweighted = 0
         self.step_ends: list[float] = []
-        self.env_busy = 0  # environment workers grading
-        self.env_queue: collections.deque[_Sample] = collections.deque()
+        self.env_workers = [_EnvWorker() for _ in range(cfg.env_workers)]
         self.staleness: collections.Counter[int] = collections.Counter()
         self.lag_sum = self.lag_tokens = 0
 
@@ -497,7 +514,8 @@ class Simulation:
             sampler.poke()
 
     def _start_group(self) -> list[_Sampler]:
-        """Queues a new group's samples, each on the least loaded sampler; returns those."""
+        """Queues a new group's samples, each on the least loaded sampler (with a pool of
+        environment workers: once its environment started); returns the samplers fed now."""
         rl, turns = self.rl, self.cfg.workload.turns
         uniform = self._uniform_rng.random() < self.cfg.workload.uniform_fraction
         group = _Group(
@@ -514,31 +532,60 @@ class Simulation:
                 )
             sample = _Sample(group, self._lengths[-turns:])
             del self._lengths[-turns:]
+            if self.env_workers:
+                sample.worker = min(self.env_workers, key=lambda w: w.episodes)
+                sample.worker.episodes += 1
+                self._env_call(sample, self.cfg.costs.env_start_s, self._env_started)
+                continue
             sampler = min(self.samplers, key=lambda s: s.load)
             sampler.waiting.append(sample)
             fed.append(sampler)
         return fed
 
-    def sample_generated(self, sample: _Sample) -> None:
-        """Its last turn left the sampler: its slot is free and it is graded (once an
-        environment worker is free, with a pool of them)."""
-        self.needing_slots -= 1
-        if self.cfg.env_workers and self.env_busy == self.cfg.env_workers:
-            self.env_queue.append(sample)
-            return
-        self._grade(sample)
+    def _env_started(self, sample: _Sample) -> None:
+        sampler = min(self.samplers, key=lambda s: s.load)
+        sampler.waiting.append(sample)
+        sampler.poke()
 
-    def _grade(self, sample: _Sample) -> None:
-        self.env_busy += 1
-        seconds = self.cfg.costs.grading_s
+    def sample_generated(self, sample: _Sample) -> None:
+        """Its last turn left the sampler: its slot is free and it is graded (on its worker,
+        with a pool), then its environment closed."""
+        self.needing_slots -= 1
+        if sample.worker is None:
+            self.at(self.now + self._env_seconds(self.cfg.costs.grading_s), self._graded, sample)
+        else:
+            self._env_call(sample, self.cfg.costs.grading_s, self._graded)
+
+    def _env_seconds(self, seconds: float) -> float:
+        """An environment call's seconds, slowed on a shared machine while the roles work."""
         if self.training or any(s.state == DECODING for s in self.samplers):
-            seconds *= self.cfg.costs.grading_slowdown
-        self.at(self.now + seconds, self._graded, sample)
+            return seconds * self.cfg.costs.env_slowdown
+        return seconds
+
+    def _env_call(self, sample: _Sample, seconds: float, done) -> None:
+        """Queues a call on the sample's worker; `done(sample)` when it has run."""
+        worker = sample.worker
+        worker.calls.append((seconds, done, sample))
+        if not worker.busy:
+            self._env_next(worker)
+
+    def _env_next(self, worker: _EnvWorker) -> None:
+        worker.busy = bool(worker.calls)
+        if worker.busy:
+            seconds, done, sample = worker.calls.popleft()
+            self.at(self.now + self._env_seconds(seconds), self._env_done, (worker, done, sample))
+
+    def _env_done(self, call: tuple) -> None:
+        worker, done, sample = call
+        done(sample)
+        self._env_next(worker)
+
+    def _env_closed(self, sample: _Sample) -> None:
+        sample.worker.episodes -= 1
 
     def _graded(self, sample: _Sample) -> None:
-        self.env_busy -= 1
-        if self.env_queue:  # FIFO
-            self._grade(self.env_queue.popleft())
+        if sample.worker is not None:
+            self._env_call(sample, self.cfg.costs.env_close_s, self._env_closed)
         group, work = sample.group, self.cfg.workload
         generated = sum(sample.turns)
         extra = work.prompt_tokens + work.tool_output_tokens * (len(sample.turns) - 1)

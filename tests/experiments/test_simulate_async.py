@@ -306,7 +306,8 @@ def test_costs_read_off_a_trace_of_the_loop(tmp_path):
     """A synthetic trace. Sampler: three decode calls alone (10 ms, then 2 ms of emit), one that
     compiles (left out), two during a train step (1.5 s). Trainer: steps of pack + reference +
     train_step: the first compiles, the second runs alone (1 s), the third beside decoding
-    (3 s). Environment: a start (5 ms), a grading alone (100 ms), one beside training (150 ms)."""
+    (3 s). Environment: a start (5 ms), a grading alone (100 ms), one beside training (150 ms),
+    a close (3 ms)."""
     names = {1: "sampler", 2: "trainer", 3: "weight publish", 4: "env worker 0"}
     events = [
         {"ph": "M", "pid": 1, "tid": t, "name": "thread_name", "args": {"name": n}}
@@ -325,6 +326,7 @@ def test_costs_read_off_a_trace_of_the_loop(tmp_path):
     events += [_span(1, "prefill", 50000, 50, rows=2), _span(3, "publish", 60000, 200)]
     events += [_span(1, "weight_reload", 61000, 20), _span(4, "env", 62000, 5, "start")]
     events += [_span(4, "env", 62100, 100, "step"), _span(4, "env", 30100, 150, "step")]
+    events += [_span(4, "env", 62200, 3, "close")]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     cfg = presets.rl_tiny()
@@ -337,6 +339,7 @@ def test_costs_read_off_a_trace_of_the_loop(tmp_path):
     assert costs.train_slowdown == pytest.approx(3.0)
     assert costs.prefill_s_per_token == pytest.approx(0.05 / 200)
     assert (costs.publish_s, costs.rebuild_s) == pytest.approx((0.2, 0.02))
-    assert costs.grading_s == pytest.approx((2 * 0.1 + 0.005) / 2)
-    assert costs.grading_slowdown == pytest.approx(1.5)
+    assert costs.grading_s == pytest.approx(2 * 0.1 / 2)
+    assert (costs.env_start_s, costs.env_close_s) == pytest.approx((0.005, 0.003))
+    assert costs.env_slowdown == pytest.approx(1.5)
     assert (costs.train_first_s, costs.sampler_first_s) == pytest.approx((5.0, 2.0))
