@@ -275,10 +275,10 @@ def costs_from_traces(paths: list[str], cfg, prompt_tokens: float, samples: int)
     synchronous and an asynchronous one, so that each role is seen alone and beside the other),
     so that they include what shares the machine with each role (on 2 cores: the environment
     workers, the other role, the host threads), which a calibration of each role alone misses:
-    - decode: the mean decode call with the sampler thread's host work around it (emit, the
-      rollout loop's own work, prefix copies) alone and during a train step (the engine decodes
-      all its slots, so one entry at num_slots; the ratio is decode_slowdown, which prefill
-      shares);
+    - decode: a line through every decode call's seconds: alone, plus decode_train_s during a
+      train step, plus decode_env_s per environment call running beside it (least squares; the
+      engine decodes all its slots, so one entry at num_slots), with the sampler thread's host
+      work per call (emit, the rollout loop's own work, prefix copies) added to the alone;
     - train: pack + reference + train_step of each step but a run's first, alone (< 10% of it
       beside decoding) and beside decoding (> 50%), per padded token (batch x context_len); the
       ratio is train_slowdown;
@@ -294,13 +294,13 @@ def costs_from_traces(paths: list[str], cfg, prompt_tokens: float, samples: int)
         for kind, values in _trace_costs(path).items():
             seen[kind] += values
     mean = statistics.mean
-    sampler_alone = _per_call(seen, "alone") or _per_call(seen, "during")
+    decode_alone, decode_train_s, decode_env_s = _decode_line(seen["decode"])
     step_alone = mean(seen["step_alone"] or seen["step_shared"])
     rollout = cfg.rl.rollout
     train_tokens = rollout.groups_per_step * rollout.group_size * rollout.context_len
     return Costs(
         decode_rows=(rollout.num_slots,),
-        decode_s=(sampler_alone,),
+        decode_s=(decode_alone + sum(seen["host"]) / len(seen["decode"]),),
         prefill_s_per_token=sum(seen["prefill"]) / (sum(seen["prefill_rows"]) * prompt_tokens),
         train_s_per_token=step_alone / train_tokens,
         publish_s=mean(seen["publish"]),
@@ -310,17 +310,23 @@ def costs_from_traces(paths: list[str], cfg, prompt_tokens: float, samples: int)
         env_close_s=mean(seen["close"] or [0.0]),
         train_first_s=max(seen["trainer_compile"]),
         sampler_first_s=max(seen["sampler_compile"]),
-        decode_slowdown=(_per_call(seen, "during") or sampler_alone) / sampler_alone,
+        decode_train_s=decode_train_s,
+        decode_env_s=decode_env_s,
         train_slowdown=_ratio(seen["step_shared"], seen["step_alone"]),
         env_slowdown=_ratio(seen["env_shared"], seen["env_alone"]),
     )
 
 
-def _per_call(seen: dict[str, list[float]], when: str) -> float:
-    """Seconds per decode call, its host work included, `when` "alone" or "during" training;
-    0 when there was none."""
-    calls = len(seen[f"decode_{when}"])
-    return (sum(seen[f"decode_{when}"]) + sum(seen[f"host_{when}"])) / calls if calls else 0.0
+def _decode_line(calls: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """(alone, + during training, + per environment call) seconds of a decode call: the least
+    squares line through (seconds, training 0 or 1, environment calls beside it); a term never
+    seen varying is 0."""
+    seconds, training, env = np.asarray(calls, dtype=float).T
+    columns = [np.ones_like(seconds)] + [x for x in (training, env) if np.ptp(x) > 0]
+    fit = iter(np.linalg.lstsq(np.stack(columns, axis=1), seconds, rcond=None)[0])
+    alone = float(next(fit))
+    during = float(next(fit)) if np.ptp(training) > 0 else 0.0
+    return alone, during, float(next(fit)) if np.ptp(env) > 0 else 0.0
 
 
 def _ratio(shared: list[float], alone: list[float]) -> float:
@@ -350,6 +356,7 @@ def _trace_costs(path: str) -> dict[str, list[float]]:
     ]
     decoding = [_interval(e) for e in by["decode"]]
     working = sorted(training + decoding + [_interval(e) for e in by["prefill"]])
+    environment = [_interval(e) for e in by["env"]]
     steps = _train_steps(by)[1:]  # the first compiles
     compile_s = collections.Counter()
     for e in by["compile"]:
@@ -358,15 +365,15 @@ def _trace_costs(path: str) -> dict[str, list[float]]:
     for e in by["env"]:
         env[e["name"]].append(e)
     return {
-        **{
-            f"{kind}_{when}": [
-                seconds(e)
-                for e in spans
-                if (_covered(*_interval(e), training) > 0) == (when == "during")
-            ]
-            for kind, spans in (("decode", by["decode"]), ("host", host))
-            for when in ("alone", "during")
-        },
+        "decode": [
+            (
+                seconds(e),
+                float(_covered(*_interval(e), training) > 0),
+                _covered(*_interval(e), environment),
+            )
+            for e in by["decode"]
+        ],
+        "host": [seconds(e) for e in host],
         "prefill": [seconds(e) for e in by["prefill"] if not _covered(*_interval(e), training)],
         "prefill_rows": [
             e["args"].get("rows", 1) for e in by["prefill"] if not _covered(*_interval(e), training)

@@ -23,8 +23,8 @@ re-weighted per `stale_policy`), on an in-memory ledger. The timing is a model:
   for rebuild_s to load it: between two decode steps with in-flight updates (generations go on
   under the new weights), or once its running generations have finished without them (it admits
   nothing meanwhile). max_staleness 0 is the synchronous loop.
-- On a shared machine (2 cores) each role slows while the other runs (`Costs.decode_slowdown`,
-  `train_slowdown`, `env_slowdown`); compilation is a one-off cost of the first train step and decode.
+- On a shared machine (2 cores) each role slows while the others work (`Costs.decode_train_s`,
+  `decode_env_s`, `train_slowdown`, `env_slowdown`); compilation is a one-off cost of the first train step and decode.
 A sample's staleness is its oldest token's (the version when it started); the mean token lag
 counts every generated token at the version that produced it.
 Not modelled: the prompt epoch's end (a dropped group's prompt is one more group), and the
@@ -67,11 +67,13 @@ class Costs:
     # decode take this much longer.
     train_first_s: float = 0.0
     sampler_first_s: float = 0.0
-    # A shared machine (2 cores, not an accelerator per role): while the trainer trains, a
-    # decode step (and a prefill) takes decode_slowdown times as long; a train step that starts
-    # while a sampler decodes takes train_slowdown times as long, an environment call that
-    # starts while either works env_slowdown times. 1.0: each role has its own hardware.
-    decode_slowdown: float = 1.0
+    # A shared machine (2 cores, not an accelerator per role): a decode step takes
+    # decode_train_s longer while the trainer trains and decode_env_s longer per environment
+    # worker at work (a prefill in proportion); a train step that starts while a sampler
+    # decodes takes train_slowdown times as long, an environment call that starts while either
+    # works env_slowdown times. 0 and 1: each role has its own hardware.
+    decode_train_s: float = 0.0
+    decode_env_s: float = 0.0
     train_slowdown: float = 1.0
     env_slowdown: float = 1.0
     # With a pool of environment workers (SimConfig.env_workers), the calls that start and
@@ -399,18 +401,22 @@ class _Sampler:
             return
         self.state, self.step_s = DECODING, self._step_cost()
         self.run_steps = self.running[0][0] - self.steps
-        slowdown = costs.decode_slowdown if sim.training else 1.0
+        slowdown = self.step_s / sim.decode_s[self._rows()]
         self.run_start = sim.now + prefill * costs.prefill_s_per_token * slowdown
         if not self.started:  # compiles its prefill and decode
             self.started, self.run_start = True, self.run_start + costs.sampler_first_s
         self.token += 1
         sim.at(self.run_start + self.run_steps * self.step_s, self.wake, self.token)
 
-    def _step_cost(self) -> float:
-        """Seconds of one decode step of the running rows, now."""
+    def _rows(self) -> int:
         sim = self.sim
-        rows = sim.rl.rollout.num_slots if sim.cfg.padded_decode else len(self.running)
-        return sim.decode_s[rows] * (sim.cfg.costs.decode_slowdown if sim.training else 1.0)
+        return sim.rl.rollout.num_slots if sim.cfg.padded_decode else len(self.running)
+
+    def _step_cost(self) -> float:
+        """Seconds of one decode step of the running rows, now (with what else works)."""
+        sim, costs = self.sim, self.sim.cfg.costs
+        seconds = sim.decode_s[self._rows()] + costs.decode_env_s * sim.env_working
+        return seconds + (costs.decode_train_s if sim.training else 0.0)
 
     def _loaded(self, version: int) -> None:
         self.busy += self.sim.now - self.seg_start
@@ -484,6 +490,7 @@ class Simulation:
         self.trained_samples = self.generated = self.dropped = self.reweighted = 0
         self.step_ends: list[float] = []
         self.env_workers = [_EnvWorker() for _ in range(cfg.env_workers)]
+        self.env_working = 0  # of them
         self.staleness: collections.Counter[int] = collections.Counter()
         self.lag_sum = self.lag_tokens = 0
 
@@ -570,7 +577,10 @@ class Simulation:
             self._env_next(worker)
 
     def _env_next(self, worker: _EnvWorker) -> None:
-        worker.busy = bool(worker.calls)
+        was_busy, worker.busy = worker.busy, bool(worker.calls)
+        if worker.busy != was_busy:
+            self.env_working += 1 if worker.busy else -1
+            self._pace_changed()
         if worker.busy:
             seconds, done, sample = worker.calls.popleft()
             self.at(self.now + self._env_seconds(seconds), self._env_done, (worker, done, sample))
@@ -637,19 +647,21 @@ class Simulation:
         if any(s.state == DECODING for s in self.samplers):
             seconds *= costs.train_slowdown
         self.train_busy += seconds
-        self._set_training(True)
+        self.training = True
+        self._pace_changed()
         self.at(self.now + seconds, self._trained, len(groups))
 
-    def _set_training(self, training: bool) -> None:
-        """With a shared machine the decoding samplers change pace at their next step."""
-        self.training = training
-        if self.cfg.costs.decode_slowdown != 1.0:
+    def _pace_changed(self) -> None:
+        """The trainer or an environment worker started or stopped: with a shared machine the
+        decoding samplers change pace at their next step."""
+        if self.cfg.costs.decode_train_s or self.cfg.costs.decode_env_s:
             for sampler in self.samplers:
                 if sampler.state == DECODING:
                     sampler.poke()
 
     def _trained(self, count: int) -> None:
-        self._set_training(False)
+        self.training = False
+        self._pace_changed()
         self.step_ends.append(self.now)
         self.trained_samples += count * self.rl.rollout.group_size
         self.groups_trained(count, self.trainer_version + 1)

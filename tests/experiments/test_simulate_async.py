@@ -268,13 +268,13 @@ def test_a_shared_machine_slows_each_role_only_while_the_other_runs():
     """Synchronous: trainer and sampler never overlap, so the slowdowns change nothing;
     asynchronous: each one costs time."""
     costs = dataclasses.replace(FREE, train_s_per_token=1e-3)
-    shared = dataclasses.replace(costs, decode_slowdown=2.0, train_slowdown=3.0)
+    shared = dataclasses.replace(costs, decode_train_s=0.03, train_slowdown=3.0)
     sync = {"max_staleness": 0}
     assert simulate(_config(shared, rl=sync)).step_ends == pytest.approx(
         simulate(_config(costs, rl=sync)).step_ends
     )
     fast = simulate(_config(costs, LONG_TAIL, steps=100))
-    for slowdown in ({"decode_slowdown": 2.0}, {"train_slowdown": 3.0}):
+    for slowdown in ({"decode_train_s": 0.03}, {"train_slowdown": 3.0}):
         slow = simulate(_config(dataclasses.replace(costs, **slowdown), LONG_TAIL, steps=100))
         assert slow.seconds > 1.1 * fast.seconds
 
@@ -303,18 +303,18 @@ def _span(tid, category, start_ms, dur_ms, name="", **args):
 
 
 def test_costs_read_off_a_trace_of_the_loop(tmp_path):
-    """A synthetic trace. Sampler: three decode calls alone (10 ms, then 2 ms of emit), one that
-    compiles (left out), two during a train step (1.5 s). Trainer: steps of pack + reference +
-    train_step: the first compiles, the second runs alone (1 s), the third beside decoding
-    (3 s). Environment: a start (5 ms), a grading alone (100 ms), one beside training (150 ms),
-    a close (3 ms)."""
+    """A synthetic trace. Sampler: two decode calls alone (10 ms), one beside an environment
+    call (14 ms), each followed by 2 ms of emit, one that compiles (left out), two during a
+    train step (1 s). Trainer: steps of pack + reference + train_step: the first compiles, the
+    second runs alone (1 s), the third beside decoding (3 s). Environment: a start (5 ms), a
+    grading alone (100 ms), one beside training (150 ms), a close (14 ms)."""
     names = {1: "sampler", 2: "trainer", 3: "weight publish", 4: "env worker 0"}
     events = [
         {"ph": "M", "pid": 1, "tid": t, "name": "thread_name", "args": {"name": n}}
         for t, n in names.items()
     ]
-    events += [_span(1, "decode", t, 10, running=4) for t in (0, 20, 40)]
-    events += [_span(1, "emit", t, 2) for t in (10, 30, 50)]
+    events += [_span(1, "decode", t, d, running=4) for t, d in ((0, 10), (20, 10), (40, 14))]
+    events += [_span(1, "emit", t, 2) for t in (10, 30, 54)]
     events += [_span(1, "compile", 5000, 2000), _span(1, "decode", 5000, 2500)]
     events += [_span(2, "compile", 100, 5000)]
     steps = ((100, (100, 100, 9800)), (20000, (100, 200, 700)), (30000, (300, 300, 2400)))
@@ -322,24 +322,25 @@ def test_costs_read_off_a_trace_of_the_loop(tmp_path):
         for category, dur in zip(("pack", "reference", "train_step"), parts):
             events.append(_span(2, category, start, dur, rows=32))
             start += dur
-    events += [_span(1, "decode", 30000 + i * 1500, 1500) for i in range(2)]
+    events += [_span(1, "decode", 30000 + i * 1000, 1000) for i in range(2)]
     events += [_span(1, "prefill", 50000, 50, rows=2), _span(3, "publish", 60000, 200)]
     events += [_span(1, "weight_reload", 61000, 20), _span(4, "env", 62000, 5, "start")]
-    events += [_span(4, "env", 62100, 100, "step"), _span(4, "env", 30100, 150, "step")]
-    events += [_span(4, "env", 62200, 3, "close")]
+    events += [_span(4, "env", 62100, 100, "step"), _span(4, "env", 32500, 150, "step")]
+    events += [_span(4, "env", 40, 14, "close")]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     cfg = presets.rl_tiny()
     costs = simulate_async.costs_from_traces([str(path)], cfg, prompt_tokens=100, samples=2)
     rollout = cfg.rl.rollout
-    assert costs.decode_rows == (rollout.num_slots,) and costs.decode_s == pytest.approx((0.012,))
-    assert costs.decode_slowdown == pytest.approx(1.5 / 0.012)
+    assert costs.decode_rows == (rollout.num_slots,)
+    assert costs.decode_s == pytest.approx((0.010 + 0.006 / 5,))  # the emits spread over calls
+    assert (costs.decode_train_s, costs.decode_env_s) == pytest.approx((0.99, 0.004))
     tokens = rollout.groups_per_step * rollout.group_size * rollout.context_len
     assert costs.train_s_per_token == pytest.approx(1.0 / tokens)
     assert costs.train_slowdown == pytest.approx(3.0)
     assert costs.prefill_s_per_token == pytest.approx(0.05 / 200)
     assert (costs.publish_s, costs.rebuild_s) == pytest.approx((0.2, 0.02))
     assert costs.grading_s == pytest.approx(2 * 0.1 / 2)
-    assert (costs.env_start_s, costs.env_close_s) == pytest.approx((0.005, 0.003))
+    assert (costs.env_start_s, costs.env_close_s) == pytest.approx((0.005, 0.014))
     assert costs.env_slowdown == pytest.approx(1.5)
     assert (costs.train_first_s, costs.sampler_first_s) == pytest.approx((5.0, 2.0))
