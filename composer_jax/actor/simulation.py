@@ -201,14 +201,22 @@ class SimResult:
     uninformative_groups: int  # dropped by dynamic sampling
     generated_samples: int  # scheduled, trained or not
     step_ends: list[float]  # simulated time at which each trainer step ended
+    step_train_s: list[float]  # seconds each step trained
 
     def samples_per_s_after(self, step: int) -> float:
         """Trained samples per second over the steps after `step` (as the real loop's
         throughput is read after step 1, whose compilation it leaves out)."""
+        per_step = self.trained_samples / self.steps
+        return per_step * (self.steps - step) / self._seconds_after(step)
+
+    def trainer_busy_after(self, step: int) -> float:
+        """The trainer's busy share over the steps after `step` (past the pipeline's fill)."""
+        return sum(self.step_train_s[step:]) / self._seconds_after(step)
+
+    def _seconds_after(self, step: int) -> float:
         if not 0 < step < self.steps:
             raise ValueError(f"step {step} must be in 1..{self.steps - 1}")
-        per_step = self.trained_samples / self.steps
-        return per_step * (self.steps - step) / (self.step_ends[-1] - self.step_ends[step - 1])
+        return self.step_ends[-1] - self.step_ends[step - 1]
 
 
 class _Sample:
@@ -489,6 +497,7 @@ class Simulation:
         self.train_busy = 0.0
         self.trained_samples = self.generated = self.dropped = self.reweighted = 0
         self.step_ends: list[float] = []
+        self.step_train_s: list[float] = []
         self.env_workers = [_EnvWorker() for _ in range(cfg.env_workers)]
         self.env_working = 0  # of them
         self.staleness: collections.Counter[int] = collections.Counter()
@@ -647,6 +656,7 @@ class Simulation:
         if any(s.state == DECODING for s in self.samplers):
             seconds *= costs.train_slowdown
         self.train_busy += seconds
+        self.step_train_s.append(seconds)
         self.training = True
         self._pace_changed()
         self.at(self.now + seconds, self._trained, len(groups))
@@ -690,6 +700,7 @@ class Simulation:
             uninformative_groups=self.ledger.dropped_uninformative,
             generated_samples=self.generated,
             step_ends=self.step_ends,
+            step_train_s=self.step_train_s,
         )
 
 

@@ -344,3 +344,12 @@ def test_costs_read_off_a_trace_of_the_loop(tmp_path):
     assert (costs.env_start_s, costs.env_close_s) == pytest.approx((0.005, 0.014))
     assert costs.env_slowdown == pytest.approx(1.5)
     assert (costs.train_first_s, costs.sampler_first_s) == pytest.approx((5.0, 2.0))
+
+
+def test_a_trainer_bound_loop_keeps_its_trainer_busy_once_the_pipeline_is_full():
+    """A step trains 8 x 150 tokens in 6 s, a batch generates in 50 decode steps (1.5 s): the
+    trainer idles only during the first batch's generation (the fill)."""
+    costs = dataclasses.replace(FREE, train_s_per_token=0.005)
+    result = simulate(_config(costs, steps=20, rl={"max_staleness": 4}))
+    assert result.trainer_busy_after(2) == pytest.approx(1.0)
+    assert result.trainer_busy == pytest.approx(20 * 6.0 / (20 * 6.0 + 1.5))
