@@ -105,7 +105,7 @@ def define_flags() -> None:
     # The validation.
     flags.DEFINE_bool("validate", False, "Run the main job's loop for real and compare.")
     flags.DEFINE_string("validate_dir", "runs/simulate_async", "Real runs, costs and report.")
-    flags.DEFINE_integer("validate_steps", 10, "RL steps of each real run.")
+    flags.DEFINE_integer("validate_steps", 16, "RL steps of each real run.")
     flags.DEFINE_integer("validate_seeds", 16, "Simulated runs averaged per setting.")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -353,3 +354,28 @@ def test_a_trainer_bound_loop_keeps_its_trainer_busy_once_the_pipeline_is_full()
     result = simulate(_config(costs, steps=20, rl={"max_staleness": 4}))
     assert result.trainer_busy_after(2) == pytest.approx(1.0)
     assert result.trainer_busy == pytest.approx(20 * 6.0 / (20 * 6.0 + 1.5))
+
+
+RECORD = pathlib.Path(simulate_async.__file__).parent / "configs" / "async_validation.json"
+
+
+def test_the_simulator_predicts_the_recorded_real_runs_within_their_bounds():
+    """The real runs of `simulate_async --validate` (the main job's loop three ways on 2 cores:
+    costs, workloads and measurements in experiments/configs/async_validation.json) predicted
+    again by the simulator as it is now: samples/s within 15%, staleness within TVD 0.15."""
+    record = simulate_async.read_validation(str(RECORD))
+    assert set(record["settings"]) == set(simulate_async.SETTINGS)
+    for name, row in simulate_async.repredict(record, seeds=16).items():
+        assert row["ok"], (name, row["throughput_error"], row["staleness_tvd"])
+
+
+def test_a_prediction_that_misses_fails_the_validation(capsys):
+    """The same record with one run measured twice as fast: its row misses, the table says so
+    and the validation's verdict is False (--validate then exits 1)."""
+    record = simulate_async.read_validation(str(RECORD))
+    record["settings"]["sync"]["measured"]["samples_per_s"] *= 2
+    for name, row in simulate_async.repredict(record, seeds=4).items():
+        record["settings"][name].update(row)
+    assert not record["settings"]["sync"]["ok"]
+    assert simulate_async.print_validation(record) is False
+    assert "| NO" in capsys.readouterr().out
