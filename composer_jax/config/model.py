@@ -105,6 +105,12 @@ class MeshConfig:
 
 def validate_model(m: ModelConfig, where: str = "model") -> None:
     """Rejects shapes the model cannot build, naming the field at fault."""
+    _check_shapes(m, where)
+    _check_routing(m, where)
+    _check_numerics(m, where)
+
+
+def _check_shapes(m: ModelConfig, where: str) -> None:
     for name in (
         "vocab_size",
         "hidden_size",
@@ -136,6 +142,12 @@ def validate_model(m: ModelConfig, where: str = "model") -> None:
         f"{where}.first_k_dense",
         f"must lie in [0, num_layers={m.num_layers}], got {m.first_k_dense}",
     )
+    _check(m.num_shared_experts >= 0, f"{where}.num_shared_experts", "must be >= 0")
+    _check(m.num_mtp_layers >= 0, f"{where}.num_mtp_layers", "must be >= 0")
+
+
+def _check_routing(m: ModelConfig, where: str) -> None:
+    """Expert groups and top-k: every token must be able to reach its k experts."""
     _check(
         m.num_experts % m.n_group == 0,
         f"{where}.n_group",
@@ -158,8 +170,11 @@ def validate_model(m: ModelConfig, where: str = "model") -> None:
         f"top-k={m.num_experts_per_tok} exceeds the {reachable} experts in topk_group="
         f"{m.topk_group} groups",
     )
-    _check(m.num_shared_experts >= 0, f"{where}.num_shared_experts", "must be >= 0")
-    _check(m.num_mtp_layers >= 0, f"{where}.num_mtp_layers", "must be >= 0")
+    _check(0 <= m.replay_min_ratio <= 1, f"{where}.replay_min_ratio", "must lie in [0, 1]")
+
+
+def _check_numerics(m: ModelConfig, where: str) -> None:
+    """Dtypes, the expert GEMM's precision, backend and implementation, RoPE scaling."""
     for name in ("dtype", "param_dtype"):
         _check(
             getattr(m, name) in ("float32", "bfloat16", "float16"),
@@ -187,7 +202,6 @@ def validate_model(m: ModelConfig, where: str = "model") -> None:
         f"{m.expert_gemm_impl!r} applies to expert_precision='bf16' only (the low-precision "
         f"recipes pick their kernels with expert_backend), got {m.expert_precision!r}",
     )
-    _check(0 <= m.replay_min_ratio <= 1, f"{where}.replay_min_ratio", "must lie in [0, 1]")
     if m.rope_scaling is not None:
         _check(m.rope_scaling.factor >= 1.0, f"{where}.rope_scaling.factor", "must be >= 1")
         _check(

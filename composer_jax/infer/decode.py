@@ -125,11 +125,7 @@ def decode_chunk(
         history_BL = jnp.where(live_B[:, None], shifted_BL, history_BL)
         tokens_left_B = tokens_left_B - live_B
         context_left_B = context_left_B - live_B
-        matched_BSL = (inputs.stops == _ANY_TOKEN) | (inputs.stops == history_BL[:, None, :])
-        stopped_B = jnp.all(matched_BSL, axis=-1).any(axis=-1)
-        ended_B = jnp.select(
-            [stopped_B, tokens_left_B <= 0, context_left_B <= 0], [_STOP, _LENGTH, _MAX_LEN], 0
-        )
+        ended_B = _ended(inputs.stops, history_BL, tokens_left_B, context_left_B)
         reason_B = jnp.where(live_B, ended_B, reason_B)
         record = (
             drawn.token_B,
@@ -160,9 +156,26 @@ def decode_chunk(
         inputs.context_left,
         jnp.zeros_like(inputs.tokens),
     )
-    # A while loop rather than a scan: the call ends at the first step in which a row finishes,
-    # so its slot is refilled by the host at once instead of idling to the end of the chunk.
-    # Records of steps not run stay zero with `live` False, which the host skips.
+    records, carry = _until_a_row_ends(step, carry, steps)
+    return DecodeChunk(*records, carry[-1]), carry[0]
+
+
+def _ended(stops, history_BL, tokens_left_B, context_left_B) -> jax.Array:
+    """Why each row ends after this step (0: it goes on): a stop sequence matched at the end of
+    its history, its token budget spent, or the context full."""
+    matched_BSL = (stops == _ANY_TOKEN) | (stops == history_BL[:, None, :])
+    stopped_B = jnp.all(matched_BSL, axis=-1).any(axis=-1)
+    return jnp.select(
+        [stopped_B, tokens_left_B <= 0, context_left_B <= 0], [_STOP, _LENGTH, _MAX_LEN], 0
+    )
+
+
+def _until_a_row_ends(step, carry, steps: int):
+    """(records of each step, the last carry) of `step` run at most `steps` times. A while loop
+    rather than a scan: the call ends at the first step in which a row finishes (carry[-1], its
+    reason, set) or none is live (carry[3]), so its slot is refilled by the host at once instead
+    of idling to the end of the chunk. Records of steps not run stay zero with `live` False,
+    which the host skips."""
     shapes = jax.eval_shape(lambda c: step(c, None)[1], carry)
     buffers = jax.tree.map(lambda x: jnp.zeros((steps, *x.shape), x.dtype), shapes)
 
@@ -178,4 +191,4 @@ def decode_chunk(
         return i + 1, carry, buffers
 
     _, carry, records = jax.lax.while_loop(running, body, (0, carry, buffers))
-    return DecodeChunk(*records, carry[-1]), carry[0]
+    return records, carry

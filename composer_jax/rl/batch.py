@@ -112,6 +112,55 @@ def _row_layout(places, lengths, num_rows, row_len):
     return segment_ids, positions
 
 
+def _pack_router(sequences: list[Sequence], places, B: int, seq_len: int) -> np.ndarray | None:
+    """[L, B, T, k] router indices of the packed rows (padding routes to experts 0..k-1), or
+    None when no sequence has them."""
+    with_router = [s.router_indices is not None for s in sequences]
+    if not any(with_router):
+        return None
+    if not all(with_router):
+        raise ValueError("either every sequence has router indices or none has")
+    L, _, k = sequences[0].router_indices.shape
+    router = np.broadcast_to(np.arange(k, dtype=np.int32), (L, B, seq_len, k)).copy()
+    for s, (row, offset) in zip(sequences, places):
+        router[:, row, offset : offset + len(s)] = s.router_indices
+    return router
+
+
+def _pack_teacher(
+    sequences: list[Sequence],
+    places,
+    B: int,
+    seq_len: int,
+    teacher_seq_len: int | None,
+    num_teacher_rows: int | None,
+) -> dict[str, np.ndarray]:
+    """The teacher contexts of the sequences that have one, packed into rows of their own, and
+    for each policy token the flat index of its target in them (-1: none); {} when none has."""
+    flagged = [i for i, s in enumerate(sequences) if s.teacher_tokens is not None]
+    if not flagged:
+        return {}
+    t_len = teacher_seq_len or max(len(sequences[i].teacher_tokens) for i in flagged)
+    t_lengths = [len(sequences[i].teacher_tokens) for i in flagged]
+    t_places = first_fit(t_lengths, t_len, num_teacher_rows)
+    Bt = num_teacher_rows or max(r for r, _ in t_places) + 1
+    t_segments, t_positions = _row_layout(t_places, t_lengths, Bt, t_len)
+    t_tokens = np.zeros((Bt, t_len), np.int32)
+    teacher_index = np.full((B, seq_len), -1, np.int32)
+    for i, (t_row, t_offset) in zip(flagged, t_places):
+        s, (row, offset) = sequences[i], places[i]
+        t_tokens[t_row, t_offset : t_offset + len(s.teacher_tokens)] = s.teacher_tokens
+        target = np.asarray(s.teacher_target_index)
+        flat = np.where(target >= 0, t_row * t_len + t_offset + target, -1)
+        teacher_index[row, offset : offset + len(s)] = flat
+    return dict(
+        teacher_tokens_BT=t_tokens,
+        teacher_positions_BT=t_positions,
+        teacher_segment_ids_BT=t_segments,
+        teacher_index_BT=teacher_index,
+    )
+
+
 def pack_trajectories(
     sequences: list[Sequence],
     group_id: np.ndarray,
@@ -143,39 +192,8 @@ def pack_trajectories(
             out[row, offset : offset + len(s)] = getattr(s, field)
         return out
 
-    router = None
-    with_router = [s.router_indices is not None for s in sequences]
-    if any(with_router):
-        if not all(with_router):
-            raise ValueError("either every sequence has router indices or none has")
-        L, _, k = sequences[0].router_indices.shape
-        router = np.broadcast_to(np.arange(k, dtype=np.int32), (L, B, seq_len, k)).copy()
-        for s, (row, offset) in zip(sequences, places):
-            router[:, row, offset : offset + len(s)] = s.router_indices
-
-    teacher = {}
-    flagged = [i for i, s in enumerate(sequences) if s.teacher_tokens is not None]
-    if flagged:
-        t_len = teacher_seq_len or max(len(sequences[i].teacher_tokens) for i in flagged)
-        t_lengths = [len(sequences[i].teacher_tokens) for i in flagged]
-        t_places = first_fit(t_lengths, t_len, num_teacher_rows)
-        Bt = num_teacher_rows or max(r for r, _ in t_places) + 1
-        t_segments, t_positions = _row_layout(t_places, t_lengths, Bt, t_len)
-        t_tokens = np.zeros((Bt, t_len), np.int32)
-        teacher_index = np.full((B, seq_len), -1, np.int32)
-        for i, (t_row, t_offset) in zip(flagged, t_places):
-            s, (row, offset) = sequences[i], places[i]
-            t_tokens[t_row, t_offset : t_offset + len(s.teacher_tokens)] = s.teacher_tokens
-            target = np.asarray(s.teacher_target_index)
-            flat = np.where(target >= 0, t_row * t_len + t_offset + target, -1)
-            teacher_index[row, offset : offset + len(s)] = flat
-        teacher = dict(
-            teacher_tokens_BT=t_tokens,
-            teacher_positions_BT=t_positions,
-            teacher_segment_ids_BT=t_segments,
-            teacher_index_BT=teacher_index,
-        )
-
+    router = _pack_router(sequences, places, B, seq_len)
+    teacher = _pack_teacher(sequences, places, B, seq_len, teacher_seq_len, num_teacher_rows)
     zeros_N = np.zeros(N, np.float32)
     return TrajectoryBatch(
         tokens_BT=scatter("tokens", np.int32, 0),
