@@ -91,7 +91,24 @@ def evaluate_tasks(
         sampling=sampling,
         distill=rl.objective.distill_coef > 0,
     )
-    env_seconds = [0.0]  # summed over the episodes' steps, which overlap each other and decoding
+    jobs = agent.group_jobs(tasks, cfg.samples)
+    outcomes, timing = _play_timed(engine, jobs, workflow, environment, cfg, progress)
+    played = [(task, outcome) for (task, _), outcome in zip(jobs, outcomes)]
+    report = evaluate([_record(task, outcome) for task, outcome in played], ks)
+
+    def visible(task: envs.Task, files: dict[str, str]) -> bool | None:
+        return envs.visible_test_passes(task, files, require_isolation=cfg.require_isolation)
+
+    report["stages"] = stages.stage_breakdown(played, visible, environment.open_tab_lines)
+    report["timing"] = timing
+    return report
+
+
+def _play_timed(engine, jobs, workflow, environment, cfg: TaskEvalConfig, progress: bool):
+    """(the episodes' outcomes, their timing: total, in environments summed over the episodes'
+    steps, which overlap each other and decoding, and the rest as generation), with a progress
+    bar of the mean reward."""
+    env_seconds = [0.0]
     lock = threading.Lock()
 
     def timed_step(episode: envs.Episode, text: str):
@@ -102,7 +119,6 @@ def evaluate_tasks(
             with lock:
                 env_seconds[0] += time.perf_counter() - begun
 
-    jobs = agent.group_jobs(tasks, cfg.samples)
     started = time.perf_counter()
     with tqdm(total=len(jobs), desc="evaluate", unit="episode", disable=not progress) as bar:
         rewards = []
@@ -121,17 +137,9 @@ def evaluate_tasks(
             on_finish=finished,
             step=timed_step,
         )
-    played = [(task, outcome) for (task, _), outcome in zip(jobs, outcomes)]
-    report = evaluate([_record(task, outcome) for task, outcome in played], ks)
     total = time.perf_counter() - started
-
-    def visible(task: envs.Task, files: dict[str, str]) -> bool | None:
-        return envs.visible_test_passes(task, files, require_isolation=cfg.require_isolation)
-
-    report["stages"] = stages.stage_breakdown(played, visible, environment.open_tab_lines)
-    report["timing"] = {
+    return outcomes, {
         "total_seconds": total,
         "environment_seconds": env_seconds[0],  # tool commands and grading, summed
         "generation_seconds": total - env_seconds[0],
     }
-    return report
