@@ -2,15 +2,20 @@ r"""This project against Hugging Face transformers on one random DeepSeek-V3 che
 extra: run it in a venv with transformers and torch).
 
 One random model (MLA with q and kv LoRA, 16 routed experts top-4, a shared expert, a dense first
-layer, no MTP) is exported once in float32 and loaded by both sides. First the logits of one batch
-are checked equal (within 1e-4); then, in float32 on this CPU, medians over `--repeats`:
+layer, no MTP) is exported once in float32 and loaded by both sides in `--dtype` (parameters and
+compute; bfloat16: both train bf16 parameters). First the logits of one batch are checked equal
+(within 1e-4 in float32, 0.1 in bfloat16); then, on this CPU, medians over `--repeats`:
   train step   forward + backward + AdamW on the same batch (transformers: model(labels=...)
                .loss.backward(), torch.optim.AdamW; here: the pretraining step, MTP off)
-  decode       greedy, cached, `--prompts` prompts of 16 tokens, `--new_tokens` each
-The peer runs each experts implementation transformers offers with sdpa attention; the fastest is
-kept and named. Ratios are ours / theirs in tokens per second (above 1: faster here).
+  decode       greedy, cached, for each `--decode` shape PROMPTSxNEW: PROMPTS prompts of 16
+               tokens, NEW tokens each
+The peer runs each experts implementation transformers offers with sdpa attention, eager and
+(with --compile) under torch.compile; the fastest is kept and named for each measurement, and a
+configuration that fails is reported and skipped. Ratios are ours / theirs in tokens per second
+(above 1: faster here).
 
   PYTHONPATH=. /tmp/golden/bin/python experiments/bench_vs_torch.py [--repeats=5]
+      [--dtype=bfloat16] [--decode=8x128,32x128,8x1024,32x1024] [--compile]
 """
 
 import dataclasses
@@ -23,10 +28,24 @@ from absl import app, flags
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repeats (after two warm-ups).")
 _BATCH = flags.DEFINE_integer("batch", 4, "Train-step batch (rows).")
 _SEQ = flags.DEFINE_integer("seq_len", 256, "Train-step row length.")
-_PROMPTS = flags.DEFINE_integer("prompts", 8, "Decode prompts.")
-_NEW = flags.DEFINE_integer("new_tokens", 128, "Decode tokens per prompt.")
+_DECODE = flags.DEFINE_list("decode", ["8x128"], "Decode shapes, PROMPTSxNEW_TOKENS each.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameters and compute.")
+_COMPILE = flags.DEFINE_bool("compile", False, "Also time the peer under torch.compile.")
+_BREAKDOWN = flags.DEFINE_bool(
+    "breakdown", False, "Also time the train step's forward and forward + backward alone."
+)
 _THREADS = flags.DEFINE_integer("threads", 2, "torch threads (this machine's cores).")
 EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
+PROMPT_LEN = 16
+TOLERANCE = {"float32": 1e-4, "bfloat16": 0.1}  # max |logits difference|
+
+
+def decode_shapes() -> list[tuple[int, int]]:
+    """(prompts, new tokens) of each --decode entry."""
+    try:
+        return [tuple(int(n) for n in shape.split("x")) for shape in _DECODE.value]
+    except ValueError:
+        raise app.UsageError(f"--decode takes PROMPTSxNEW entries, got {_DECODE.value}") from None
 
 
 def model_config():
@@ -69,18 +88,19 @@ def _median_seconds(fn, repeats: int) -> float:
 
 
 def ours(folder: str, tokens, prompts, repeats: int) -> dict:
-    """Train-step and decode seconds of this project on the checkpoint."""
+    """Train-step and decode seconds (per decode shape) of this project on the checkpoint."""
     import functools
 
     import jax
     import jax.numpy as jnp
+    from flax import nnx
 
     from composer_jax import config as config_lib
     from composer_jax import interop, model, optim
     from composer_jax.infer import InferenceEngine, SamplingParams
     from composer_jax.train import step as step_lib
 
-    m = interop.load_hf_checkpoint(folder)
+    m = interop.load_hf_checkpoint(folder, dtype=_DTYPE.value, param_dtype=_DTYPE.value)
     opt_cfg = config_lib.OptimizerConfig(name="adamw", warmup_steps=0)
     schedule = optim.learning_rate_schedule(opt_cfg, 1000)
     optimizer = optim.make_optimizer(opt_cfg, schedule)
@@ -109,34 +129,53 @@ def ours(folder: str, tokens, prompts, repeats: int) -> dict:
         holder["state"], metrics = train(holder["state"], batch)
         jax.block_until_ready(metrics)
 
-    engine = InferenceEngine(m, num_slots=len(prompts), max_len=256, prefill_buckets=(32, 256))
-    params = SamplingParams(temperature=0.0, max_new_tokens=_NEW.value)
+    def loss(params):
+        merged = nnx.merge(graphdef, params, holder["state"].buffers)
+        return step_lib.pretrain_loss(merged, batch, config_lib.TrainConfig())[0]
 
-    def decode_once():
-        return engine.generate([list(map(int, p)) for p in prompts], params)
+    phases = {"forward": jax.jit(loss), "forward + backward": jax.jit(jax.grad(loss))}
+    breakdown = {
+        name: _median_seconds(
+            lambda f=fn: jax.block_until_ready(f(holder["state"].params)), repeats
+        )
+        for name, fn in (phases.items() if _BREAKDOWN.value else ())
+    }
 
+    decode_s = {}
+    for (count, new), batch_prompts in prompts.items():
+        max_len = PROMPT_LEN + new + 8
+        engine = InferenceEngine(m, num_slots=count, max_len=max_len, prefill_buckets=(32, max_len))
+        params = SamplingParams(temperature=0.0, max_new_tokens=new)
+        decode = functools.partial(
+            engine.generate, [list(map(int, p)) for p in batch_prompts], params
+        )
+        decode_s[count, new] = _median_seconds(decode, repeats)
+    logits = model.compute_logits(m, tokens).astype(jnp.float32)
     return {
         "train_s": _median_seconds(train_once, repeats),
-        "decode_s": _median_seconds(decode_once, repeats),
-        "logits": jax.device_get(model.compute_logits(m, tokens)),
+        "decode_s": decode_s,
+        "logits": jax.device_get(logits),
+        "breakdown": breakdown,
     }
 
 
-def theirs(folder: str, tokens, prompts, repeats: int, implementation: str) -> dict:
-    """The same with transformers, one experts implementation."""
+def theirs(folder: str, tokens, prompts, repeats: int, implementation: str, compiled: bool):
+    """The same with transformers, one experts implementation, eager or under torch.compile."""
     import torch
     import transformers
 
     torch.set_num_threads(_THREADS.value)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         folder,
-        dtype=torch.float32,
+        dtype=getattr(torch, _DTYPE.value),
         attn_implementation="sdpa",
         experts_implementation=implementation,
     )
+    if compiled:
+        hf.forward = torch.compile(hf.forward)
     ids = torch.tensor(tokens)
     with torch.no_grad():
-        logits = hf(ids).logits.numpy()
+        logits = hf(ids).logits.float().numpy()
     hf.train()
     optimizer = torch.optim.AdamW(hf.parameters(), lr=1e-4)
 
@@ -145,25 +184,54 @@ def theirs(folder: str, tokens, prompts, repeats: int, implementation: str) -> d
         hf(ids, labels=ids).loss.backward()
         optimizer.step()
 
-    hf.eval()
-    prompt_ids = torch.tensor(prompts)
+    def forward():
+        hf(ids, labels=ids).loss.item()
 
-    def decode_once():
+    def forward_backward():
+        optimizer.zero_grad()
+        hf(ids, labels=ids).loss.backward()
+
+    phases = {"forward": forward, "forward + backward": forward_backward}
+    breakdown = {
+        name: _median_seconds(fn, repeats)
+        for name, fn in (phases.items() if _BREAKDOWN.value else ())
+    }
+
+    def decode(prompt_ids, new: int):
         with torch.no_grad():
             hf.generate(
                 prompt_ids,
                 attention_mask=torch.ones_like(prompt_ids),
-                max_new_tokens=_NEW.value,
-                min_new_tokens=_NEW.value,
+                max_new_tokens=new,
+                min_new_tokens=new,
                 do_sample=False,
                 use_cache=True,
                 pad_token_id=0,
             )
 
-    hf.train()
     train_s = _median_seconds(train_once, repeats)
     hf.eval()
-    return {"train_s": train_s, "decode_s": _median_seconds(decode_once, repeats), "logits": logits}
+    decode_s = {
+        (count, new): _median_seconds(
+            lambda p=torch.tensor(batch_prompts), n=new: decode(p, n), repeats
+        )
+        for (count, new), batch_prompts in prompts.items()
+    }
+    return {"train_s": train_s, "decode_s": decode_s, "logits": logits, "breakdown": breakdown}
+
+
+def peers(folder: str, tokens, prompts, repeats: int) -> dict[str, dict]:
+    """`theirs` for every experts implementation, eager and (with --compile) compiled; a
+    configuration this transformers or torch cannot run is reported and left out."""
+    results = {}
+    for compiled in (False, True) if _COMPILE.value else (False,):
+        for implementation in EXPERTS_IMPLEMENTATIONS:
+            name = implementation + (", torch.compile" if compiled else "")
+            try:
+                results[name] = theirs(folder, tokens, prompts, repeats, implementation, compiled)
+            except Exception as error:  # an implementation this transformers lacks
+                print(f"transformers ({name}): {type(error).__name__}: {error}"[:300])
+    return results
 
 
 def main(argv):
@@ -176,40 +244,47 @@ def main(argv):
     rng = np.random.default_rng(0)
     cfg = model_config()
     tokens = rng.integers(0, cfg.vocab_size, (_BATCH.value, _SEQ.value))
-    prompts = rng.integers(0, cfg.vocab_size, (_PROMPTS.value, 16))
+    prompts = {
+        shape: rng.integers(0, cfg.vocab_size, (shape[0], PROMPT_LEN)) for shape in decode_shapes()
+    }
     with tempfile.TemporaryDirectory(prefix="bench_vs_torch_") as folder:
         interop.export_hf_checkpoint(init_model(cfg, seed=0), folder)
         here = ours(folder, tokens, prompts, _REPEATS.value)
-        peers = {}
-        for implementation in EXPERTS_IMPLEMENTATIONS:
-            try:
-                peers[implementation] = theirs(
-                    folder, tokens, prompts, _REPEATS.value, implementation
-                )
-            except Exception as error:  # an implementation this transformers lacks
-                print(f"transformers experts_implementation={implementation}: {error}"[:200])
-    for implementation, peer in peers.items():
+        others = peers(folder, tokens, prompts, _REPEATS.value)
+    for name, peer in others.items():
         gap = float(np.abs(peer["logits"] - here["logits"]).max())
-        if gap > 1e-4:
-            raise SystemExit(f"logits differ from transformers ({implementation}) by {gap:.2e}")
-    train_tokens = _BATCH.value * _SEQ.value
-    decode_tokens = _PROMPTS.value * _NEW.value
-    print(f"logits equal within 1e-4 for {', '.join(peers)}; float32, {_THREADS.value} threads")
-    print("| side | train step (s) | train tokens/s | decode (s) | decode tokens/s |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    rows = {"composer-jax": here} | {f"transformers ({k})": v for k, v in peers.items()}
-    for name, r in rows.items():
-        print(
-            f"| {name} | {r['train_s']:.3f} | {train_tokens / r['train_s']:.0f} | "
-            f"{r['decode_s']:.2f} | {decode_tokens / r['decode_s']:.0f} |"
-        )
-    best_train = min(peers, key=lambda k: peers[k]["train_s"])
-    best_decode = min(peers, key=lambda k: peers[k]["decode_s"])
+        if gap > TOLERANCE[_DTYPE.value]:
+            raise SystemExit(f"logits differ from transformers ({name}) by {gap:.2e}")
     print(
-        f"ours / theirs: train step {peers[best_train]['train_s'] / here['train_s']:.2f}x "
-        f"(best peer: {best_train}), decode {peers[best_decode]['decode_s'] / here['decode_s']:.2f}x "
-        f"(best peer: {best_decode})"
+        f"logits equal within {TOLERANCE[_DTYPE.value]:g} for {', '.join(others)}; "
+        f"{_DTYPE.value}, {_THREADS.value} torch threads"
     )
+    report(here, others, prompts)
+
+
+def report(here: dict, others: dict[str, dict], prompts: dict) -> None:
+    """Seconds and tokens/s of each side, then ours / the best peer for each measurement."""
+    train_tokens = _BATCH.value * _SEQ.value
+    shapes = list(prompts)
+    header = " | ".join(f"decode {c}x{n} tokens/s" for c, n in shapes)
+    print(f"| side | train step (s) | train tokens/s | {header} |")
+    print("| --- | ---: | ---: |" + " ---: |" * len(shapes))
+    rows = {"composer-jax": here} | {f"transformers ({k})": v for k, v in others.items()}
+    for name, r in rows.items():
+        rates = " | ".join(f"{c * n / r['decode_s'][c, n]:.0f}" for c, n in shapes)
+        print(f"| {name} | {r['train_s']:.3f} | {train_tokens / r['train_s']:.0f} | {rates} |")
+    best = min(others, key=lambda k: others[k]["train_s"])
+    parts = [f"train step {others[best]['train_s'] / here['train_s']:.2f}x (best peer: {best})"]
+    for shape in shapes:
+        peer = min(others, key=lambda k: others[k]["decode_s"][shape])
+        ratio = others[peer]["decode_s"][shape] / here["decode_s"][shape]
+        parts.append(f"decode {shape[0]}x{shape[1]} {ratio:.2f}x (best peer: {peer})")
+    print("ours / theirs: " + ", ".join(parts))
+    if here["breakdown"]:
+        print("train step in parts (s): forward; forward + backward; the whole step")
+        for name, r in rows.items():
+            parts = [r["breakdown"]["forward"], r["breakdown"]["forward + backward"], r["train_s"]]
+            print(f"| {name} | " + " | ".join(f"{p:.3f}" for p in parts) + " |")
 
 
 if __name__ == "__main__":
