@@ -15,7 +15,7 @@ from composer_jax.actor import scheduler
 from composer_jax.actor.simulation import Costs, Lengths, SimConfig, Workload, simulate
 from composer_jax.config import RLConfig, RolloutConfig
 from composer_jax.model import init_model
-from experiments import simulate_async
+from experiments import loop_calibration, simulate_async
 
 FREE = Costs(
     decode_rows=(1, 8),
@@ -196,9 +196,9 @@ def test_lengths_from_a_file_and_lognormal_are_clipped_to_the_budget(tmp_path):
 
 
 def test_the_trainer_line_gives_seconds_per_token_and_per_step():
-    assert simulate_async.fit_line({100: 1.5, 300: 2.5}) == pytest.approx((0.005, 1.0))
-    assert simulate_async.fit_line({100: 1.0}) == pytest.approx((0.01, 0.0))
-    assert simulate_async.fit_line({100: 2.0, 300: 1.0}) == pytest.approx((0.0, 1.0))
+    assert loop_calibration.fit_line({100: 1.5, 300: 2.5}) == pytest.approx((0.005, 1.0))
+    assert loop_calibration.fit_line({100: 1.0}) == pytest.approx((0.01, 0.0))
+    assert loop_calibration.fit_line({100: 2.0, 300: 1.0}) == pytest.approx((0.0, 1.0))
 
 
 def test_calibration_pieces_measure_positive_costs():
@@ -208,8 +208,8 @@ def test_calibration_pieces_measure_positive_costs():
         cfg.rl, rollout=dataclasses.replace(cfg.rl.rollout, context_len=128, prefill_buckets=(64,))
     )
     model = init_model(cfg.model, 0)
-    assert simulate_async.decode_step_seconds(model, rl, rows=1, prompt_len=40, steps=1) > 0
-    assert simulate_async.grading_seconds(1) > 0
+    assert loop_calibration.decode_step_seconds(model, rl, rows=1, prompt_len=40, steps=1) > 0
+    assert loop_calibration.grading_seconds(1) > 0
 
 
 def test_one_off_start_up_costs_shift_every_synchronous_step():
@@ -331,7 +331,7 @@ def test_costs_read_off_a_trace_of_the_loop(tmp_path):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     cfg = presets.rl_tiny()
-    costs = simulate_async.costs_from_traces([str(path)], cfg, prompt_tokens=100, samples=2)
+    costs = loop_calibration.costs_from_traces([str(path)], cfg, prompt_tokens=100, samples=2)
     rollout = cfg.rl.rollout
     assert costs.decode_rows == (rollout.num_slots,)
     assert costs.decode_s == pytest.approx((0.010 + 0.006 / 5,))  # the emits spread over calls
