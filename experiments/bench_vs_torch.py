@@ -35,6 +35,17 @@ _COMPILE = flags.DEFINE_bool("compile", False, "Also time the peer under torch.c
 _BREAKDOWN = flags.DEFINE_bool(
     "breakdown", False, "Also time the train step's forward and forward + backward alone."
 )
+_VARIANTS = flags.DEFINE_bool(
+    "variants", False, "Also time our forward and forward + backward on variants of the model."
+)
+# Variants of the benchmarked model that locate our backward's cost (`--variants`).
+VARIANTS = {
+    "as benchmarked": {},
+    "every layer dense (no MoE)": {"first_k_dense": 4},  # all of model_config()'s 4 layers
+    "layers unrolled instead of scanned": {"scan_layers": False},
+    "2 layers instead of 4": {"num_layers": 2},
+    "every layer dense, MLP 16 wide": {"first_k_dense": 4, "intermediate_size": 16},
+}
 _THREADS = flags.DEFINE_integer("threads", 2, "torch threads (this machine's cores).")
 EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
 PROMPT_LEN = 16
@@ -242,6 +253,41 @@ def peers(folder: str, tokens, prompts, repeats: int) -> dict[str, dict]:
     return results
 
 
+def variant_seconds(tokens, repeats: int) -> dict[str, tuple[float, float]]:
+    """(forward, forward + backward) seconds of our loss on each VARIANTS model (random weights,
+    --dtype), on the train step's batch: where the backward's time goes."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from composer_jax import config as config_lib
+    from composer_jax.model import init_model
+    from composer_jax.train import step as step_lib
+
+    rows, length = tokens.shape
+    batch = {
+        "tokens": jnp.asarray(tokens, jnp.int32),
+        "segment_ids": jnp.ones((rows, length), jnp.int32),
+        "positions": jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (rows, length)),
+    }
+    out = {}
+    for name, fields in VARIANTS.items():
+        cfg = dataclasses.replace(
+            model_config(), dtype=_DTYPE.value, param_dtype=_DTYPE.value, **fields
+        )
+        graphdef, params, buffers = step_lib.split_model(init_model(cfg, 0))
+
+        def loss(p, graphdef=graphdef, buffers=buffers):
+            merged = nnx.merge(graphdef, p, buffers)
+            return step_lib.pretrain_loss(merged, batch, config_lib.TrainConfig())[0]
+
+        out[name] = tuple(
+            _median_seconds(lambda f=f: jax.block_until_ready(f(params)), repeats)
+            for f in (jax.jit(loss), jax.jit(jax.grad(loss)))
+        )
+    return out
+
+
 def main(argv):
     del argv
     import numpy as np
@@ -262,6 +308,12 @@ def main(argv):
         others = peers(folder, tokens, prompts, _REPEATS.value)
     check_parity(reference, here, others)
     report(here, others, prompts)
+    if _VARIANTS.value:
+        print(
+            "our loss on variants of the model (s): forward; forward + backward; backward / forward"
+        )
+        for name, (forward, both) in variant_seconds(tokens, _REPEATS.value).items():
+            print(f"| {name} | {forward:.3f} | {both:.3f} | {(both - forward) / forward:.1f} |")
 
 
 def check_parity(reference, here: dict, others: dict[str, dict]) -> None:

@@ -16,10 +16,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_bench_vs_torch_prints_both_ratios():
     done = subprocess.run(
         [sys.executable, "experiments/bench_vs_torch.py", "--repeats=1", "--seq_len=32",
-         "--decode=2x4,3x5", "--batch=2"],
+         "--decode=2x4,3x5", "--batch=2", "--variants"],
         cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
         timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "logits equal within 0.0001" in done.stdout
     assert "ours / theirs: train step" in done.stdout and "decode 3x5" in done.stdout
+    assert "| every layer dense, MLP 16 wide |" in done.stdout
