@@ -27,18 +27,24 @@ def pytest_terminal_summary(terminalreporter):
     silently stopped running (the golden tier without transformers, a sandbox backend missing)
     shows in the log."""
     stats = terminalreporter.stats
-    counts = {k: len(stats.get(k, [])) for k in ("passed", "failed", "error", "skipped")}
+    outcomes = ("passed", "failed", "error", "skipped")
+    counts = {tier: dict.fromkeys(outcomes, 0) for tier in ("default", "slow")}
+    for outcome in outcomes:
+        for report in stats.get(outcome, []):
+            if outcome == "passed" and report.when != "call":
+                continue
+            counts["slow" if "slow" in report.keywords else "default"][outcome] += 1
     markers = terminalreporter.config.getoption("markexpr") or ""
-    slow = (
-        "the slow tier is not in this run (python -m pytest -m slow)"
-        if "not slow" in markers
-        else ""
-    )
     write = terminalreporter.write_line
-    write(
-        f"tiers: this run {counts['passed']} passed, {counts['failed']} failed, "
-        f"{counts['error']} errors, {counts['skipped']} skipped" + (f"; {slow}" if slow else "")
-    )
+    for tier, count in counts.items():
+        note = ""
+        if tier == "slow" and "not slow" in markers:
+            note = (
+                " (the slow sample; python -m pytest -m slow runs the whole tier)"
+                if "slow_sample" in markers
+                else " (not in this run: python -m pytest -m slow)"
+            )
+        write(f"tier {tier}: " + ", ".join(f"{n} {k}" for k, n in count.items()) + note)
     for report in stats.get("skipped", []):
         path, line, reason = (
             report.longrepr

@@ -135,6 +135,7 @@ def test_leader_channel_and_host_model_across_two_processes():
 # Slow tier: the RL trainer's step on 8 devices equals one device in the default run
 # (tests/actor/test_trainer.py), as does pretraining on two processes (below).
 @pytest.mark.slow
+@pytest.mark.slow_sample  # CI's multi-process run
 def test_an_rl_step_on_two_processes_equals_one_process(tmp_path):
     """The RL trainer split over 2 processes x 4 devices (process 1 following process 0's
     commands) takes the same step as one process on 8 devices, and each process publishes its

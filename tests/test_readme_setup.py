@@ -20,8 +20,8 @@ def setup_commands() -> list[str]:
 def test_readme_setup_is_two_lines_starting_with_the_virtualenv():
     install, tests = setup_commands()
     assert install.startswith("python3.12 -m venv .venv && source .venv/bin/activate && ")
-    assert 'pip install -e ".[dev]" -c constraints.txt' in install
-    assert tests == "python -m pytest -q"
+    assert 'pip install -e ".[dev,golden]" -c constraints.txt' in install
+    assert tests == 'python -m pytest -q -m "not slow or slow_sample"'
 
 
 def test_ci_installs_as_the_readme_says_and_runs_its_test_command():
@@ -38,7 +38,8 @@ def test_the_constraints_pin_every_requirement():
     """constraints.txt (the versions CI tested) pins every requirement and dev tool."""
     parser = configparser.ConfigParser()
     parser.read(os.path.join(REPO, "setup.cfg"))
-    wanted = parser["options"]["install_requires"] + parser["options.extras_require"]["dev"]
+    extras = parser["options.extras_require"]
+    wanted = parser["options"]["install_requires"] + extras["dev"] + extras["golden"]
     names = {
         re.sub(r"[-_.]+", "-", m).lower()
         for m in re.findall(r"^\s*([A-Za-z0-9_.-]+)", wanted, re.M)

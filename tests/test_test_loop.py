@@ -70,3 +70,47 @@ def test_the_default_limit_fits_the_tier_and_is_set_in_the_ini():
     assert 60 <= float(options["timeout"]) <= 600
     assert options["timeout_method"] == "signal"  # fails the one test; "thread" ends the run
     assert "--durations=" in options["addopts"]
+
+
+TIERED_TESTS = """
+import pytest
+
+
+def test_default():
+    pass
+
+
+@pytest.mark.skip(reason="the golden extra is not installed")
+def test_skipped():
+    pass
+
+
+@pytest.mark.slow
+@pytest.mark.slow_sample
+def test_in_the_slow_sample():
+    pass
+
+
+@pytest.mark.slow
+def test_slow_only():
+    pass
+"""
+
+
+def test_the_run_ends_with_counts_per_tier_and_each_skips_reason(tmp_path):
+    (tmp_path / "test_tiers.py").write_text(TIERED_TESTS)
+    with open(os.path.join(REPO, "tests", "conftest.py")) as f:
+        (tmp_path / "conftest.py").write_text(f.read())
+    command = [sys.executable, "-m", "pytest", "-c", INI, "--rootdir", str(tmp_path), "-n", "0"]
+    result = subprocess.run(
+        [*command, "-m", "not slow or slow_sample", str(tmp_path / "test_tiers.py")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:]
+    assert "tier default: 1 passed, 0 failed, 0 error, 1 skipped\n" in out, out[-3000:]
+    assert "tier slow: 1 passed, 0 failed, 0 error, 0 skipped (the slow sample;" in out, out
+    assert "the golden extra is not installed" in out, out[-3000:]

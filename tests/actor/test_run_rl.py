@@ -91,6 +91,7 @@ def _check_finished_run(workdir, allow_dropped: bool = False):
 # Slow tier (two processes, killed mid-run): crash-resume from in-flight records stays in the
 # default run through tests/actor/test_coordinator.py.
 @pytest.mark.slow
+@pytest.mark.slow_sample  # CI's interrupted RL run
 def test_kill_9_mid_run_resumes_without_losing_or_repeating_groups(tmp_path):
     workdir = str(tmp_path / "run")
     process = subprocess.Popen(

@@ -57,6 +57,7 @@ def test_the_mixture_draws_every_part_by_seed(tmp_path):
 
 
 @pytest.mark.slow  # a full launch.rl run (about 80 s); the twin above checks its epoch
+@pytest.mark.slow_sample  # CI's short RL run
 def test_rl_trains_on_a_mixture_of_jsonl_repositories_and_a_plugin(tmp_path):
     spec = _mixture(tmp_path)
     want = envs.load_task_source(spec).take(STEPS * GROUPS, "train", seed=1)  # cfg.seed + 1

@@ -120,16 +120,23 @@ def test_a_sample_of_shipped_tasks_scores_1_with_the_original_and_0_deleted(task
     assert grade_solution(task, {}, **options).reward == 0.0
 
 
+# CI grades the smallest set whole on each backend (the slow sample); the slow tier grades all.
+SETS = [
+    pytest.param(name, marks=pytest.mark.slow_sample if name == "boltons" else ())
+    for name in shipped_sets()
+]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ISOLATING)
-@pytest.mark.timeout(1500)
-def test_every_shipped_task_scores_1_with_the_original_and_0_deleted(backend):
-    for name in shipped_sets():
-        for task in shipped_tasks(name):
-            options = {"backend": backend}
-            assert "replay" in task.grader, task.task_id
-            assert grade_solution(task, task.oracle_files, **options).reward == 1.0, task.task_id
-            assert grade_solution(task, {}, **options).reward == 0.0, task.task_id
+@pytest.mark.parametrize("set_name", SETS)
+@pytest.mark.timeout(900)
+def test_every_shipped_task_scores_1_with_the_original_and_0_deleted(set_name, backend):
+    for task in shipped_tasks(set_name):
+        options = {"backend": backend}
+        assert "replay" in task.grader, task.task_id
+        assert grade_solution(task, task.oracle_files, **options).reward == 1.0, task.task_id
+        assert grade_solution(task, {}, **options).reward == 0.0, task.task_id
 
 
 # ------------------------------------------------------------------------------ the attacks
