@@ -11,12 +11,16 @@ twice the best peer's); then, on this CPU, medians over `--repeats`:
   decode       greedy, cached, for each `--decode` shape PROMPTSxNEW: PROMPTS prompts of 16
                tokens, NEW tokens each
 The peer runs each experts implementation transformers offers with sdpa attention, eager and
-(with --compile) under torch.compile; the fastest is kept and named for each measurement, and a
+(with --compile) under torch.compile; the fastest is kept and named for each measurement (with
+--screen, the default, each runs once briefly and only the fastest are timed in full), and a
 configuration that fails is reported and skipped. Ratios are ours / theirs in tokens per second
 (above 1: faster here).
 
   PYTHONPATH=. /tmp/golden/bin/python experiments/bench_vs_torch.py [--repeats=5]
-      [--dtype=bfloat16] [--decode=8x128,32x128,8x1024,32x1024] [--compile]
+      [--dtype=bfloat16] [--decode=8x128,32x128,8x1024,32x1024] [--compile] [--profile]
+
+--profile prints the slowest ops of our forward + backward (XLA's own, from a jax.profiler trace)
+and of the best peer's (torch's profiler), the table behind RESULTS' account of the gap.
 """
 
 import dataclasses
@@ -25,6 +29,8 @@ import tempfile
 import time
 
 from absl import app, flags
+
+from experiments import op_profile
 
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repeats (after two warm-ups).")
 _BATCH = flags.DEFINE_integer("batch", 4, "Train-step batch (rows).")
@@ -46,9 +52,18 @@ VARIANTS = {
     "2 layers instead of 4": {"num_layers": 2},
     "every layer dense, MLP 16 wide": {"first_k_dense": 4, "intermediate_size": 16},
 }
+_PROFILE = flags.DEFINE_bool(
+    "profile", False, "Also print each side's slowest ops in forward + backward (op_profile)."
+)
+_SCREEN = flags.DEFINE_bool(
+    "screen",
+    True,
+    "Run every peer configuration once on a short decode first and time only the fastest.",
+)
 _THREADS = flags.DEFINE_integer("threads", 2, "torch threads (this machine's cores).")
 EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
 PROMPT_LEN = 16
+SCREEN_NEW_TOKENS = 32  # new tokens per decode shape in --screen's one run of each peer
 TOLERANCE = 1e-4  # max |logits difference| in float32
 # In bfloat16 the two sides round differently, so each is compared with the float32 logits of
 # the same checkpoint instead: ours may err at most this many times the best peer's error.
@@ -155,6 +170,11 @@ def ours(folder: str, tokens, prompts, repeats: int) -> dict:
         )
         for name, fn in (phases.items() if _BREAKDOWN.value else ())
     }
+    ops = (
+        op_profile.xla_op_times(jax.grad(loss), holder["state"].params, repeats=repeats)
+        if _PROFILE.value
+        else []
+    )
 
     decode_s = {}
     for (count, new), batch_prompts in prompts.items():
@@ -171,11 +191,15 @@ def ours(folder: str, tokens, prompts, repeats: int) -> dict:
         "decode_s": decode_s,
         "logits": jax.device_get(logits),
         "breakdown": breakdown,
+        "ops": ops,
     }
 
 
-def theirs(folder: str, tokens, prompts, repeats: int, implementation: str, compiled: bool):
-    """The same with transformers, one experts implementation, eager or under torch.compile."""
+def theirs(
+    folder: str, tokens, prompts, repeats: int, implementation: str, compiled: bool, quick=False
+):
+    """The same with transformers, one experts implementation, eager or under torch.compile;
+    `quick`: once, decoding at most SCREEN_NEW_TOKENS a shape, no breakdown or profile."""
     import torch
     import transformers
 
@@ -209,8 +233,10 @@ def theirs(folder: str, tokens, prompts, repeats: int, implementation: str, comp
     phases = {"forward": forward, "forward + backward": forward_backward}
     breakdown = {
         name: _median_seconds(fn, repeats)
-        for name, fn in (phases.items() if _BREAKDOWN.value else ())
+        for name, fn in (phases.items() if _BREAKDOWN.value and not quick else ())
     }
+    profiled = _PROFILE.value and not quick
+    ops = op_profile.torch_op_times(forward_backward, repeats) if profiled else []
 
     def decode(prompt_ids, new: int):
         with torch.no_grad():
@@ -228,29 +254,59 @@ def theirs(folder: str, tokens, prompts, repeats: int, implementation: str, comp
     hf.eval()
     decode_s = {
         (count, new): _median_seconds(
-            lambda p=torch.tensor(batch_prompts), n=new: decode(p, n), repeats
+            lambda p=torch.tensor(batch_prompts), n=new: decode(
+                p, min(n, SCREEN_NEW_TOKENS) if quick else n
+            ),
+            repeats,
         )
         for (count, new), batch_prompts in prompts.items()
     }
-    return {"train_s": train_s, "decode_s": decode_s, "logits": logits, "breakdown": breakdown}
+    return {
+        "train_s": train_s,
+        "decode_s": decode_s,
+        "logits": logits,
+        "breakdown": breakdown,
+        "ops": ops,
+    }
 
 
-def peers(folder: str, tokens, prompts, repeats: int) -> dict[str, dict]:
-    """`theirs` for every experts implementation, eager and (with --compile) compiled; a
-    configuration this transformers or torch cannot run is reported and left out."""
+def _time_peers(configs: dict, folder: str, tokens, prompts, repeats: int, quick: bool):
+    """`theirs` for each named (implementation, compiled); one this transformers or torch cannot
+    run is reported and left out."""
     results = {}
-    for compiled in (False, True) if _COMPILE.value else (False,):
-        for implementation in EXPERTS_IMPLEMENTATIONS:
-            name = implementation + (", torch.compile" if compiled else "")
-            try:
-                results[name] = theirs(folder, tokens, prompts, repeats, implementation, compiled)
-            except Exception as error:  # an implementation this transformers lacks
-                print(f"transformers ({name}): {type(error).__name__}: {error}"[:300])
-                continue
-            decode = {f"{c}x{n}": round(t, 3) for (c, n), t in results[name]["decode_s"].items()}
-            print(f"timed transformers ({name}): train {results[name]['train_s']:.3f} s, "
-                  f"decode s {decode}", flush=True)  # fmt: skip
+    for name, (implementation, compiled) in configs.items():
+        try:
+            results[name] = theirs(
+                folder, tokens, prompts, repeats, implementation, compiled, quick
+            )
+        except Exception as error:  # an implementation this transformers lacks
+            print(f"transformers ({name}): {type(error).__name__}: {error}"[:300])
+            continue
+        decode = {f"{c}x{n}": round(t, 3) for (c, n), t in results[name]["decode_s"].items()}
+        print(f"{'screened' if quick else 'timed'} transformers ({name}): train "
+              f"{results[name]['train_s']:.3f} s, decode s {decode}", flush=True)  # fmt: skip
     return results
+
+
+def peers(folder: str, tokens, prompts, repeats: int) -> tuple[dict, dict]:
+    """(timed, screened): every experts implementation, eager and (with --compile) compiled.
+    With --screen every configuration first runs once, decoding SCREEN_NEW_TOKENS a shape, and
+    only the fastest for each measurement is timed in full (the slowest would take most of a
+    full run's time: batched_mm trains 40x slower); without it every one is timed."""
+    configs = {
+        implementation + (", torch.compile" if compiled else ""): (implementation, compiled)
+        for compiled in ((False, True) if _COMPILE.value else (False,))
+        for implementation in EXPERTS_IMPLEMENTATIONS
+    }
+    if not _SCREEN.value:
+        return _time_peers(configs, folder, tokens, prompts, repeats, quick=False), {}
+    screened = _time_peers(configs, folder, tokens, prompts, 1, quick=True)
+    fastest = {min(screened, key=lambda k: screened[k]["train_s"])} | {
+        min(screened, key=lambda k, shape=shape: screened[k]["decode_s"][shape])
+        for shape in prompts
+    }
+    chosen = {name: configs[name] for name in configs if name in fastest}
+    return _time_peers(chosen, folder, tokens, prompts, repeats, quick=False), screened
 
 
 def variant_seconds(tokens, repeats: int) -> dict[str, tuple[float, float]]:
@@ -305,8 +361,8 @@ def main(argv):
         interop.export_hf_checkpoint(init_model(cfg, seed=0), folder)
         reference = np.asarray(model.compute_logits(interop.load_hf_checkpoint(folder), tokens))
         here = ours(folder, tokens, prompts, _REPEATS.value)
-        others = peers(folder, tokens, prompts, _REPEATS.value)
-    check_parity(reference, here, others)
+        others, screened = peers(folder, tokens, prompts, _REPEATS.value)
+    check_parity(reference, here, screened | others)
     report(here, others, prompts)
     if _VARIANTS.value:
         print(
@@ -368,6 +424,12 @@ def report(here: dict, others: dict[str, dict], prompts: dict) -> None:
         for name, r in rows.items():
             parts = [r["breakdown"]["forward"], r["breakdown"]["forward + backward"], r["train_s"]]
             print(f"| {name} | " + " | ".join(f"{p:.3f}" for p in parts) + " |")
+    if here["ops"]:
+        for name, ops in (("ours", here["ops"]), (f"transformers ({best})", others[best]["ops"])):
+            kinds = list(op_profile.by_opcode(ops).items())[:6]
+            kinds = ", ".join(f"{k} {ms:.1f}" for k, ms in kinds)
+            print(f"slowest ops of forward + backward, {name} (ms by kind: {kinds}):")
+            print(op_profile.format_ops(ops))
 
 
 if __name__ == "__main__":

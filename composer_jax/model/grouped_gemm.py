@@ -111,10 +111,15 @@ def _grouped_matmul_bwd(tile_rows, residuals, grad_MN):
     plan = plan_tiles(group_sizes_G, lhs_MK.shape[0], tile_rows)
     grad_lhs = _tiled_product(grad_MN, rhs_GKN, plan, tile_rows, "tmn,tkn->tmk", lhs_MK.dtype)
     # Weight gradient: per-tile lhs^T @ grad, then each group's tiles summed (tiles are sorted by
-    # group, and unused tiles hold zero rows, so their products are zero).
+    # group, and unused tiles hold zero rows, so their products are zero). lhs^T is materialised
+    # so each tile's product contracts its lhs's last axis, the form XLA:CPU's GEMM library takes
+    # (model/projection.py says why); the barrier keeps XLA from folding the transpose back.
+    lhs_tiles_TKM = jax.lax.optimization_barrier(
+        jnp.swapaxes(_to_tiles(lhs_MK, plan, tile_rows), 1, 2)
+    )
     per_tile = jnp.einsum(
-        "tmk,tmn->tkn",
-        _to_tiles(lhs_MK, plan, tile_rows),
+        "tkm,tmn->tkn",
+        lhs_tiles_TKM,
         _to_tiles(grad_MN, plan, tile_rows),
         preferred_element_type=jnp.float32,
     )

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from composer_jax.model.projection import project
+
 
 def dtype_of(name: str) -> jnp.dtype:
     return jnp.dtype(name)
@@ -55,8 +57,8 @@ class DenseMLP(nnx.Module):
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         dt = x_BTD.dtype
-        h = jax.nn.silu(x_BTD @ self.gate[...].astype(dt)) * (x_BTD @ self.up[...].astype(dt))
-        return h @ self.down[...].astype(dt)
+        gate, up = (project(x_BTD, w[...].astype(dt)) for w in (self.gate, self.up))
+        return project(jax.nn.silu(gate) * up, self.down[...].astype(dt))
 
 
 def logical_axes_of(state: nnx.State) -> nnx.State:

@@ -18,6 +18,7 @@ from flax import nnx
 from composer_jax.config import EXPERT_GEMM_IMPLS, ModelConfig
 from composer_jax.model import grouped_gemm
 from composer_jax.model.layers import DenseMLP, fan_in_param
+from composer_jax.model.projection import project
 from composer_jax.parallel import expert_parallel
 from composer_jax.parallel.mesh import current_layout
 from composer_jax.quant import moe_gemm
@@ -181,7 +182,7 @@ class MoE(nnx.Module):
     ) -> tuple[jax.Array, Routing, RoutingStats]:
         """Returns (output, routing, statistics over valid tokens)."""
         cfg, dt = self.cfg, x_BTD.dtype
-        logits = jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32), self.router[...])
+        logits = project(x_BTD.astype(jnp.float32), self.router[...].astype(jnp.float32))
         routing, replaced = route(
             jax.nn.sigmoid(logits), self.expert_bias[...], cfg, forced_indices_BTK
         )

@@ -17,6 +17,7 @@ from composer_jax.config import ModelConfig
 from composer_jax.model.attention import MLA
 from composer_jax.model.layers import DenseMLP, RMSNorm, dtype_of, param
 from composer_jax.model.moe import MoE, RoutingStats
+from composer_jax.model.projection import project
 from composer_jax.parallel.context_parallel import inverse_order, load_balanced_order
 from composer_jax.parallel.mesh import constrain, current_layout
 
@@ -65,7 +66,7 @@ class MTPLayer(nnx.Module):
     def mix(self, h, next_embed):
         """The depth's input: both normed, concatenated and projected back to the model width."""
         mixed = jnp.concatenate([self.hidden_norm(h), self.embed_norm(next_embed)], axis=-1)
-        return mixed @ self.proj[...].astype(h.dtype)
+        return project(mixed, self.proj[...].astype(h.dtype))
 
     def __call__(self, h, next_embed, positions, segment_ids):
         x, _, _ = self.block(self.mix(h, next_embed), positions, segment_ids)
@@ -181,12 +182,8 @@ class Transformer(nnx.Module):
 
     def head(self, normed_hidden: jax.Array) -> jax.Array:
         """Output projection to float32 logits."""
-        return jnp.einsum(
-            "...d,dv->...v",
-            normed_hidden,
-            self.lm_head[...].astype(normed_hidden.dtype),
-            preferred_element_type=jnp.float32,
-        )
+        weights = self.lm_head[...].astype(normed_hidden.dtype)
+        return project(normed_hidden, weights, preferred=jnp.float32)
 
     def logits(self, hidden_BTD: jax.Array) -> jax.Array:
         return self.head(self.final_norm(hidden_BTD))

@@ -1,5 +1,5 @@
 """The side-by-side benchmark against transformers runs end to end (golden extra; skipped without
-it): logits checked equal, both ratios printed."""
+it): logits checked equal, both ratios printed, both sides' op profiles."""
 
 import os
 import subprocess
@@ -16,7 +16,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_bench_vs_torch_prints_both_ratios():
     done = subprocess.run(
         [sys.executable, "experiments/bench_vs_torch.py", "--repeats=1", "--seq_len=32",
-         "--decode=2x4,3x5", "--batch=2", "--variants"],
+         "--decode=2x4,3x5", "--batch=2", "--variants", "--profile"],
         cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
         timeout=900,
     )  # fmt: skip
@@ -24,3 +24,5 @@ def test_bench_vs_torch_prints_both_ratios():
     assert "logits equal within 0.0001" in done.stdout
     assert "ours / theirs: train step" in done.stdout and "decode 3x5" in done.stdout
     assert "| every layer dense, MLP 16 wide |" in done.stdout
+    assert "slowest ops of forward + backward, ours" in done.stdout
+    assert "aten::" in done.stdout  # the peer's profile
