@@ -110,9 +110,12 @@ def torch_op_times(fn, repeats: int = 5) -> list[OpTime]:
 
 def kind(op: OpTime) -> str:
     """`gemm library` (XLA:CPU's YNNPACK fusions), `dot` (XLA's generic dot), or the opcode
-    (`fusion`: elementwise and reductions; `copy`, `while`, ...); torch ops by name."""
+    (`fusion`: elementwise and reductions; `copy`, `while`, ...); torch ops by name, a
+    torch.compile graph's calls as one kind."""
     if op.name.startswith("ynn_fusion"):
         return "gemm library"
+    if op.name.startswith("## Call CompiledFxGraph"):
+        return "torch.compile graph"
     return (op.opcode or op.name).split(" ")[0]
 
 
