@@ -1,5 +1,5 @@
 r"""This project against Hugging Face transformers on one random DeepSeek-V3 checkpoint (the `golden`
-extra: run it in a venv with transformers and torch).
+extra, which the README's set-up installs: transformers and torch).
 
 One random model (MLA with q and kv LoRA, 16 routed experts top-4, a shared expert, a dense first
 layer, no MTP) is exported once in float32 and loaded by both sides in `--dtype` (parameters and
@@ -16,7 +16,7 @@ The peer runs each experts implementation transformers offers with sdpa attentio
 full), and a configuration that fails is reported and skipped. Ratios are ours / theirs in tokens per second
 (above 1: faster here).
 
-  PYTHONPATH=. /tmp/golden/bin/python experiments/bench_vs_torch.py [--repeats=5]
+  PYTHONPATH=. python experiments/bench_vs_torch.py [--repeats=5]
       [--dtype=bfloat16] [--decode=8x128,32x128,8x1024,32x1024] [--compile] [--profile]
 
 --profile prints the slowest ops of our forward + backward (XLA's own, from a jax.profiler trace)
