@@ -23,6 +23,8 @@ import time
 
 from absl import app, flags
 
+from composer_jax.trace import SAMPLER
+
 FLAGS = flags.FLAGS
 
 
@@ -54,6 +56,26 @@ def standalone_rate(cfg, model, tokenizer, tasks, share: bool) -> dict:
     return dict(tokens=tokens, seconds=seconds, rate=tokens / seconds)
 
 
+def loop_accounting(summary: dict, alone_rate: float) -> list[tuple[str, float]]:
+    """Where the loop's sampler time goes against the engine alone, in seconds of the traced
+    window: the time its decoded tokens would take alone, then what the loop adds on top (the
+    rows sum to the window's wall). A decode call during a train step is charged the difference
+    from the mean call outside one (the machine shared with the trainer); the rest of the busy
+    time over the alone time is charged to decode calls slower than alone outside train steps
+    (fewer rows per call, environment workers on the same cores, host work between calls)."""
+    wall, busy = summary["wall_s"], summary["busy"][SAMPLER]
+    ideal = summary["decoded_tokens"] / alone_rate
+    during_train = summary["decode_steps_during_train"] * max(
+        summary["decode_ms_during_train"] - summary["decode_ms_alone"], 0.0
+    ) / 1e3  # fmt: skip
+    return [
+        ("its tokens at the engine's rate alone", ideal),
+        ("decode calls slowed by a train step beside them", during_train),
+        ("decode calls otherwise slower than alone", busy * wall - ideal - during_train),
+        ("sampler idle (nothing to decode)", (1 - busy) * wall),
+    ]
+
+
 def main(argv):
     del argv
     from absl import logging
@@ -63,7 +85,7 @@ def main(argv):
     from composer_jax import agent, presets
     from composer_jax.actor.run import run_rl
     from composer_jax.actor.setup import rl_task_source, warm_start, warm_start_config
-    from composer_jax.trace import SAMPLER, summarize
+    from composer_jax.trace import summarize
     from composer_jax.train.loop import run_pretraining
     from composer_jax.train.runs import resolve_tokenizer
     from experiments.bench_throughput import steady_summary
@@ -143,9 +165,12 @@ def main(argv):
         f"\nsteps 2+: {steady['decode_rows_mean']:.1f} of {rl.rollout.num_slots} rows per decode call; "
         f"{steady['decode_ms_alone']:.1f} ms per call alone, "
         f"{steady['decode_ms_during_train']:.1f} ms during a train step. Prompt sharing alone: "
-        f"{alone[True]['rate'] / alone[False]['rate']:.2f}x. Target: the loop >= 70% of alone.",
+        f"{alone[True]['rate'] / alone[False]['rate']:.2f}x. Target: the loop >= 85% of alone.",
         flush=True,
     )
+    print("\n| steps 2+: where the sampler's time goes | s | share |\n| --- | ---: | ---: |")
+    for label, seconds in loop_accounting(steady, reference):
+        print(f"| {label} | {seconds:.1f} | {seconds / steady['wall_s']:.0%} |")
 
 
 if __name__ == "__main__":
