@@ -76,21 +76,21 @@ def loop_accounting(summary: dict, alone_rate: float) -> list[tuple[str, float]]
     ]
 
 
-def main(argv):
-    del argv
-    from absl import logging
-
-    logging.set_verbosity(logging.WARNING)
-
-    from composer_jax import agent, presets
-    from composer_jax.actor.run import run_rl
-    from composer_jax.actor.setup import rl_task_source, warm_start, warm_start_config
-    from composer_jax.trace import summarize
-    from composer_jax.train.loop import run_pretraining
-    from composer_jax.train.runs import resolve_tokenizer
-    from experiments.bench_throughput import steady_summary
+def bench_config():
+    """rl_tiny at the flags' rollout settings, traced, its held-out passes cut to one task."""
+    from composer_jax import presets
 
     base = presets.rl_tiny()
+    overrides = (
+        "group_size",
+        "groups_per_step",
+        "num_slots",
+        "max_new_tokens",
+        "max_staleness",
+        "schedule_ahead_groups",
+        "num_env_workers",
+        "skip_uniform_groups",
+    )
     rl = dataclasses.replace(
         base.rl,
         # the loop's own held-out passes are not what is measured
@@ -99,25 +99,59 @@ def main(argv):
         warm_start_steps=FLAGS.warm_start_steps or base.rl.warm_start_steps,
         rollout=dataclasses.replace(
             base.rl.rollout,
-            **{
-                name: FLAGS[name].value
-                for name in (
-                    "group_size",
-                    "groups_per_step",
-                    "num_slots",
-                    "max_new_tokens",
-                    "max_staleness",
-                    "schedule_ahead_groups",
-                    "num_env_workers",
-                    "skip_uniform_groups",
-                )
-                if FLAGS[name].value is not None
-            },
+            **{name: FLAGS[name].value for name in overrides if FLAGS[name].value is not None},
         ),
     )
-    cfg = dataclasses.replace(
+    return dataclasses.replace(
         base, rl=rl, steps=FLAGS.steps or base.steps, workdir=os.path.join(FLAGS.out, "loop")
     )
+
+
+def report(alone: dict, recorded: dict, num_slots: int) -> None:
+    """The rates table (alone, the loop whole and steps 2+), the decode line and where the
+    sampler's time goes in steps 2+."""
+    from composer_jax.trace import summarize
+    from experiments.bench_throughput import steady_summary
+
+    whole = summarize(recorded["traceEvents"], recorded["otherData"]["wall_s"])
+    steady = steady_summary(recorded)
+    reference = alone[True]["rate"]
+    rows = [
+        ("engine alone, prompt sharing off", alone[False]["rate"], "", ""),
+        ("engine alone, prompt sharing on (the loop's engine)", reference, "", ""),
+    ]
+    for label, summary in (("in the loop, whole", whole), ("in the loop, steps 2+", steady)):
+        rate = summary["decoded_tokens"] / summary["wall_s"]
+        rows.append((label, rate, f"{summary['busy'][SAMPLER]:.1%}", f"{summary['wall_s']:.1f}"))
+    print("\n| sampler | tokens/s | vs alone (sharing on) | busy | wall s |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for label, rate, busy, wall in rows:
+        print(f"| {label} | {rate:.0f} | {rate / reference:.0%} | {busy} | {wall} |")
+    print(
+        f"\nsteps 2+: {steady['decode_rows_mean']:.1f} of {num_slots} rows per decode call; "
+        f"{steady['decode_ms_alone']:.1f} ms per call alone, "
+        f"{steady['decode_ms_during_train']:.1f} ms during a train step. Prompt sharing alone: "
+        f"{alone[True]['rate'] / alone[False]['rate']:.2f}x. Target: the loop >= 85% of alone.",
+        flush=True,
+    )
+    print("\n| steps 2+: where the sampler's time goes | s | share |\n| --- | ---: | ---: |")
+    for label, seconds in loop_accounting(steady, reference):
+        print(f"| {label} | {seconds:.1f} | {seconds / steady['wall_s']:.0%} |")
+
+
+def main(argv):
+    del argv
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)
+
+    from composer_jax import agent
+    from composer_jax.actor.run import run_rl
+    from composer_jax.actor.setup import rl_task_source, warm_start, warm_start_config
+    from composer_jax.train.loop import run_pretraining
+    from composer_jax.train.runs import resolve_tokenizer
+
+    cfg = bench_config()
     if os.path.exists(cfg.workdir):
         sys.exit(f"{cfg.workdir} exists: pick another --out")
     warm = FLAGS.warm_start
@@ -125,8 +159,8 @@ def main(argv):
         warm_cfg = warm_start_config(dataclasses.replace(cfg, workdir=FLAGS.out))
         run_pretraining(warm_cfg, sft_examples=agent.sft_examples(warm_cfg))
         warm = warm_cfg.workdir
-    rl = dataclasses.replace(rl, warm_start=warm)
-    cfg = dataclasses.replace(cfg, rl=rl)
+    cfg = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, warm_start=warm))
+    rl = cfg.rl
     model = warm_start(cfg, False)
     tokenizer = resolve_tokenizer(cfg)
     groups = FLAGS.groups or 256 // rl.rollout.group_size
@@ -146,31 +180,7 @@ def main(argv):
     print(f"\n== 2. The main job's actor loop: {cfg.steps} steps, traced ==", flush=True)
     run_rl(cfg, progress=True)
     with open(rl.trace) as f:
-        recorded = json.load(f)
-    whole = summarize(recorded["traceEvents"], recorded["otherData"]["wall_s"])
-    steady = steady_summary(recorded)
-    reference = alone[True]["rate"]
-    rows = [
-        ("engine alone, prompt sharing off", alone[False]["rate"], "", ""),
-        ("engine alone, prompt sharing on (the loop's engine)", reference, "", ""),
-    ]
-    for label, summary in (("in the loop, whole", whole), ("in the loop, steps 2+", steady)):
-        rate = summary["decoded_tokens"] / summary["wall_s"]
-        rows.append((label, rate, f"{summary['busy'][SAMPLER]:.1%}", f"{summary['wall_s']:.1f}"))
-    print("\n| sampler | tokens/s | vs alone (sharing on) | busy | wall s |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for label, rate, busy, wall in rows:
-        print(f"| {label} | {rate:.0f} | {rate / reference:.0%} | {busy} | {wall} |")
-    print(
-        f"\nsteps 2+: {steady['decode_rows_mean']:.1f} of {rl.rollout.num_slots} rows per decode call; "
-        f"{steady['decode_ms_alone']:.1f} ms per call alone, "
-        f"{steady['decode_ms_during_train']:.1f} ms during a train step. Prompt sharing alone: "
-        f"{alone[True]['rate'] / alone[False]['rate']:.2f}x. Target: the loop >= 85% of alone.",
-        flush=True,
-    )
-    print("\n| steps 2+: where the sampler's time goes | s | share |\n| --- | ---: | ---: |")
-    for label, seconds in loop_accounting(steady, reference):
-        print(f"| {label} | {seconds:.1f} | {seconds / steady['wall_s']:.0%} |")
+        report(alone, json.load(f), rl.rollout.num_slots)
 
 
 if __name__ == "__main__":
