@@ -282,31 +282,8 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def main(argv):
-    del argv
-    import shutil
-
-    from absl import logging
-
-    logging.set_verbosity(logging.WARNING)
-
-    from composer_jax import agent
-    from composer_jax.actor.setup import warm_start, warm_start_config
-    from composer_jax.trace import SAMPLER
-    from composer_jax.train.loop import run_pretraining
-
-    base = experiment_config()
-    rl = base.rl
-    warm = FLAGS.warm_start
-    if not warm:
-        warm_cfg = warm_start_config(dataclasses.replace(base, workdir=FLAGS.out))
-        warm = warm_cfg.workdir
-        if not os.path.exists(os.path.join(warm, "checkpoints")):
-            run_pretraining(warm_cfg, sft_examples=agent.sft_examples(warm_cfg))
-    samples = rl.rollout.groups_per_step * rl.rollout.group_size
-
-    print("\n== 1. Train step: RL vs pretraining, same model and batch ==", flush=True)
-    train = train_step_rows(base, FLAGS.train_steps, FLAGS.prompt_len)
+def report_train_steps(train: list, samples: int, rl) -> None:
+    """Table 1: each step kind's compile time and speed against pretraining's."""
     pre_s = train[0][2]
     print(
         f"rl_tiny model, batch {samples} x {rl.rollout.context_len}, {FLAGS.train_steps} timed steps"
@@ -322,16 +299,12 @@ def main(argv):
         flush=True,
     )
 
-    results = {}
-    for name, staleness in (("sync", 0), ("async", FLAGS.max_staleness)):
-        shutil.rmtree(os.path.join(FLAGS.out, name), ignore_errors=True)
-        results[name] = loop_run(base, name, staleness, warm)
 
-    print("\n== 2. Sampler: standalone vs inside the asynchronous actor loop ==", flush=True)
-    model = warm_start(
-        dataclasses.replace(base, rl=dataclasses.replace(rl, warm_start=warm)), False
-    )
-    alone, alone_tokens = sampler_rate(model, rl, FLAGS.prompt_len, 2 * samples)
+def report_sampler(results: dict, alone: float, alone_tokens: int, rl) -> None:
+    """Table 2: the sampler alone against inside the asynchronous loop, and where its steps 2+
+    seconds went."""
+    from composer_jax.trace import SAMPLER
+
     rows = [["standalone engine (every slot busy)", str(alone_tokens), "", f"{alone:.0f}", "", ""]]
     for label, key in (("whole loop", "summary"), ("steps 2+", "steady")):
         summary = results["async"][key]
@@ -354,7 +327,6 @@ def main(argv):
         )
     )
     steady = results["async"]["steady"]
-    loop_rate = steady["decoded_tokens"] / steady["wall_s"]
     categories = steady["categories"]
     print(
         f"steps 2+: {steady['decode_rows_mean']:.1f} of {rl.rollout.num_slots} rows per decode step; "
@@ -368,7 +340,11 @@ def main(argv):
         flush=True,
     )
 
-    print("\n== 3. Async vs sync against the ideal overlap ==")
+
+def report_async(results: dict) -> tuple[float, float]:
+    """Table 3: sync against async per step and whole loops; returns (measured, ideal) speedup."""
+    from composer_jax.trace import SAMPLER
+
     sync, asyn = results["sync"], results["async"]
     g, t = sync["wait_s"], sync["train_s"]
     ideal = ideal_speedup(g, t)
@@ -400,6 +376,53 @@ def main(argv):
         f"sync {walls['sync']:.1f} s, async {walls['async']:.1f} s: {whole:.2f}x = "
         f"{whole / ideal:.0%} of ideal"
     )
+    return speedup, ideal
+
+
+def main(argv):
+    del argv
+    import shutil
+
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)
+
+    from composer_jax import agent
+    from composer_jax.actor.setup import warm_start, warm_start_config
+    from composer_jax.trace import SAMPLER
+    from composer_jax.train.loop import run_pretraining
+
+    base = experiment_config()
+    rl = base.rl
+    warm = FLAGS.warm_start
+    if not warm:
+        warm_cfg = warm_start_config(dataclasses.replace(base, workdir=FLAGS.out))
+        warm = warm_cfg.workdir
+        if not os.path.exists(os.path.join(warm, "checkpoints")):
+            run_pretraining(warm_cfg, sft_examples=agent.sft_examples(warm_cfg))
+    samples = rl.rollout.groups_per_step * rl.rollout.group_size
+
+    print("\n== 1. Train step: RL vs pretraining, same model and batch ==", flush=True)
+    train = train_step_rows(base, FLAGS.train_steps, FLAGS.prompt_len)
+    report_train_steps(train, samples, rl)
+
+    results = {}
+    for name, staleness in (("sync", 0), ("async", FLAGS.max_staleness)):
+        shutil.rmtree(os.path.join(FLAGS.out, name), ignore_errors=True)
+        results[name] = loop_run(base, name, staleness, warm)
+
+    print("\n== 2. Sampler: standalone vs inside the asynchronous actor loop ==", flush=True)
+    model = warm_start(
+        dataclasses.replace(base, rl=dataclasses.replace(rl, warm_start=warm)), False
+    )
+    alone, alone_tokens = sampler_rate(model, rl, FLAGS.prompt_len, 2 * samples)
+    report_sampler(results, alone, alone_tokens, rl)
+
+    print("\n== 3. Async vs sync against the ideal overlap ==")
+    speedup, ideal = report_async(results)
+    steady = results["async"]["steady"]
+    loop_rate = steady["decoded_tokens"] / steady["wall_s"]
+    pre_s = train[0][2]
     print(
         f"\nRatios: RL step {pre_s / train[4][2]:.0%} of pretraining tokens/s (target >= 60%; "
         f"{train[1][2] / train[4][2]:.0%} of CE only); "
