@@ -33,7 +33,9 @@ def pytest_terminal_summary(terminalreporter):
         for report in stats.get(outcome, []):
             if outcome == "passed" and report.when != "call":
                 continue
-            counts["slow" if "slow" in report.keywords else "default"][outcome] += 1
+            # A module skipped at collection (importorskip) reports without keywords.
+            tier = "slow" if "slow" in getattr(report, "keywords", ()) else "default"
+            counts[tier][outcome] += 1
     markers = terminalreporter.config.getoption("markexpr") or ""
     write = terminalreporter.write_line
     for tier, count in counts.items():

@@ -99,11 +99,15 @@ def test_slow_only():
 
 def test_the_run_ends_with_counts_per_tier_and_each_skips_reason(tmp_path):
     (tmp_path / "test_tiers.py").write_text(TIERED_TESTS)
+    # a module skipped whole at collection, as the golden tests are without transformers
+    (tmp_path / "test_golden.py").write_text(
+        'import pytest\n\npytest.importorskip("composer_jax_no_such_package")\n'
+    )
     with open(os.path.join(REPO, "tests", "conftest.py")) as f:
         (tmp_path / "conftest.py").write_text(f.read())
     command = [sys.executable, "-m", "pytest", "-c", INI, "--rootdir", str(tmp_path), "-n", "0"]
     result = subprocess.run(
-        [*command, "-m", "not slow or slow_sample", str(tmp_path / "test_tiers.py")],
+        [*command, "-m", "not slow or slow_sample", str(tmp_path)],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -111,6 +115,7 @@ def test_the_run_ends_with_counts_per_tier_and_each_skips_reason(tmp_path):
     )
     out = result.stdout
     assert result.returncode == 0, out[-3000:]
-    assert "tier default: 1 passed, 0 failed, 0 error, 1 skipped\n" in out, out[-3000:]
+    assert "tier default: 1 passed, 0 failed, 0 error, 2 skipped\n" in out, out[-3000:]
+    assert "could not import 'composer_jax_no_such_package'" in out, out[-3000:]
     assert "tier slow: 1 passed, 0 failed, 0 error, 0 skipped (the slow sample;" in out, out
     assert "the golden extra is not installed" in out, out[-3000:]
