@@ -13,8 +13,8 @@ twice the best peer's); then, on this CPU, medians over `--repeats`:
 The peer runs each experts implementation transformers offers with sdpa attention, eager and
 (with --compile) under torch.compile; the fastest is kept and named for each measurement (with
 --screen, the default, each runs once briefly and only those near the fastest are timed in
-full), and a configuration that fails is reported and skipped. Ratios are ours / theirs in tokens per second
-(above 1: faster here).
+full), and a configuration that fails is reported and skipped. Ratios are ours / theirs in
+tokens per second (above 1: faster here).
 
   PYTHONPATH=. python experiments/bench_vs_torch.py [--repeats=5]
       [--dtype=bfloat16] [--decode=8x128,32x128,8x1024,32x1024] [--compile] [--profile]
@@ -58,7 +58,8 @@ _PROFILE = flags.DEFINE_bool(
 _SCREEN = flags.DEFINE_bool(
     "screen",
     True,
-    "Run every peer configuration once on a short decode first and time only the fastest.",
+    "Run every peer configuration once on a short decode first; time in full only those near "
+    "the fastest.",
 )
 _THREADS = flags.DEFINE_integer("threads", 2, "torch threads (this machine's cores).")
 EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")

@@ -3,8 +3,8 @@ framework's profiler, so a benchmark can say which operations a gap is made of.
 
 XLA side: `jax.profiler` writes a Perfetto trace whose events on the CPU carry the names of the
 compiled module's instructions (`dot.9`, `ynn_fusion.3`, a fusion, a copy); each is joined to its
-line in the optimized HLO for its opcode, shape and the JAX operation and source line it came
-from (`metadata`). xprof is not needed: the trace is gzipped JSON, read here directly.
+line in the optimized HLO for its opcode, shape and the JAX operation it came from (`op_name`
+in its metadata). xprof is not needed: the trace is gzipped JSON, read here directly.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import tempfile
 
 import jax
 
-# `%name = shape opcode(operands), ..., metadata={op_name="..." source_file="..." source_line=N}`
+# `%name = shape opcode(operands), ..., metadata={op_name="..." ...}`
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([a-z\-]+)\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CONTRACTING = re.compile(r"(lhs|rhs)_contracting_dims=\{([\d,]*)\}")

@@ -31,8 +31,6 @@ def pytest_terminal_summary(terminalreporter):
     counts = {tier: dict.fromkeys(outcomes, 0) for tier in ("default", "slow")}
     for outcome in outcomes:
         for report in stats.get(outcome, []):
-            if outcome == "passed" and report.when != "call":
-                continue
             # A module skipped at collection (importorskip) reports without keywords.
             tier = "slow" if "slow" in getattr(report, "keywords", ()) else "default"
             counts[tier][outcome] += 1

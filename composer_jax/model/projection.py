@@ -43,8 +43,8 @@ def _weight_grad_row_major(x, g, lead: int):
     (materialised: the barrier keeps XLA from folding the transpose back into the dot) times g."""
     order = tuple(range(lead, x.ndim)) + tuple(range(lead))
     x_t = lax.optimization_barrier(jnp.transpose(x, order))
-    batch = tuple(range(x.ndim - lead, x.ndim))
-    dims = ((batch, tuple(range(lead))), ((), ()))
+    lead_axes_of_x_t = tuple(range(x.ndim - lead, x.ndim))
+    dims = ((lead_axes_of_x_t, tuple(range(lead))), ((), ()))
     return lax.dot_general(x_t, g, dims, preferred_element_type=jnp.float32)
 
 
