@@ -97,13 +97,19 @@ def stop_tables(
     return stops, history
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5), donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6), donate_argnums=(2,))
 def decode_chunk(
-    graphdef, state, cache: LatentCache, inputs: DecodeInputs, steps: int, absorbed: bool
+    graphdef,
+    state,
+    cache: LatentCache,
+    inputs: DecodeInputs,
+    steps: int,
+    absorbed: bool,
+    span: int,
 ) -> tuple[DecodeChunk, LatentCache]:
-    """`steps` decode steps over all slots (row b is cache slot b); see the module docstring."""
+    """`steps` decode steps over all slots (row b is cache slot b), attending over cache positions
+    [0, span): it must exceed every live row's position + steps - 1. See the module docstring."""
     m = nnx.merge(graphdef, state)
-    slot_ids_B = jnp.arange(inputs.tokens.shape[0], dtype=jnp.int32)
 
     def step(carry, _):
         cache, token_B, position_B, live_B, history_BL, tokens_left_B, context_left_B, reason_B = (
@@ -115,8 +121,9 @@ def decode_chunk(
             jnp.where(live_B, token_B, 0)[:, None],
             jnp.where(live_B, position_B, 0)[:, None],
             live_B[:, None],
-            slot_ids_B,
+            None,
             absorbed,
+            span,
         )
         logits_BV = m.logits(out.hidden_BTD[:, 0])
         keys = sampling.token_keys(inputs.seeds, jnp.where(live_B, position_B, 0) + 1)

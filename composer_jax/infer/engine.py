@@ -8,10 +8,11 @@ with `keep_cache=True` parks its slot when it finishes, so `continue_request` ca
 and generate the next turn without prefilling the prefix again. Weights can be swapped between
 calls (`update_weights`); every token records the policy version that sampled it.
 
-Shapes seen by the compiler: decode is always `decode_chunk` steps of [num_slots, 1] (with a
-stop-sequence table of one size unless a request has many or long stop sequences); prefill chunks
-are
-[batch bucket (power of two <= num_slots), length bucket], so nothing recompiles per request.
+Shapes seen by the compiler: decode is `decode_chunk` steps of [num_slots, 1] attending over one
+of `decode_spans` cache lengths (the shortest covering every running slot: a step's cost grows
+with the length it attends over, not the cache's size), with a stop-sequence table of one size
+unless a request has many or long stop sequences; prefill chunks are [batch bucket (power of two
+<= num_slots), length bucket], so nothing recompiles per request.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ from composer_jax.infer.forward import forward_chunk
 from composer_jax.infer.sampling import Sampled, SamplingParams
 from composer_jax.model.transformer import Transformer
 from composer_jax.trace import NULL_TRACER
+
+# The shortest cache length a decode call attends over by default; shorter spans save little
+# next to the weights every step reads, and each costs a compile.
+MIN_DECODE_SPAN = 128
 
 
 @dataclasses.dataclass
@@ -110,6 +115,8 @@ class InferenceEngine:
     `tokenizer`: decodes turns for `SamplingParams.stop_strings` (else the params name one).
     `tracer`: records prefill chunks, decode calls and the host work after them
     (`composer_jax.trace`); the attribute may be replaced later.
+    `decode_spans`: the cache lengths a decode call may attend over, each compiled once (default:
+    doubling from `MIN_DECODE_SPAN` below max_len, and max_len).
     `decode_chunk`: decode steps per jitted call (one host sync per call). Larger chunks cut the
     per-token dispatch and host work; a slot freed mid-chunk waits for the chunk's end to take
     the next queued request, and a weight update lands only between chunks.
@@ -134,9 +141,13 @@ class InferenceEngine:
         tracer=NULL_TRACER,
         decode_chunk: int = 1,
         share_prefixes: bool = True,
+        decode_spans: tuple[int, ...] | None = None,
     ):
         if decode_chunk < 1:
             raise ValueError(f"decode_chunk={decode_chunk} must be >= 1")
+        if decode_spans is None:
+            decode_spans = tuple(MIN_DECODE_SPAN << i for i in range(max_len.bit_length()))
+        self.decode_spans = tuple(sorted({s for s in decode_spans if 0 < s < max_len} | {max_len}))
         self.cfg = model.cfg
         self.decode_chunk = decode_chunk
         self.share_prefixes = share_prefixes
@@ -266,7 +277,8 @@ class InferenceEngine:
         for bucket in self.buckets:
             for rows in self.batch_sizes:
                 self._run_padding(rows, bucket)
-        self._run_decode([None] * self.num_slots)
+        for span in self.decode_spans:
+            self._run_decode([None] * self.num_slots, span)
         if self.share_prefixes:
             self.cache = _copy_slot(self.cache, 0, 0)
 
@@ -456,7 +468,10 @@ class InferenceEngine:
         if not count:
             return
         start = time.perf_counter()
-        chunk = self._run_decode(running)
+        needed = max(s.length for s in running if s is not None) + self.decode_chunk
+        chunk = self._run_decode(
+            running, next(s for s in self.decode_spans if s >= min(needed, self.max_len))
+        )
         sampled = int(chunk.live_NB.sum())
         self.tracer.complete(
             "decode", None, start, time.perf_counter(), running=count, tokens=sampled
@@ -466,8 +481,9 @@ class InferenceEngine:
                 if slot is not None:
                     self._take_chunk(index, chunk)
 
-    def _run_decode(self, running: list[_Slot | None]) -> DecodeChunk:
-        """One `decode_chunk` call over every slot (None: not generating), synced to the host."""
+    def _run_decode(self, running: list[_Slot | None], span: int) -> DecodeChunk:
+        """One `decode_chunk` call over every slot (None: not generating) attending over cache
+        positions [0, span), synced to the host."""
         B = self.num_slots
         stops, history = stop_tables(
             [
@@ -501,7 +517,13 @@ class InferenceEngine:
             inputs.context_left[index] = self.max_len - len(slot.context)
         with self._trace_context():
             chunk, self.cache = decode_chunk(
-                self.graphdef, self.state, self.cache, inputs, self.decode_chunk, self.absorbed
+                self.graphdef,
+                self.state,
+                self.cache,
+                inputs,
+                self.decode_chunk,
+                self.absorbed,
+                span,
             )
         return jax.device_get(chunk)
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from composer_jax.infer.cache import LatentCache, cached_attention
+from composer_jax.infer.cache import LatentCache, cached_attention, chunk_masks
 from composer_jax.model.transformer import Block, Transformer
 
 
@@ -24,39 +24,71 @@ class ChunkOutput(NamedTuple):
     cache: LatentCache
 
 
-def _block(layer: Block, x_BTD, positions_BT, valid_BT, c_kv_BSR, k_rope_BSK, absorbed: bool):
-    """`Block.__call__` with cached attention; returns (x, expert indices or None, cache rows)."""
-    attn_out, c_kv_BSR, k_rope_BSK = cached_attention(
-        layer.attn, layer.attn_norm(x_BTD), positions_BT, valid_BT, c_kv_BSR, k_rope_BSK, absorbed
+class _Rows(NamedTuple):
+    """Where a chunk reads and writes the cache."""
+
+    slot_ids_B: jax.Array | None  # the slot of each row (>= slots: padding); None: row b is slot b
+    write_BT: jax.Array  # the position each token writes; past the cache for invalid tokens
+    span: int  # cache positions [0, span) are read
+    masks: tuple[jax.Array, jax.Array]  # `chunk_masks`
+
+
+def _rows(cache: LatentCache, positions_BT, valid_BT, slot_ids_B, span: int | None) -> _Rows:
+    max_len = cache.c_kv_LNSR.shape[2]
+    span = max_len if span is None else span
+    write_BT = jnp.where(valid_BT, positions_BT, max_len)
+    return _Rows(slot_ids_B, write_BT, span, chunk_masks(positions_BT, valid_BT, span))
+
+
+def _read(a_LNSF: jax.Array, layer, rows: _Rows) -> jax.Array:
+    """Layer `layer`'s cached rows of the chunk, positions [0, span); padding slots read zeros."""
+    part_NWF = jax.lax.dynamic_index_in_dim(a_LNSF, layer, axis=0, keepdims=False)[:, : rows.span]
+    if rows.slot_ids_B is None:
+        return part_NWF
+    return jnp.take(part_NWF, rows.slot_ids_B, axis=0, mode="fill", fill_value=0)
+
+
+def _write(a_LNSF: jax.Array, layer, rows: _Rows, new_BTF: jax.Array) -> jax.Array:
+    """The chunk's entries written in place (invalid tokens and padding slots write nowhere)."""
+    slots_B = rows.slot_ids_B
+    if slots_B is None:
+        slots_B = jnp.arange(new_BTF.shape[0])
+    return a_LNSF.at[layer, slots_B[:, None], rows.write_BT].set(new_BTF, mode="drop")
+
+
+def _block(layer: Block, x_BTD, positions_BT, valid_BT, cache: LatentCache, index, rows, absorbed):
+    """`Block.__call__` with cached attention over cache layer `index`; returns (x, expert
+    indices or None, cache)."""
+    cached = (_read(cache.c_kv_LNSR, index, rows), _read(cache.k_rope_LNSK, index, rows))
+    attn_out, c_new, k_new = cached_attention(
+        layer.attn, layer.attn_norm(x_BTD), positions_BT, cached, rows.masks, absorbed
+    )
+    # The write waits for the attention (so for the reads): without this order XLA:CPU copies
+    # the whole cache every layer to keep the read apart from the in-place write.
+    attn_out, cache = jax.lax.optimization_barrier((attn_out, cache))
+    cache = LatentCache(
+        _write(cache.c_kv_LNSR, index, rows, c_new), _write(cache.k_rope_LNSK, index, rows, k_new)
     )
     x_BTD, indices, _ = layer.feed_forward(x_BTD + attn_out, valid_BT)
-    return x_BTD, indices, c_kv_BSR, k_rope_BSK
+    return x_BTD, indices, cache
 
 
-def _run_stack(stack: nnx.Module, x_BTD, positions_BT, valid_BT, c_kv_LBSR, k_rope_LBSK, absorbed):
-    """Scans a stacked layer module together with its cache layers (as `_run_layers` does)."""
+def _run_stack(stack: nnx.Module, x_BTD, positions_BT, valid_BT, cache, first: int, rows, absorbed):
+    """Scans a stacked layer module (as `_run_layers` does) over cache layers [first, first +
+    layers), the cache carried and updated in place. Returns (x, expert indices, cache, layers)."""
     graphdef, state = nnx.split(stack)
+    count = jax.tree.leaves(state)[0].shape[0]
 
-    def body(x, xs):
-        layer_state, c_kv, k_rope = xs
+    def body(carry, xs):
+        x, cache = carry
+        layer_state, index = xs
         layer = nnx.merge(graphdef, layer_state)
-        x, indices, c_kv, k_rope = _block(layer, x, positions_BT, valid_BT, c_kv, k_rope, absorbed)
-        return x, (indices, c_kv, k_rope)
+        x, indices, cache = _block(layer, x, positions_BT, valid_BT, cache, index, rows, absorbed)
+        return (x, cache), indices
 
-    return jax.lax.scan(body, x_BTD, (state, c_kv_LBSR, k_rope_LBSK))
-
-
-def _gather_rows(cache: LatentCache, layers: slice, slot_ids_B: jax.Array):
-    """Cache rows of the chunk's slots; padding slots (id >= slots) read zeros."""
-    take = lambda a: jnp.take(a[layers], slot_ids_B, axis=1, mode="fill", fill_value=0)  # noqa: E731
-    return take(cache.c_kv_LNSR), take(cache.k_rope_LNSK)
-
-
-def _scatter_rows(cache: LatentCache, layers: slice, slot_ids_B, c_kv_LBSR, k_rope_LBSK):
-    return LatentCache(
-        cache.c_kv_LNSR.at[layers, slot_ids_B].set(c_kv_LBSR, mode="drop"),
-        cache.k_rope_LNSK.at[layers, slot_ids_B].set(k_rope_LBSK, mode="drop"),
-    )
+    layers = first + jnp.arange(count, dtype=jnp.int32)
+    (x_BTD, cache), indices = jax.lax.scan(body, (x_BTD, cache), (state, layers))
+    return x_BTD, indices, cache, count
 
 
 def forward_chunk(
@@ -65,32 +97,30 @@ def forward_chunk(
     tokens_BT: jax.Array,
     positions_BT: jax.Array,
     valid_BT: jax.Array,
-    slot_ids_B: jax.Array,
+    slot_ids_B: jax.Array | None,
     absorbed: bool,
+    span: int | None = None,
 ) -> ChunkOutput:
-    """Main model over a chunk: reads and extends the cache layers [0, num_layers)."""
+    """Main model over a chunk: reads and extends the cache layers [0, num_layers).
+
+    `slot_ids_B` None: row b is slot b (decode over every slot: no gather). `span`: attend over
+    cache positions [0, span) only (default: all); every cached position a valid query sees must
+    lie below it."""
     cfg = m.cfg
-    main = slice(0, cfg.num_layers)
-    c_kv, k_rope = _gather_rows(cache, main, slot_ids_B)
+    rows = _rows(cache, positions_BT, valid_BT, slot_ids_B, span)
     x = m.embed_tokens(tokens_BT)
-    new_c, new_k = [], []
     B, T = tokens_BT.shape
     experts = jnp.zeros((0, B, T, cfg.num_experts_per_tok), jnp.int32)
-    start = 0
+    first = 0
     for stack in (m.dense_layers, m.moe_layers):
         if stack is None:
             continue
-        count = jax.tree.leaves(nnx.state(stack))[0].shape[0]
-        part = slice(start, start + count)
-        x, (indices, c, k) = _run_stack(
-            stack, x, positions_BT, valid_BT, c_kv[part], k_rope[part], absorbed
+        x, indices, cache, count = _run_stack(
+            stack, x, positions_BT, valid_BT, cache, first, rows, absorbed
         )
-        new_c.append(c)
-        new_k.append(k)
         if indices is not None:
             experts = indices
-        start += count
-    cache = _scatter_rows(cache, main, slot_ids_B, jnp.concatenate(new_c), jnp.concatenate(new_k))
+        first += count
     return ChunkOutput(x, experts, cache)
 
 
@@ -108,9 +138,9 @@ def mtp_chunk(
     embedding of token t+1 (`MTPLayer.__call__`) and predicts token t+2. Its attention uses cache
     layer `num_layers`. Returns (normed MTP hidden [B,T,D], cache)."""
     layer = m.mtp[0]
-    mtp_layer = slice(m.cfg.num_layers, m.cfg.num_layers + 1)
-    c_kv, k_rope = _gather_rows(cache, mtp_layer, slot_ids_B)
+    rows = _rows(cache, positions_BT, valid_BT, slot_ids_B, None)
     x = layer.mix(hidden_BTD, m.embed_tokens(next_tokens_BT))
-    x, _, c, k = _block(layer.block, x, positions_BT, valid_BT, c_kv[0], k_rope[0], absorbed)
-    cache = _scatter_rows(cache, mtp_layer, slot_ids_B, c[None], k[None])
+    x, _, cache = _block(
+        layer.block, x, positions_BT, valid_BT, cache, m.cfg.num_layers, rows, absorbed
+    )
     return layer.out_norm(x), cache

@@ -119,7 +119,7 @@ def plan_decode_step(
     start = time.perf_counter()
     with use_layout(layout):
         lowered = decode_chunk.lower(
-            graphdef, state, cache, abstract_inputs(layout, slots), 1, absorbed
+            graphdef, state, cache, abstract_inputs(layout, slots), 1, absorbed, max_len
         )
     compiled = lowered.compile()
     seconds = time.perf_counter() - start

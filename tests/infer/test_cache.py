@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -54,6 +56,35 @@ def test_greedy_decode_matches_full_recompute(overrides, absorbed):
         np.testing.assert_allclose(got.raw_logprobs, raw, atol=1e-4)
         assert got.logprobs == logprobs == [0.0] * len(tokens)  # greedy: a point mass
         assert got.finish_reason == "length"
+
+
+@pytest.mark.parametrize("absorbed", [True, False], ids=["absorbed", "expanded"])
+def test_decode_over_cache_spans_matches_full_recompute(absorbed):
+    """Each decode call attends over the shortest span covering its slots' positions plus the
+    call's steps; rows cross the 16 and 32 boundaries mid-call and the spans change as they do:
+    same tokens and log-probs as re-running the training forward."""
+    cfg = model_config(q_lora_rank=32)
+    m = init_model(cfg, seed=3)
+    engine = InferenceEngine(
+        m,
+        num_slots=3,
+        max_len=MAX_LEN,
+        prefill_buckets=(8,),
+        absorbed=absorbed,
+        decode_chunk=3,
+        decode_spans=(8, 16, 32),
+    )
+    spans = []
+    run_decode = engine._run_decode
+    engine._run_decode = lambda running, span: spans.append(span) or run_decode(running, span)
+    params = dataclasses.replace(GREEDY, max_new_tokens=30)
+    prompts = _prompts(cfg, (3, 7, 13), seed=4)
+    for prompt, got in zip(prompts, engine.generate(prompts, params)):
+        tokens, _, raw = recompute_generate(m, prompt, params, MAX_LEN)
+        assert got.tokens == tokens
+        np.testing.assert_allclose(got.raw_logprobs, raw, atol=1e-4)
+    assert engine.decode_spans == (8, 16, 32, MAX_LEN)
+    assert spans == sorted(spans) and set(spans) == {16, 32, MAX_LEN}
 
 
 def test_cache_holds_only_latents(tiny_model):

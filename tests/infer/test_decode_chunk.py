@@ -88,7 +88,8 @@ def test_chunked_decode_matches_single_steps(tiny_model, decode_chunk):
 
 
 def test_compile_all_covers_requests_with_a_few_stop_tokens(tiny_model):
-    engine = _engine(tiny_model, 4)
+    """Every decode span is compiled ahead too: the request below crosses two of them."""
+    engine = engine_for_tests(tiny_model, 3, tokenizer=BYTES, decode_chunk=4, decode_spans=(8, 16))
     engine.compile_all()
     compiled = decode_chunk._cache_size()
     params = dataclasses.replace(SAMPLED, stop_sequences=((1,), (2,), (3, 4)))

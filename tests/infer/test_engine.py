@@ -163,6 +163,7 @@ def test_expert_parallel_engine_matches_recompute(tiny_model, decode_chunk):
         param_shardings=layout.tree_shardings(logical_axes_of(state), state),
         trace_context=lambda: mesh_lib.use_layout(layout),
         decode_chunk=decode_chunk,
+        decode_spans=(8, 16),  # the slot-sharded cache read in spans shorter than max_len
     )
     _check_eight_slots(tiny_model, engine)
 

@@ -44,7 +44,7 @@ def test_the_decode_plan_is_what_a_sharded_sampler_holds_and_exchanges():
     )
     with use_layout(serving):
         compiled = decode_chunk.lower(
-            engine.graphdef, engine.state, engine.cache, real_inputs, 1, True
+            engine.graphdef, engine.state, engine.cache, real_inputs, 1, True, engine.max_len
         ).compile()
     real = hlo.analyze(compiled.as_text())
     assert plan.collective_bytes == real.bytes_by_kind()
