@@ -9,7 +9,7 @@ twice the best peer's); then, on this CPU, medians over `--repeats`:
   train step   forward + backward + AdamW on the same batch (transformers: model(labels=...)
                .loss.backward(), torch.optim.AdamW; here: the pretraining step, MTP off)
   decode       greedy, cached, for each `--decode` shape PROMPTSxNEW: PROMPTS prompts of 16
-               tokens, NEW tokens each
+               tokens, NEW tokens each (ours `--decode_chunk` steps per jitted call)
 The peer runs each experts implementation transformers offers with sdpa attention, eager and
 (with --compile) under torch.compile; the fastest is kept and named for each measurement (with
 --screen, the default, each runs once briefly and only those near the fastest are timed in
@@ -36,6 +36,9 @@ _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repeats (after two warm-ups
 _BATCH = flags.DEFINE_integer("batch", 4, "Train-step batch (rows).")
 _SEQ = flags.DEFINE_integer("seq_len", 256, "Train-step row length.")
 _DECODE = flags.DEFINE_list("decode", ["8x128"], "Decode shapes, PROMPTSxNEW_TOKENS each.")
+_DECODE_CHUNK = flags.DEFINE_integer(
+    "decode_chunk", 8, "Our engine's decode steps per jitted call (the peer syncs every token)."
+)
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameters and compute.")
 _COMPILE = flags.DEFINE_bool("compile", False, "Also time the peer under torch.compile.")
 _BREAKDOWN = flags.DEFINE_bool(
@@ -183,7 +186,13 @@ def ours(folder: str, tokens, prompts, repeats: int) -> dict:
     decode_s = {}
     for (count, new), batch_prompts in prompts.items():
         max_len = PROMPT_LEN + new + 8
-        engine = InferenceEngine(m, num_slots=count, max_len=max_len, prefill_buckets=(32, max_len))
+        engine = InferenceEngine(
+            m,
+            num_slots=count,
+            max_len=max_len,
+            prefill_buckets=(32, max_len),
+            decode_chunk=_DECODE_CHUNK.value,
+        )
         params = SamplingParams(temperature=0.0, max_new_tokens=new)
         decode = functools.partial(
             engine.generate, [list(map(int, p)) for p in batch_prompts], params
