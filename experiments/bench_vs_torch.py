@@ -443,6 +443,8 @@ def report(here: dict, others: dict[str, dict], prompts: dict) -> None:
             kinds = ", ".join(f"{k} {ms:.1f}" for k, ms in kinds)
             print(f"slowest ops of forward + backward, {name} (ms by kind: {kinds}):")
             print(op_profile.format_ops(ops))
+        print("our matrix products by operation and pass (the GEMM library's and XLA's dots):")
+        print(op_profile.format_products(op_profile.by_product(here["ops"])))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import jax
 # `%name = shape opcode(operands), ..., metadata={op_name="..." ...}`
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([a-z\-]+)\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_EINSUM_SPEC = re.compile(r"[a-z,]+->[a-z]+")  # in a name path: `jvp(tkm,tmn->tkn)/dot_general`
 _CONTRACTING = re.compile(r"(lhs|rhs)_contracting_dims=\{([\d,]*)\}")
 
 
@@ -125,6 +126,47 @@ def by_opcode(ops: list[OpTime]) -> dict[str, float]:
     for op in ops:
         totals[kind(op)] += op.ms
     return dict(totals.most_common())
+
+
+@dataclasses.dataclass(frozen=True)
+class Product:
+    """The matrix products of one JAX operation at one output shape, in one pass."""
+
+    backward: bool  # from autodiff's transpose (or a custom VJP's backward)
+    operation: str  # the einsum spec (`tkm,tmn->tkn`), else the op's last name (`dot_general`)
+    shape: str
+    ms: float
+    runs: float  # executions per call, summed over the ops grouped here
+
+
+def by_product(ops: list[OpTime]) -> list[Product]:
+    """The GEMM-library and generic-dot ops grouped by pass, JAX operation and output shape,
+    slowest first: which product of the model a backward's GEMM time goes to, set against the
+    same operation's forward."""
+    totals: dict[tuple, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    for op in ops:
+        if kind(op) not in ("gemm library", "dot"):
+            continue
+        specs = _EINSUM_SPEC.findall(op.source)
+        key = (
+            "transpose(" in op.source,
+            specs[-1] if specs else op.source.rsplit("/", 1)[-1] or op.name,
+            op.shape.split("{")[0],
+        )
+        totals[key][0] += op.ms
+        totals[key][1] += op.count
+    products = [Product(*key, ms, runs) for key, (ms, runs) in totals.items()]
+    return sorted(products, key=lambda p: -p.ms)
+
+
+def format_products(products: list[Product], top: int = 20) -> str:
+    """The `top` costliest products as a markdown table."""
+    lines = ["| pass | operation | output | ms / call | runs / call |"]
+    lines.append("| --- | --- | --- | ---: | ---: |")
+    for p in products[:top]:
+        direction = "backward" if p.backward else "forward"
+        lines.append(f"| {direction} | {p.operation} | {p.shape} | {p.ms:.2f} | {p.runs:g} |")
+    return "\n".join(lines)
 
 
 def format_ops(ops: list[OpTime], top: int = 15) -> str:
