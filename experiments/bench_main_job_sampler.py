@@ -61,8 +61,9 @@ def loop_accounting(summary: dict, alone_rate: float) -> list[tuple[str, float]]
     window: the time its decoded tokens would take alone, then what the loop adds on top (the
     rows sum to the window's wall). A decode call during a train step is charged the difference
     from the mean call outside one (the machine shared with the trainer); the rest of the busy
-    time over the alone time is charged to decode calls slower than alone outside train steps
-    (fewer rows per call, environment workers on the same cores, host work between calls)."""
+    time over the alone time is charged to the calls outside train steps: slower than alone
+    (fewer rows per call, environment workers on the same cores, host work between calls) or,
+    negative, faster (the alone rate counts its prefills and its last, emptying calls)."""
     wall, busy = summary["wall_s"], summary["busy"][SAMPLER]
     ideal = summary["decoded_tokens"] / alone_rate
     during_train = summary["decode_steps_during_train"] * max(
@@ -71,7 +72,7 @@ def loop_accounting(summary: dict, alone_rate: float) -> list[tuple[str, float]]
     return [
         ("its tokens at the engine's rate alone", ideal),
         ("decode calls slowed by a train step beside them", during_train),
-        ("decode calls otherwise slower than alone", busy * wall - ideal - during_train),
+        ("the other calls' difference from alone (- : faster)", busy * wall - ideal - during_train),
         ("sampler idle (nothing to decode)", (1 - busy) * wall),
     ]
 

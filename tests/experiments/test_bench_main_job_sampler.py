@@ -22,7 +22,7 @@ def test_the_accounting_sums_to_the_wall_and_charges_each_cost():
     assert sum(rows.values()) == pytest.approx(100.0)
     assert rows["its tokens at the engine's rate alone"] == pytest.approx(60.0)
     assert rows["decode calls slowed by a train step beside them"] == pytest.approx(8.0)
-    assert rows["decode calls otherwise slower than alone"] == pytest.approx(22.0)
+    assert rows["the other calls' difference from alone (- : faster)"] == pytest.approx(22.0)
     assert rows["sampler idle (nothing to decode)"] == pytest.approx(10.0)
 
 
