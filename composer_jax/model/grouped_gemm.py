@@ -83,6 +83,18 @@ def _from_tiles(y_TRN: jax.Array, plan: TilePlan) -> jax.Array:
     return flat.at[plan.slot_of_row].get(mode="fill", fill_value=0)
 
 
+def _transposed_tiles(x_MK: jax.Array, plan: TilePlan, tile_rows: int) -> jax.Array:
+    """[tiles, K, tile_rows], each tile transposed and laid out row-major. The barrier keeps XLA
+    from folding the transpose into the product, and it holds the tiles flattened to 2D: given
+    the 3D transpose, XLA:CPU's layout assignment lays it out so the transpose is free, which
+    leaves the product's contracted axis major and the product off the GEMM library (in float32,
+    about 2x slower); a flat [tiles * K, tile_rows] array cannot be laid out that way."""
+    tiles_TMK = _to_tiles(x_MK, plan, tile_rows)
+    T, M, K = tiles_TMK.shape
+    flat = jax.lax.optimization_barrier(jnp.swapaxes(tiles_TMK, 1, 2).reshape(T * K, M))
+    return flat.reshape(T, K, M)
+
+
 def _tiled_product(x_MK, w_GKN, plan: TilePlan, tile_rows: int, spec: str, out_dtype):
     """Each tile times its group's weight matrix (`spec` contracts tile rows with the weights)."""
     y = jnp.einsum(
@@ -113,13 +125,10 @@ def _grouped_matmul_bwd(tile_rows, residuals, grad_MN):
     # Weight gradient: per-tile lhs^T @ grad, then each group's tiles summed (tiles are sorted by
     # group, and unused tiles hold zero rows, so their products are zero). lhs^T is materialised
     # so each tile's product contracts its lhs's last axis, the form XLA:CPU's GEMM library takes
-    # (model/projection.py says why); the barrier keeps XLA from folding the transpose back.
-    lhs_tiles_TKM = jax.lax.optimization_barrier(
-        jnp.swapaxes(_to_tiles(lhs_MK, plan, tile_rows), 1, 2)
-    )
+    # (model/projection.py says why).
     per_tile = jnp.einsum(
         "tkm,tmn->tkn",
-        lhs_tiles_TKM,
+        _transposed_tiles(lhs_MK, plan, tile_rows),
         _to_tiles(grad_MN, plan, tile_rows),
         preferred_element_type=jnp.float32,
     )
