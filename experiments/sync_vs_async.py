@@ -39,34 +39,24 @@ def _run(base, name: str, max_staleness: int, warm: str):
     return run_rl(cfg, progress=True)
 
 
-def main(argv):
-    del argv
+def workload():
+    """rl_tiny at the workload of experiments/RESULTS.md: groups of 8, a 400-step warm start,
+    every group trained (a fixed workload per step)."""
     import dataclasses
-    import shutil
-
-    from absl import logging
-
-    logging.set_verbosity(logging.WARNING)
-
-    import numpy as np
 
     from composer_jax import presets
-    from composer_jax.actor.setup import warm_start_config
-    from composer_jax.train.metrics import read_metrics
 
     base = presets.rl_tiny()
-    base = dataclasses.replace(
+    return dataclasses.replace(
         base,
         steps=_STEPS.value,
         rl=dataclasses.replace(
             base.rl,
-            # The workload of experiments/RESULTS.md: groups of 8, a 400-step warm start.
             rollout=dataclasses.replace(
                 base.rl.rollout,
                 max_new_tokens=_NEW_TOKENS.value,
                 group_size=8,
                 num_slots=16,
-                # every group trains: a fixed workload per step
                 skip_uniform_groups=False,
                 num_prompts=0,
             ),
@@ -74,39 +64,45 @@ def main(argv):
             warm_start_steps=400,
         ),
     )
-    warm = _WARM.value
-    if not warm:
-        warm_cfg = warm_start_config(dataclasses.replace(base, workdir=_OUT.value))
-        warm = warm_cfg.workdir
-        if not os.path.exists(os.path.join(warm, "checkpoints")):
-            from composer_jax import agent
-            from composer_jax.train import run_pretraining
 
-            run_pretraining(warm_cfg, sft_examples=agent.sft_examples(warm_cfg))
-    results = {}
-    for name, staleness in (("sync", 0), ("async", _STALENESS.value)):
-        shutil.rmtree(os.path.join(_OUT.value, name), ignore_errors=True)
-        result = _run(base, name, staleness, warm)
-        lines = [
-            m
-            for m in read_metrics(os.path.join(_OUT.value, name, "metrics.jsonl"))
-            if "reward_mean" in m and m["step"] >= 2
-        ]
-        seconds = sum(m["seconds_per_step"] for m in lines)
-        samples = len(lines) * base.rl.rollout.groups_per_step * base.rl.rollout.group_size
-        results[name] = dict(
-            seconds=seconds,
-            samples_per_s=samples / seconds,
-            train=np.mean([m["train_seconds"] for m in lines]),
-            wait=np.mean([m["wait_seconds"] for m in lines]),
-            staleness=np.mean([m["staleness_mean"] for m in lines]),
-            dropped=sum(m["groups_dropped_stale"] for m in lines),
-            histogram=result.staleness_histogram,
-            reward=np.mean([m["reward_mean"] for m in lines]),
-        )
-    print(
-        f"\n{_STEPS.value} steps x {base.rl.rollout.groups_per_step * base.rl.rollout.group_size} samples"
+
+def _warm_start(base) -> str:
+    """--warm_start, else a short SFT run here (made once, then reused)."""
+    import dataclasses
+
+    from composer_jax.actor.setup import warm_start_config
+
+    if _WARM.value:
+        return _WARM.value
+    warm_cfg = warm_start_config(dataclasses.replace(base, workdir=_OUT.value))
+    if not os.path.exists(os.path.join(warm_cfg.workdir, "checkpoints")):
+        from composer_jax import agent
+        from composer_jax.train import run_pretraining
+
+        run_pretraining(warm_cfg, sft_examples=agent.sft_examples(warm_cfg))
+    return warm_cfg.workdir
+
+
+def summarize(metrics: list[dict], samples_per_step: int, histogram: dict) -> dict:
+    """One run's steps 2+ (step 1 compiles): throughput, step times, staleness, reward."""
+    import numpy as np
+
+    lines = [m for m in metrics if "reward_mean" in m and m["step"] >= 2]
+    seconds = sum(m["seconds_per_step"] for m in lines)
+    return dict(
+        seconds=seconds,
+        samples_per_s=len(lines) * samples_per_step / seconds,
+        train=np.mean([m["train_seconds"] for m in lines]),
+        wait=np.mean([m["wait_seconds"] for m in lines]),
+        staleness=np.mean([m["staleness_mean"] for m in lines]),
+        dropped=sum(m["groups_dropped_stale"] for m in lines),
+        histogram=histogram,
+        reward=np.mean([m["reward_mean"] for m in lines]),
     )
+
+
+def report(results: dict[str, dict], samples_per_step: int) -> None:
+    print(f"\n{_STEPS.value} steps x {samples_per_step} samples")
     header = "mode   | s (steps 2+) | samples/s | train s/step | wait s/step | staleness | dropped"
     print(header)
     print("-" * len(header))
@@ -116,16 +112,36 @@ def main(argv):
             f" {r['wait']:11.2f} | {r['staleness']:9.2f} | {int(r['dropped']):7d}"
         )
     ratio = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
-    gen = results["sync"]["wait"]
+    gen, train = results["sync"]["wait"], results["sync"]["train"]
     print(
-        f"\nsync: generation {gen:.2f} s/step vs training {results['sync']['train']:.2f} s/step "
-        f"(ratio {gen / max(results['sync']['train'], 1e-9):.2f})"
+        f"\nsync: generation {gen:.2f} s/step vs training {train:.2f} s/step "
+        f"(ratio {gen / max(train, 1e-9):.2f})"
     )
     print(f"async / sync throughput: {ratio:.2f}x")
-    print(
-        f"async staleness histogram (versions: groups): {dict(sorted(results['async']['histogram'].items()))}"
-    )
+    histogram = dict(sorted(results["async"]["histogram"].items()))
+    print(f"async staleness histogram (versions: groups): {histogram}")
     sys.stdout.flush()
+
+
+def main(argv):
+    del argv
+    import shutil
+
+    from absl import logging
+
+    from composer_jax.train.metrics import read_metrics
+
+    logging.set_verbosity(logging.WARNING)
+    base = workload()
+    warm = _warm_start(base)
+    samples_per_step = base.rl.rollout.groups_per_step * base.rl.rollout.group_size
+    results = {}
+    for name, staleness in (("sync", 0), ("async", _STALENESS.value)):
+        shutil.rmtree(os.path.join(_OUT.value, name), ignore_errors=True)
+        result = _run(base, name, staleness, warm)
+        metrics = read_metrics(os.path.join(_OUT.value, name, "metrics.jsonl"))
+        results[name] = summarize(metrics, samples_per_step, result.staleness_histogram)
+    report(results, samples_per_step)
 
 
 if __name__ == "__main__":
