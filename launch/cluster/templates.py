@@ -174,35 +174,7 @@ def jobset(
         # process 0 is reachable while every process is still starting.
         "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": selector},
     }
-    env = [{"name": k, "value": v} for k, v in job.environment().items()]
-    env += [
-        {"name": "JAX_COORDINATOR_ADDRESS", "value": coordinator},
-        {"name": "JAX_NUM_PROCESSES", "value": str(job.nodes)},
-        {
-            "name": "JAX_PROCESS_ID",
-            "valueFrom": {
-                "fieldRef": {
-                    "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"
-                }
-            },
-        },
-    ]
-    # NCCL exchanges data through /dev/shm, which a container caps at 64 MiB by default.
-    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
-    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
-    if pvc:
-        mounts.append({"name": "runs", "mountPath": mount})
-        volumes.append({"name": "runs", "persistentVolumeClaim": {"claimName": pvc}})
-    container = {
-        "name": "train",
-        "image": image,
-        "command": job.argv(),
-        "env": env,
-        "ports": [{"containerPort": port, "name": "coordinator"}],
-        "resources": {"limits": {"nvidia.com/gpu": job.gpus_per_node}},
-        "volumeMounts": mounts,
-    }
-    pod = {"restartPolicy": "Never", "containers": [container], "volumes": volumes}
+    pod = _pod(job, image, port, coordinator, pvc, mount)
     job_spec = {
         "parallelism": job.nodes,
         "completions": job.nodes,
@@ -231,6 +203,40 @@ def jobset(
     ]
     body = yaml.safe_dump_all([service, jobset_doc], sort_keys=False, width=100)
     return {f"{job.name}.jobset.yaml": "\n".join(header) + "\n" + body}
+
+
+def _pod(job: Job, image: str, port: int, coordinator: str, pvc: str, mount: str) -> dict:
+    """The pod every process runs in: its environment (jax.distributed's coordinator, process
+    count and index), /dev/shm, and the claim holding the workdir when `pvc` is set."""
+    env = [{"name": k, "value": v} for k, v in job.environment().items()]
+    env += [
+        {"name": "JAX_COORDINATOR_ADDRESS", "value": coordinator},
+        {"name": "JAX_NUM_PROCESSES", "value": str(job.nodes)},
+        {
+            "name": "JAX_PROCESS_ID",
+            "valueFrom": {
+                "fieldRef": {
+                    "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+                }
+            },
+        },
+    ]
+    # NCCL exchanges data through /dev/shm, which a container caps at 64 MiB by default.
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    if pvc:
+        mounts.append({"name": "runs", "mountPath": mount})
+        volumes.append({"name": "runs", "persistentVolumeClaim": {"claimName": pvc}})
+    container = {
+        "name": "train",
+        "image": image,
+        "command": job.argv(),
+        "env": env,
+        "ports": [{"containerPort": port, "name": "coordinator"}],
+        "resources": {"limits": {"nvidia.com/gpu": job.gpus_per_node}},
+        "volumeMounts": mounts,
+    }
+    return {"restartPolicy": "Never", "containers": [container], "volumes": volumes}
 
 
 def _check_shared_workdir(job: Job, pvc: str, mount: str) -> None:
