@@ -49,11 +49,11 @@ def _bench_preset(name: str) -> None:
     import optax
     from flax import nnx
 
-    from composer_jax import config
+    from composer_jax import presets
     from composer_jax.model import init_model
     from composer_jax.weight_sync import LocalDirStore, WeightPublisher, WeightSubscriber
 
-    params = nnx.to_pure_dict(nnx.state(init_model(getattr(config, name)().model), nnx.Param))
+    params = nnx.to_pure_dict(nnx.state(init_model(getattr(presets, name)().model), nnx.Param))
     params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
     n = sum(x.size for x in jax.tree.leaves(params))
     opt = optax.adamw(_LR.value, weight_decay=0.1, mask=jax.tree.map(lambda x: x.ndim >= 2, params))
@@ -91,21 +91,10 @@ def _bench_preset(name: str) -> None:
             after_leaves = _bf16_leaves(current)
             after = np.concatenate(after_leaves)
             changed = np.mean(after != before)
-            for mode, (store, pub, sub) in mode_state.items():
-                t = time.perf_counter()
-                future = pub.publish_async(current, s)
-                enqueue_ms = 1e3 * (time.perf_counter() - t)
-                info = future.result()
-                t = time.perf_counter()
-                sub.update()
-                update_s = time.perf_counter() - t
-                rebuilt = _bf16_words(sub.tree_like(current))
-                assert np.array_equal(rebuilt, after), "rebuild not bitwise"
+            for mode, (_, pub, sub) in mode_state.items():
+                row = _publish_and_update(pub, sub, current, s, after)
                 if s in (1, _STEPS.value):
-                    print(
-                        f"{s:>4} {100 * changed:>7.1f}% {mode:>5} {100 * info.ratio:>7.2f}% "
-                        f"{enqueue_ms:>10.1f} {info.seconds:>9.2f} {update_s:>8.2f}"
-                    )
+                    print(f"{s:>4} {100 * changed:>7.1f}% {mode:>5} {row}")
             if s in (1, _STEPS.value):
                 rows, exact = _codec_rows(before_leaves, after_leaves)
                 assert exact, "a codec round trip is not bitwise"
@@ -118,11 +107,27 @@ def _bench_preset(name: str) -> None:
             t = time.perf_counter()
             fresh = WeightSubscriber(store)
             fresh.update()
+            equal = np.array_equal(_bf16_words(fresh.tree_like(current)), before)
             print(
                 f"{mode}: rebuild from scratch (snapshot + {_STEPS.value} deltas) "
-                f"{time.perf_counter() - t:.2f}s, bitwise equal: "
-                f"{np.array_equal(_bf16_words(fresh.tree_like(current)), before)}"
+                f"{time.perf_counter() - t:.2f}s, bitwise equal: {equal}"
             )
+
+
+def _publish_and_update(pub, sub, params, version: int, words) -> str:
+    """Publishes `params` as `version` and brings the subscriber up to it, checked bitwise
+    against the bf16 `words`; the row's timing columns (delta %, enqueue ms, publish s, update s)."""
+    import numpy as np
+
+    t = time.perf_counter()
+    future = pub.publish_async(params, version)
+    enqueue_ms = 1e3 * (time.perf_counter() - t)
+    info = future.result()
+    t = time.perf_counter()
+    sub.update()
+    update_s = time.perf_counter() - t
+    assert np.array_equal(_bf16_words(sub.tree_like(params)), words), "rebuild not bitwise"
+    return f"{100 * info.ratio:>7.2f}% {enqueue_ms:>10.1f} {info.seconds:>9.2f} {update_s:>8.2f}"
 
 
 def _printable_share(batch):
@@ -244,20 +249,82 @@ def _codec_rows(before, after):
     return rows, all_exact
 
 
+def _play(cfg, model, data_parallel: int):
+    """The untrained model plays --tasks built-in train tasks, --group samples each, one turn:
+    (the packed batch, rollout stats)."""
+    from composer_jax import agent, envs
+    from composer_jax.infer import InferenceEngine, SamplingParams
+    from composer_jax.train.runs import resolve_tokenizer
+
+    samples = _TASKS.value * _GROUP.value
+    engine = InferenceEngine(
+        model, num_slots=samples, max_len=_SEQ_LEN.value, prefill_buckets=(_SEQ_LEN.value,)
+    )
+    tasks = envs.load_task_source(cfg.data.tasks).take(_TASKS.value, "train", cfg.seed)
+    sampling = SamplingParams(
+        temperature=cfg.rl.rollout.temperature,
+        top_p=cfg.rl.rollout.top_p,
+        max_new_tokens=_NEW_TOKENS.value,
+    )
+    workflow, env = agent.build(
+        dataclasses.replace(cfg.rl.agent, max_turns=1),
+        resolve_tokenizer(cfg),
+        cfg.model,
+        max_len=_SEQ_LEN.value,
+        sampling=sampling,
+        distill=cfg.rl.objective.distill_coef > 0,
+    )
+    return agent.collect_batch(
+        engine,
+        tasks,
+        _GROUP.value,
+        workflow,
+        env,
+        seq_len=_SEQ_LEN.value,
+        num_rows=-(-samples // data_parallel) * data_parallel,  # a prompt fills most of a row
+    )
+
+
+def _print_rebuilds(tmp: str, modes, infos, trainer, after, changed: float) -> bool:
+    """A fresh subscriber per mode rebuilds version 1: one row each; whether every rebuild is
+    bitwise the trainer's bf16 params and came from a delta."""
+    import numpy as np
+
+    from composer_jax.weight_sync import WeightSubscriber, open_store
+
+    print(
+        f"{'mode':>4} {'ver':>3} {'kind':>5} {'changed':>8} {'delta KiB':>9} {'delta %':>8} "
+        f"{'publish s':>9} {'rebuild s':>9} {'bitwise':>7}"
+    )
+    ok = True
+    for mode, info in zip(modes, infos):
+        t = time.perf_counter()
+        sub = WeightSubscriber(open_store(f"{tmp}/{mode}"))
+        version = sub.update()
+        rebuild_s = time.perf_counter() - t
+        rebuilt = _bf16_words(sub.tree_like(trainer.state.params))
+        equal = version == trainer.version == 1 and np.array_equal(rebuilt, after)
+        ok &= equal and info.kind == "delta"
+        print(
+            f"{mode:>4} {version:>3} {info.kind:>5} {100 * changed:>7.2f}% "
+            f"{info.compressed_bytes / 2**10:>9.1f} {100 * info.ratio:>7.2f}% "
+            f"{info.seconds:>9.2f} {rebuild_s:>9.2f} {'ok' if equal else 'FAIL':>7}"
+        )
+    return ok
+
+
 def _rl_step_preset(name: str) -> bool:
     """One real RL step on `name`; prints its weight-sync rows, returns whether rebuilds match."""
     import numpy as np
 
-    from composer_jax import agent, config, envs
+    from composer_jax import presets
     from composer_jax.actor.trainer import RLTrainer
-    from composer_jax.infer import InferenceEngine, SamplingParams
     from composer_jax.model import init_model
-    from composer_jax.train.runs import resolve_tokenizer
     from composer_jax.train.step import split_model
-    from composer_jax.weight_sync import WeightPublisher, WeightSubscriber, open_store
+    from composer_jax.weight_sync import WeightPublisher, open_store
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = dataclasses.replace(getattr(config, name)(), workdir=f"{tmp}/run")
+        cfg = dataclasses.replace(getattr(presets, name)(), workdir=f"{tmp}/run")
         # The trainer publishes in the preset's mode; a second publisher writes the other one.
         modes = (cfg.rl.weight_delta, *(m for m in ("xor", "add") if m != cfg.rl.weight_delta))
         t = time.perf_counter()
@@ -271,34 +338,7 @@ def _rl_step_preset(name: str) -> bool:
         setup_s = time.perf_counter() - t
 
         t = time.perf_counter()
-        samples = _TASKS.value * _GROUP.value
-        engine = InferenceEngine(
-            model, num_slots=samples, max_len=_SEQ_LEN.value, prefill_buckets=(_SEQ_LEN.value,)
-        )
-        tasks = envs.load_task_source(cfg.data.tasks).take(_TASKS.value, "train", cfg.seed)
-        sampling = SamplingParams(
-            temperature=cfg.rl.rollout.temperature,
-            top_p=cfg.rl.rollout.top_p,
-            max_new_tokens=_NEW_TOKENS.value,
-        )
-        dp = trainer.data_parallel
-        workflow, env = agent.build(
-            dataclasses.replace(cfg.rl.agent, max_turns=1),
-            resolve_tokenizer(cfg),
-            cfg.model,
-            max_len=_SEQ_LEN.value,
-            sampling=sampling,
-            distill=cfg.rl.objective.distill_coef > 0,
-        )
-        batch, stats = agent.collect_batch(
-            engine,
-            tasks,
-            _GROUP.value,
-            workflow,
-            env,
-            seq_len=_SEQ_LEN.value,
-            num_rows=-(-samples // dp) * dp,  # a prompt fills most of a row
-        )
+        batch, stats = _play(cfg, model, trainer.data_parallel)
         batch, reward = _with_signal(batch)
         rollout_s = time.perf_counter() - t
 
@@ -317,24 +357,7 @@ def _rl_step_preset(name: str) -> bool:
             f"grad norm {metrics['grad_norm']:.3g}; set-up {setup_s:.1f}s, "
             f"rollout {rollout_s:.1f}s, step + publish {step_s:.1f}s"
         )
-        print(
-            f"{'mode':>4} {'ver':>3} {'kind':>5} {'changed':>8} {'delta KiB':>9} {'delta %':>8} "
-            f"{'publish s':>9} {'rebuild s':>9} {'bitwise':>7}"
-        )
-        ok = True
-        for mode, info in zip(modes, infos):
-            t = time.perf_counter()
-            sub = WeightSubscriber(open_store(f"{tmp}/{mode}"))
-            version = sub.update()
-            rebuild_s = time.perf_counter() - t
-            rebuilt = _bf16_words(sub.tree_like(trainer.state.params))
-            equal = version == trainer.version == 1 and np.array_equal(rebuilt, after)
-            ok &= equal and info.kind == "delta"
-            print(
-                f"{mode:>4} {version:>3} {info.kind:>5} {100 * changed:>7.2f}% "
-                f"{info.compressed_bytes / 2**10:>9.1f} {100 * info.ratio:>7.2f}% "
-                f"{info.seconds:>9.2f} {rebuild_s:>9.2f} {'ok' if equal else 'FAIL':>7}"
-            )
+        ok = _print_rebuilds(tmp, modes, infos, trainer, after, changed)
         print(_CODEC_HEADER)
         rows, exact = _codec_rows(before, after_leaves)
         print("\n".join(rows))
