@@ -26,3 +26,4 @@ def test_bench_vs_torch_prints_both_ratios():
     assert "| every layer dense, MLP 16 wide |" in done.stdout
     assert "slowest ops of forward + backward, ours" in done.stdout
     assert "aten::" in done.stdout  # the peer's profile
+    assert "| backward | " in done.stdout.split("our matrix products by operation and pass")[1]
