@@ -304,8 +304,9 @@ def _time_peers(configs: dict, folder: str, tokens, prompts, repeats: int, quick
 def peers(folder: str, tokens, prompts, repeats: int) -> tuple[dict, dict]:
     """(timed, screened): every experts implementation, eager and (with --compile) compiled.
     With --screen every configuration first runs once, decoding SCREEN_NEW_TOKENS a shape, and
-    only those near the fastest (SCREEN_MARGIN) for some measurement are timed in full (the slowest would take most of a
-    full run's time: batched_mm trains 40x slower); without it every one is timed."""
+    only those near the fastest (SCREEN_MARGIN) for some measurement are timed in full (the
+    slowest would take most of a full run's time: batched_mm trains 40x slower); without it
+    every one is timed."""
     configs = {
         implementation + (", torch.compile" if compiled else ""): (implementation, compiled)
         for compiled in ((False, True) if _COMPILE.value else (False,))

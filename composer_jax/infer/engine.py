@@ -468,10 +468,7 @@ class InferenceEngine:
         if not count:
             return
         start = time.perf_counter()
-        needed = max(s.length for s in running if s is not None) + self.decode_chunk
-        chunk = self._run_decode(
-            running, next(s for s in self.decode_spans if s >= min(needed, self.max_len))
-        )
+        chunk = self._run_decode(running, self._decode_span(running))
         sampled = int(chunk.live_NB.sum())
         self.tracer.complete(
             "decode", None, start, time.perf_counter(), running=count, tokens=sampled
@@ -480,6 +477,12 @@ class InferenceEngine:
             for index, slot in enumerate(running):
                 if slot is not None:
                     self._take_chunk(index, chunk)
+
+    def _decode_span(self, running: list[_Slot | None]) -> int:
+        """The shortest decode span holding every running slot's cached positions and the ones
+        this call's steps add."""
+        needed = max(s.length for s in running if s is not None) + self.decode_chunk
+        return next(s for s in self.decode_spans if s >= min(needed, self.max_len))
 
     def _run_decode(self, running: list[_Slot | None], span: int) -> DecodeChunk:
         """One `decode_chunk` call over every slot (None: not generating) attending over cache
