@@ -126,6 +126,26 @@ def _median_seconds(fn, repeats: int) -> float:
 
 def ours(folder: str, tokens, prompts, repeats: int) -> dict:
     """Train-step and decode seconds (per decode shape) of this project on the checkpoint."""
+    import jax
+    import jax.numpy as jnp
+
+    from composer_jax import interop, model
+
+    m = interop.load_hf_checkpoint(folder, dtype=_DTYPE.value, param_dtype=_DTYPE.value)
+    train_s, breakdown, ops = _our_train_step(m, tokens, repeats)
+    logits = model.compute_logits(m, tokens).astype(jnp.float32)
+    return {
+        "train_s": train_s,
+        "decode_s": _our_decode(m, prompts, repeats),
+        "logits": jax.device_get(logits),
+        "breakdown": breakdown,
+        "ops": ops,
+    }
+
+
+def _our_train_step(m, tokens, repeats: int) -> tuple[float, dict, list]:
+    """(train-step seconds, forward and forward + backward seconds with --breakdown, the loss
+    gradient's op times with --profile)."""
     import functools
 
     import jax
@@ -133,34 +153,26 @@ def ours(folder: str, tokens, prompts, repeats: int) -> dict:
     from flax import nnx
 
     from composer_jax import config as config_lib
-    from composer_jax import interop, model, optim
-    from composer_jax.infer import InferenceEngine, SamplingParams
+    from composer_jax import optim
     from composer_jax.train import step as step_lib
 
-    m = interop.load_hf_checkpoint(folder, dtype=_DTYPE.value, param_dtype=_DTYPE.value)
     opt_cfg = config_lib.OptimizerConfig(name="adamw", warmup_steps=0)
     schedule = optim.learning_rate_schedule(opt_cfg, 1000)
     optimizer = optim.make_optimizer(opt_cfg, schedule)
     graphdef, _, _ = step_lib.split_model(m)
-    state = step_lib.init_train_state(m, optimizer)
+    holder = {"state": step_lib.init_train_state(m, optimizer)}
     rows, length = tokens.shape
     batch = {
         "tokens": jnp.asarray(tokens, jnp.int32),
         "segment_ids": jnp.ones((rows, length), jnp.int32),
         "positions": jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (rows, length)),
     }
+    train_cfg = config_lib.TrainConfig()
     train = jax.jit(
         functools.partial(
-            step_lib.train_step,
-            graphdef,
-            optimizer,
-            m.cfg,
-            config_lib.TrainConfig(),
-            schedule,
-            None,
+            step_lib.train_step, graphdef, optimizer, m.cfg, train_cfg, schedule, None
         )
     )
-    holder = {"state": state}
 
     def train_once():
         holder["state"], metrics = train(holder["state"], batch)
@@ -168,7 +180,7 @@ def ours(folder: str, tokens, prompts, repeats: int) -> dict:
 
     def loss(params):
         merged = nnx.merge(graphdef, params, holder["state"].buffers)
-        return step_lib.pretrain_loss(merged, batch, config_lib.TrainConfig())[0]
+        return step_lib.pretrain_loss(merged, batch, train_cfg)[0]
 
     phases = {"forward": jax.jit(loss), "forward + backward": jax.jit(jax.grad(loss))}
     breakdown = {
@@ -182,6 +194,14 @@ def ours(folder: str, tokens, prompts, repeats: int) -> dict:
         if _PROFILE.value
         else []
     )
+    return _median_seconds(train_once, repeats), breakdown, ops
+
+
+def _our_decode(m, prompts, repeats: int) -> dict:
+    """Greedy decode seconds per (prompts, new tokens) shape, one engine per shape."""
+    import functools
+
+    from composer_jax.infer import InferenceEngine, SamplingParams
 
     decode_s = {}
     for (count, new), batch_prompts in prompts.items():
@@ -198,14 +218,7 @@ def ours(folder: str, tokens, prompts, repeats: int) -> dict:
             engine.generate, [list(map(int, p)) for p in batch_prompts], params
         )
         decode_s[count, new] = _median_seconds(decode, repeats)
-    logits = model.compute_logits(m, tokens).astype(jnp.float32)
-    return {
-        "train_s": _median_seconds(train_once, repeats),
-        "decode_s": decode_s,
-        "logits": jax.device_get(logits),
-        "breakdown": breakdown,
-        "ops": ops,
-    }
+    return decode_s
 
 
 def theirs(

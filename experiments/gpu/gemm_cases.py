@@ -9,7 +9,10 @@ for Blackwell NVFP4, bf16 for Hopper's NVFP4 path, which multiplies codes x scal
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -112,160 +115,263 @@ def _quantized(lhs, rhs, fmt: str):
     return formats.quantize_nvfp4(lhs, axis=1), formats.quantize_nvfp4(rhs, axis=1)
 
 
-def _backend(name: str, lhs, rhs, grad, sizes, arch: str, dry_run: bool, num_sms: int):
-    """(fn, args, reference output, MMA format, how: "run" | "lower"); persistent kernels launch
-    at most `num_sms` CTAs."""
+@dataclasses.dataclass(frozen=True)
+class _Operands:
+    """One shape's bf16 operands and the device a backend is built for. Persistent kernels
+    launch at most `num_sms` CTAs."""
+
+    lhs: Any
+    rhs: Any
+    grad: Any
+    sizes: Any
+    arch: str
+    dry_run: bool
+    num_sms: int
+
+    def reference(self, lhs=None, rhs=None):
+        from kernels_pallas import grouped_layout
+
+        return grouped_layout.grouped_gemm_reference(
+            self.lhs if lhs is None else lhs, self.rhs if rhs is None else rhs, self.sizes
+        )
+
+    def lower_or_run(self) -> str:
+        """Kernels interpret mode cannot run are lowered for cuda in a dry run."""
+        return "lower" if self.dry_run else "run"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Built:
+    """A backend ready to check and time: `fn(*args)` against `want`, measured against the peak
+    of the MMA format it runs; `how` is "run" or "lower" (lowered for cuda only)."""
+
+    fn: Callable
+    args: tuple
+    want: Any
+    mma_format: str
+    how: str = "run"
+
+
+# The registry of GEMM backends: name -> builder(_Operands) -> _Built, raising NotAvailable where
+# the device cannot run it. Builders import JAX and the kernels when called: the check's parent
+# process imports this module for the plan alone and must not start JAX on the GPU.
+_BUILDERS: dict[str, Callable[[_Operands], _Built]] = {}
+
+
+def _registers(*names: str):
+    def register(builder):
+        for name in names:
+            _BUILDERS[name] = functools.partial(builder, name=name)
+        return builder
+
+    return register
+
+
+@_registers("ragged_dot_bf16")
+def _ragged_dot(ops: _Operands, name: str) -> _Built:
     import jax
+
+    return _Built(jax.lax.ragged_dot, (ops.lhs, ops.rhs, ops.sizes), ops.reference(), "bf16")
+
+
+@_registers("hopper_bf16", "hopper_bf16_persistent", "hopper_bf16_ws")
+def _hopper_bf16(ops: _Operands, name: str) -> _Built:
+    """The Hopper kernel: one CTA per tile, persistent, or warp-specialized (a producer and two
+    consumer warpgroups on 128 x 256 tiles)."""
+    import jax.numpy as jnp
+
+    from kernels_pallas import hopper_grouped_gemm, hopper_warp_specialized
+
+    _needs(ops.arch, "hopper")
+    options = dict(out_dtype=jnp.bfloat16, interpret=ops.dry_run)
+    if name == "hopper_bf16_ws":
+        fn = functools.partial(hopper_warp_specialized.grouped_gemm, **options)
+    else:
+        num_sms = ops.num_sms if name == "hopper_bf16_persistent" else None
+        fn = functools.partial(hopper_grouped_gemm.grouped_gemm, num_sms=num_sms, **options)
+    return _Built(fn, (ops.lhs, ops.rhs, ops.sizes), ops.reference(), "bf16")
+
+
+@_registers("jax_ragged_dot_mgpu")
+def _jax_hopper_ragged_dot(ops: _Operands, name: str) -> _Built:
+    import jax.numpy as jnp
+
+    _needs(ops.arch, "hopper")
+    try:
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    except ImportError as err:
+        raise NotAvailable(f"JAX's Mosaic GPU ragged_dot example is missing: {err}") from err
+    block = 64 if ops.dry_run else 128
+    kernel = functools.partial(
+        ragged_dot_mgpu.ragged_dot,
+        block_m=block,
+        block_n=block,
+        block_k=64,
+        max_concurrent_steps=4,
+        grid_block_n=1,
+    )
+    # Its TMA reads need whole 8-row groups; it leaves rows past the groups unwritten.
+    lhs8 = jnp.pad(ops.lhs, ((0, -ops.lhs.shape[0] % 8), (0, 0)))
+    return _Built(
+        lambda a, b, s: kernel(a, b, group_sizes=s),
+        (lhs8, ops.rhs, ops.sizes),
+        ops.reference(),
+        "bf16",
+        ops.lower_or_run(),
+    )
+
+
+@_registers("jax_blackwell_ragged_dot_mgpu")
+def _jax_blackwell_ragged_dot(ops: _Operands, name: str) -> _Built:
+    _needs(ops.arch, "blackwell")
+    if ops.dry_run:
+        raise NotAvailable("JAX's example reads the SM count from a local GPU: no CPU lowering")
+    try:
+        from jax.experimental.pallas.ops.gpu import blackwell_matmul_mgpu as bmm
+        from jax.experimental.pallas.ops.gpu import blackwell_ragged_dot_mgpu as brd
+    except ImportError as err:
+        raise NotAvailable(f"JAX's Blackwell ragged_dot example is missing: {err}") from err
+    config = brd.TuningConfig(
+        tile_m=128,
+        tile_n=128,
+        tile_k=64,
+        max_concurrent_steps=4,
+        collective=True,
+        grid_tile_width=8,
+        grid_minor_dim=bmm.MatmulDimension.N,
+    )
+    fn = functools.partial(brd.ragged_dot_kernel, config=config)
+    return _Built(fn, (ops.lhs, ops.rhs, ops.sizes), ops.reference(), "bf16")
+
+
+def _block_scaled(ops: _Operands, fmt: str):
+    """(lhs and rhs quantized along K, the reference on the same quantized operands, NVFP4's
+    per-row and per-column tensor scales or ())."""
+    from composer_jax.quant import formats
+    from kernels_pallas import grouped_layout
+
+    lhs_q, rhs_q = _quantized(ops.lhs, ops.rhs, fmt)
+    if fmt == "mxfp8":
+        return lhs_q, rhs_q, ops.reference(formats.dequantize(lhs_q), formats.dequantize(rhs_q)), ()
+    lhs_row, rhs_col = lhs_q.row_scales[:, 0], rhs_q.row_scales[:, 0, :]
+    want = ops.reference(
+        formats.dequantize_nvfp4_unscaled(lhs_q), formats.dequantize_nvfp4_unscaled(rhs_q)
+    )
+    expert = grouped_layout.expert_of_row(ops.sizes, ops.lhs.shape[0])
+    return lhs_q, rhs_q, want * lhs_row[:, None] * rhs_col[expert], (lhs_row, rhs_col)
+
+
+def _kernel_codes(lhs_q, rhs_q) -> tuple:
+    """The block-scaled kernels' operands: lhs codes and scales, rhs's with N before K."""
+    import jax.numpy as jnp
+
+    rhs_t = (jnp.swapaxes(rhs_q.values, 1, 2), jnp.swapaxes(rhs_q.scales, 1, 2))
+    return (lhs_q.values, lhs_q.scales, *rhs_t)
+
+
+@_registers("hopper_mxfp8")
+def _hopper_mxfp8(ops: _Operands, name: str) -> _Built:
+    from kernels_pallas import hopper_grouped_gemm
+
+    _needs(ops.arch, "hopper")
+    lhs_q, rhs_q, want, _ = _block_scaled(ops, "mxfp8")
+    fn = functools.partial(hopper_grouped_gemm.mxfp8_grouped_gemm, interpret=ops.dry_run)
+    return _Built(fn, (*_kernel_codes(lhs_q, rhs_q), ops.sizes), want, "fp8")
+
+
+@_registers("hopper_nvfp4")
+def _hopper_nvfp4(ops: _Operands, name: str) -> _Built:
+    """No fp4 MMA on Hopper: the codes times their block scales, multiplied in bf16."""
     import jax.numpy as jnp
 
     from composer_jax.quant import formats
-    from kernels_pallas import grouped_layout, hopper_grouped_gemm, hopper_wgrad
+    from kernels_pallas import hopper_grouped_gemm
 
-    ref = functools.partial(grouped_layout.grouped_gemm_reference)
-    bf16 = jnp.bfloat16
-    if name == "ragged_dot_bf16":
-        return jax.lax.ragged_dot, (lhs, rhs, sizes), ref(lhs, rhs, sizes), "bf16", "run"
-    if name == "hopper_bf16":
-        _needs(arch, "hopper")
-        fn = functools.partial(hopper_grouped_gemm.grouped_gemm, out_dtype=bf16, interpret=dry_run)
-        return fn, (lhs, rhs, sizes), ref(lhs, rhs, sizes), "bf16", "run"
-    if name == "hopper_bf16_persistent":
-        _needs(arch, "hopper")
+    _needs(ops.arch, "hopper")
+    lhs_q, rhs_q, want, tensor_scales = _block_scaled(ops, "nvfp4")
+    lhs_cs, rhs_cs = (
+        formats.dequantize_nvfp4_unscaled(q).astype(jnp.bfloat16) for q in (lhs_q, rhs_q)
+    )
+    fn = functools.partial(
+        hopper_grouped_gemm.grouped_gemm, out_dtype=jnp.bfloat16, interpret=ops.dry_run
+    )
+    return _Built(fn, (lhs_cs, rhs_cs, ops.sizes, *tensor_scales), want, "bf16")
+
+
+@_registers(
+    *(f"blackwell_{fmt}{variant}" for fmt in ("mxfp8", "nvfp4") for variant in ("", "_persistent", "_2cta"))
+)  # fmt: skip
+def _blackwell(ops: _Operands, name: str) -> _Built:
+    """The tcgen05 kernel: one CTA per tile, or persistent with 1-CTA or CTA-pair MMAs."""
+    import jax.numpy as jnp
+
+    from kernels_pallas import blackwell_grouped_gemm, blackwell_persistent
+
+    _needs(ops.arch, "blackwell")
+    _, fmt, *variant = name.split("_")
+    lhs_q, rhs_q, want, tensor_scales = _block_scaled(ops, fmt)
+    if not variant:
+        fn = functools.partial(blackwell_grouped_gemm.grouped_gemm, out_dtype=jnp.bfloat16)
+    else:
         fn = functools.partial(
-            hopper_grouped_gemm.grouped_gemm, out_dtype=bf16, num_sms=num_sms, interpret=dry_run
+            blackwell_persistent.grouped_gemm,
+            out_dtype=jnp.bfloat16,
+            collective=variant == ["2cta"],
+            num_sms=ops.num_sms,
         )
-        return fn, (lhs, rhs, sizes), ref(lhs, rhs, sizes), "bf16", "run"
-    if name == "hopper_bf16_ws":  # producer + two consumer warpgroups, 128 x 256 tiles
-        _needs(arch, "hopper")
-        from kernels_pallas import hopper_warp_specialized
+    args = (*_kernel_codes(lhs_q, rhs_q), ops.sizes, *tensor_scales)
+    return _Built(fn, args, want, "fp8" if fmt == "mxfp8" else "fp4", ops.lower_or_run())
 
-        fn = functools.partial(
-            hopper_warp_specialized.grouped_gemm, out_dtype=bf16, interpret=dry_run
-        )
-        return fn, (lhs, rhs, sizes), ref(lhs, rhs, sizes), "bf16", "run"
-    if name == "jax_ragged_dot_mgpu":
-        _needs(arch, "hopper")
-        try:
-            from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-        except ImportError as err:
-            raise NotAvailable(f"JAX's Mosaic GPU ragged_dot example is missing: {err}") from err
-        fn = functools.partial(
-            ragged_dot_mgpu.ragged_dot,
-            block_m=64 if dry_run else 128,
-            block_n=64 if dry_run else 128,
-            block_k=64,
-            max_concurrent_steps=4,
-            grid_block_n=1,
-        )
-        # Its TMA reads need whole 8-row groups; it leaves rows past the groups unwritten.
-        lhs8 = jnp.pad(lhs, ((0, -lhs.shape[0] % 8), (0, 0)))
-        return (
-            lambda a, b, s: fn(a, b, group_sizes=s),
-            (lhs8, rhs, sizes),
-            ref(lhs, rhs, sizes),
-            "bf16",
-            "lower" if dry_run else "run",
-        )
-    if name == "jax_blackwell_ragged_dot_mgpu":
-        _needs(arch, "blackwell")
-        if dry_run:
-            raise NotAvailable("JAX's example reads the SM count from a local GPU: no CPU lowering")
-        try:
-            from jax.experimental.pallas.ops.gpu import blackwell_matmul_mgpu as bmm
-            from jax.experimental.pallas.ops.gpu import blackwell_ragged_dot_mgpu as brd
-        except ImportError as err:
-            raise NotAvailable(f"JAX's Blackwell ragged_dot example is missing: {err}") from err
-        config = brd.TuningConfig(
-            tile_m=128,
-            tile_n=128,
-            tile_k=64,
-            max_concurrent_steps=4,
-            collective=True,
-            grid_tile_width=8,
-            grid_minor_dim=bmm.MatmulDimension.N,
-        )
-        fn = functools.partial(brd.ragged_dot_kernel, config=config)
-        return fn, (lhs, rhs, sizes), ref(lhs, rhs, sizes), "bf16", "run"
-    if name.split("_")[0] in ("hopper", "blackwell") and name.split("_")[1] in ("mxfp8", "nvfp4"):
-        _, fmt, *variant = name.split("_")
-        lhs_q, rhs_q = _quantized(lhs, rhs, fmt)
-        if fmt == "mxfp8":
-            want = ref(formats.dequantize(lhs_q), formats.dequantize(rhs_q), sizes)
-            lhs_row, rhs_col = None, None
-        else:
-            want = ref(
-                formats.dequantize_nvfp4_unscaled(lhs_q),
-                formats.dequantize_nvfp4_unscaled(rhs_q),
-                sizes,
-            )
-            lhs_row, rhs_col = lhs_q.row_scales[:, 0], rhs_q.row_scales[:, 0, :]
-            expert = grouped_layout.expert_of_row(sizes, lhs.shape[0])
-            want = want * lhs_row[:, None] * rhs_col[expert]
-        codes = (lhs_q.values, lhs_q.scales)
-        rhs_t = (jnp.swapaxes(rhs_q.values, 1, 2), jnp.swapaxes(rhs_q.scales, 1, 2))
-        if name == "hopper_mxfp8":
-            _needs(arch, "hopper")
-            fn = functools.partial(hopper_grouped_gemm.mxfp8_grouped_gemm, interpret=dry_run)
-            return fn, (*codes, *rhs_t, sizes), want, "fp8", "run"
-        if name == "hopper_nvfp4":  # no fp4 MMA on Hopper: codes x block scales in bf16
-            _needs(arch, "hopper")
-            fn = functools.partial(
-                hopper_grouped_gemm.grouped_gemm, out_dtype=bf16, interpret=dry_run
-            )
-            lhs_cs = formats.dequantize_nvfp4_unscaled(lhs_q).astype(bf16)
-            rhs_cs = formats.dequantize_nvfp4_unscaled(rhs_q).astype(bf16)
-            return fn, (lhs_cs, rhs_cs, sizes, lhs_row, rhs_col), want, "bf16", "run"
-        _needs(arch, "blackwell")
-        from kernels_pallas import blackwell_grouped_gemm, blackwell_persistent
 
-        if not variant:
-            fn = functools.partial(blackwell_grouped_gemm.grouped_gemm, out_dtype=bf16)
-        else:  # persistent, 1-CTA or CTA-pair MMAs
-            fn = functools.partial(
-                blackwell_persistent.grouped_gemm,
-                out_dtype=bf16,
-                collective=variant == ["2cta"],
-                num_sms=num_sms,
-            )
-        args = (*codes, *rhs_t, sizes) + ((lhs_row, rhs_col) if fmt == "nvfp4" else ())
-        return fn, args, want, "fp8" if fmt == "mxfp8" else "fp4", "lower" if dry_run else "run"
-    if name in ("xla_wgrad_bf16", "hopper_wgrad"):
-        want = hopper_wgrad.grouped_wgrad_reference(lhs, grad, sizes)
-        if name == "xla_wgrad_bf16":
-            fn = hopper_wgrad.grouped_wgrad_reference
-        else:
-            _needs(arch, "hopper")
-            fn = functools.partial(hopper_wgrad.grouped_wgrad, interpret=dry_run)
-        return fn, (lhs, grad, sizes), want, "bf16", "run"
-    if name == "blackwell_wgrad_mxfp8":  # both operands MXFP8 along the tokens, 128-row aligned
-        _needs(arch, "blackwell")
-        from kernels_pallas import blackwell_wgrad
+@_registers("xla_wgrad_bf16", "hopper_wgrad")
+def _wgrad_bf16(ops: _Operands, name: str) -> _Built:
+    """The experts' weight gradient: XLA's reference or the Hopper kernel."""
+    from kernels_pallas import hopper_wgrad
 
-        dest, aligned, padded = grouped_layout.aligned_destinations(
-            sizes, lhs.shape[0], blackwell_wgrad.TOKEN_STEP
-        )
-        lhs_q, grad_q = (
-            formats.quantize_mxfp8(grouped_layout.to_aligned_rows(x, dest, padded), axis=0)
-            for x in (lhs, grad)
-        )
-        args = (lhs_q.values, lhs_q.scales, grad_q.values, grad_q.scales, aligned)
-        want = blackwell_wgrad.aligned_wgrad_reference(*args)
-        how = "lower" if dry_run else "run"
-        return blackwell_wgrad.aligned_grouped_wgrad, args, want, "fp8", how
-    if name.startswith("moe_op_nvfp4_"):
-        from composer_jax.quant import moe_gemm
+    want = hopper_wgrad.grouped_wgrad_reference(ops.lhs, ops.grad, ops.sizes)
+    if name == "xla_wgrad_bf16":
+        fn = hopper_wgrad.grouped_wgrad_reference
+    else:
+        _needs(ops.arch, "hopper")
+        fn = functools.partial(hopper_wgrad.grouped_wgrad, interpret=ops.dry_run)
+    return _Built(fn, (ops.lhs, ops.grad, ops.sizes), want, "bf16")
 
-        kernel_arch = name.rsplit("_", 1)[1]
-        _needs(arch, kernel_arch)
-        backend = f"pallas_{kernel_arch}"
-        want = moe_gemm.quantized_expert_gemm(lhs, rhs, sizes, "nvfp4_fwd_mxfp8_bwd", "reference")
 
-        def fn(a, b, s):  # the op itself, past the platform check (lowering on CPU)
-            return moe_gemm._quantized_gemm(a, b, s, "nvfp4_fwd_mxfp8_bwd", backend)
+@_registers("blackwell_wgrad_mxfp8")
+def _blackwell_wgrad(ops: _Operands, name: str) -> _Built:
+    """Both operands MXFP8 along the tokens, each expert's rows aligned to 128."""
+    from composer_jax.quant import formats
+    from kernels_pallas import blackwell_wgrad, grouped_layout
 
-        how = "lower" if dry_run and kernel_arch == "blackwell" else "run"
-        return fn, (lhs, rhs, sizes), want, "fp4" if kernel_arch == "blackwell" else "bf16", how
-    raise ValueError(f"unknown GEMM backend {name!r}")
+    _needs(ops.arch, "blackwell")
+    dest, aligned, padded = grouped_layout.aligned_destinations(
+        ops.sizes, ops.lhs.shape[0], blackwell_wgrad.TOKEN_STEP
+    )
+    lhs_q, grad_q = (
+        formats.quantize_mxfp8(grouped_layout.to_aligned_rows(x, dest, padded), axis=0)
+        for x in (ops.lhs, ops.grad)
+    )
+    args = (lhs_q.values, lhs_q.scales, grad_q.values, grad_q.scales, aligned)
+    want = blackwell_wgrad.aligned_wgrad_reference(*args)
+    return _Built(blackwell_wgrad.aligned_grouped_wgrad, args, want, "fp8", ops.lower_or_run())
+
+
+@_registers("moe_op_nvfp4_hopper", "moe_op_nvfp4_blackwell")
+def _moe_op(ops: _Operands, name: str) -> _Built:
+    """The model's quantized expert GEMM end to end: quantization plus the kernel."""
+    from composer_jax.quant import moe_gemm
+
+    kernel_arch = name.rsplit("_", 1)[1]
+    _needs(ops.arch, kernel_arch)
+    recipe, backend = "nvfp4_fwd_mxfp8_bwd", f"pallas_{kernel_arch}"
+    want = moe_gemm.quantized_expert_gemm(ops.lhs, ops.rhs, ops.sizes, recipe, "reference")
+
+    def fn(a, b, s):  # the op itself, past the platform check (lowering on CPU)
+        return moe_gemm._quantized_gemm(a, b, s, recipe, backend)
+
+    is_blackwell = kernel_arch == "blackwell"
+    how = "lower" if ops.dry_run and is_blackwell else "run"
+    return _Built(fn, (ops.lhs, ops.rhs, ops.sizes), want, "fp4" if is_blackwell else "bf16", how)
 
 
 def _rel_err(out, want, valid_rows: int) -> float:
@@ -315,12 +421,15 @@ def run(params: dict, ctx: dict) -> dict:
     if name.startswith("quantize_"):
         return _quantize_case(name, lhs, device)
     num_sms = 4 if dry_run or device is None else device.num_sms  # dry run: tiles per CTA > 1
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown GEMM backend {name!r}; known: {BACKENDS}")
     try:
-        fn, args, want, fmt, how = _backend(name, lhs, rhs, grad, sizes, arch, dry_run, num_sms)
+        built = _BUILDERS[name](_Operands(lhs, rhs, grad, sizes, arch, dry_run, num_sms))
     except NotAvailable as why:
         return {"status": "n/a", "reason": str(why)}
+    fn, args, want, fmt = built.fn, built.args, built.want, built.mma_format
     flops = 2.0 * int(sizes.sum()) * shape["k"] * shape["n"]
-    if how == "lower":  # CPU dry run of a kernel that cannot be interpreted
+    if built.how == "lower":  # CPU dry run of a kernel that cannot be interpreted
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
         return {"status": "ok", "mode": "lowered for cuda (not run)", "flops": flops}
     compiled = jax.jit(fn).trace(*args).lower().compile()  # once: checked, timed, measured

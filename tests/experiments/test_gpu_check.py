@@ -111,6 +111,14 @@ def test_dry_plan_has_every_case_kind_and_backend_of_the_real_plan():
         plan.select(dry, ["nothing/*"])
 
 
+def test_every_planned_gemm_backend_is_built_and_an_unknown_one_is_refused():
+    quantize_only = {b for b in gemm_cases.BACKENDS if b.startswith("quantize_")}
+    assert set(gemm_cases.BACKENDS) - quantize_only == set(gemm_cases._BUILDERS)
+    ctx = {"dry_run": True, "device_kind": "cpu"}
+    with pytest.raises(ValueError, match="unknown GEMM backend 'hopper_fp16'"):
+        gemm_cases.run({"shape": gemm_cases.DRY_SHAPES[0], "backend": "hopper_fp16"}, ctx)
+
+
 def test_skewed_routing_has_empty_small_groups_and_a_tail():
     sizes, rows = gemm_cases.group_sizes(8, 1024, "skewed")
     assert sizes[0] == 0 and 0 < sizes[1] < 64 and sizes.sum() == 8 * 1024 < rows
