@@ -1,5 +1,6 @@
 """Experiment presets: `tiny` (CPU, minutes), `small` (~100M parameters, one GPU), `kimi_k2`
-(the 1.04T / 32B-active shape, for accounting and cluster launch), `rl_tiny` (the RL main job),
+(the 1.04T / 32B-active shape, for accounting and cluster launch), `deepseek_v3` (671B / 37B
+active, the same phases and mesh), `rl_tiny` (the RL main job),
 `rl_tiny_bpe` (the main job on the shipped BPE tokenizer), `rl_agent_tiny` (the multi-turn coding
 agent in repositories) and `rl_small`."""
 
@@ -145,6 +146,50 @@ def kimi_k2() -> ExperimentConfig:
         steps=100000,
         workdir="runs/kimi_k2",
     )
+
+
+def deepseek_v3_model() -> ModelConfig:
+    """The DeepSeek-V3 shape (671B total / 37B active), as its config.json describes it
+    (tests/model/test_transformer.py checks the two agree); for accounting, the plan and
+    continued pretraining from the released checkpoint (`--config.init_from`). Its one MTP head
+    is this project's (a dense block, trained from scratch), not the release's MoE layer."""
+    return ModelConfig(
+        vocab_size=129280,
+        hidden_size=7168,
+        num_layers=61,
+        first_k_dense=3,
+        num_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        rope_theta=10000.0,
+        rope_scaling=YarnConfig(
+            factor=40.0,
+            original_max_position_embeddings=4096,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+        max_position_embeddings=163840,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_experts=256,
+        num_experts_per_tok=8,
+        num_shared_experts=1,
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+        num_mtp_layers=1,
+    )
+
+
+def deepseek_v3() -> ExperimentConfig:
+    """Continued pretraining of DeepSeek-V3 with kimi_k2's phases and mesh (64 divides its 256
+    experts as it does Kimi-K2's 384)."""
+    return dataclasses.replace(kimi_k2(), model=deepseek_v3_model(), workdir="runs/deepseek_v3")
 
 
 def rl_tiny() -> ExperimentConfig:
@@ -330,6 +375,7 @@ PRESETS = {
     "tiny": tiny,
     "small": small,
     "kimi_k2": kimi_k2,
+    "deepseek_v3": deepseek_v3,
     "rl_tiny": rl_tiny,
     "rl_tiny_bpe": rl_tiny_bpe,
     "rl_agent_tiny": rl_agent_tiny,

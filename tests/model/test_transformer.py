@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from composer_jax import presets
+from composer_jax.interop.hf import config_from_hf
 from composer_jax.model import accounting
 from composer_jax.model.transformer import Transformer, compute_logits
 from tests.model import reference as ref
@@ -288,3 +289,71 @@ def test_kimi_k2_counts_without_allocating():
     assert counts.mtp == 0
     k, E = cfg.num_experts_per_tok, cfg.num_experts
     assert counts.active == counts.total - counts.routed_experts + counts.routed_experts * k // E
+
+
+# The released DeepSeek-V3 config.json (deepseek-ai/DeepSeek-V3 on the Hugging Face hub).
+DEEPSEEK_V3_CONFIG_JSON = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_nextn_predict_layers": 1,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "n_shared_experts": 1,
+    "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "qk_nope_head_dim": 128,
+    "topk_method": "noaux_tc",
+    "n_group": 8,
+    "topk_group": 4,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "hidden_act": "silu",
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    },
+}
+
+
+def test_deepseek_v3_preset_is_the_released_shape_and_counts_671b():
+    """The preset is what loading the released config.json gives (but the MTP head, trained
+    from scratch here), and it counts what DeepSeek reports: 671B in the main model, 36.6B
+    activated per token (the embedding lookup not counted)."""
+    cfg = presets.deepseek_v3_model()
+    assert dataclasses.replace(cfg, num_mtp_layers=0) == config_from_hf(DEEPSEEK_V3_CONFIG_JSON)
+    counts = accounting.count_params(cfg)
+    assert counts.total - counts.mtp == pytest.approx(671.0e9, rel=1e-3)
+    assert counts.active - counts.embedding == pytest.approx(36.6e9, rel=2e-3)
+    want = ref.param_counts(cfg)
+    assert (counts.total, counts.active, counts.routed_experts) == (
+        want["total"],
+        want["active"],
+        want["routed"],
+    )
