@@ -17,6 +17,7 @@ FREE_FIELDS = frozenset(
         "param_dtype",
         "scan_layers",
         "remat",
+        "attention_block_size",
         "num_mtp_layers",
         "router_bias_update_rate",
         "max_position_embeddings",

@@ -7,6 +7,8 @@ can all-gather just the latents, and an inference KV cache can store just the la
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -84,21 +86,25 @@ class MLA(nnx.Module):
     ) -> jax.Array:
         """Attention of T queries over S latent tokens, projected back to the model width."""
         cfg, dt = self.cfg, q_nope.dtype
-        kv = project(c_kv_BSR, self.kv_b_proj[...].astype(dt))
-        k_nope, v = jnp.split(kv, [cfg.qk_nope_head_dim], axis=-1)
-        # One product over [nope | rope] dims, the rotary key shared by every head: XLA:CPU runs
-        # it 3x faster than the two products summed (the rotary one alone was the slowest).
-        B, S, H, _ = k_nope.shape
-        k_rope_BSHK = jnp.broadcast_to(k_rope_BSK[:, :, None], (B, S, H, k_rope_BSK.shape[-1]))
-        scores = jnp.einsum(
-            "bthk,bshk->bhts",
-            jnp.concatenate([q_nope, q_rope], axis=-1),
-            jnp.concatenate([k_nope, k_rope_BSHK], axis=-1),
-            preferred_element_type=jnp.float32,
-        )
+        q, k, v = self.heads(q_nope, q_rope, c_kv_BSR, k_rope_BSK)
+        scores = jnp.einsum("bthk,bshk->bhts", q, k, preferred_element_type=jnp.float32)
         probs = attention_probs(scores, mask_BTS, cfg, dt)
         out = jnp.einsum("bhts,bshk->bthk", probs, v)
         return project(out, self.o_proj[...].astype(dt), contract=2)
+
+    def heads(
+        self, q_nope: jax.Array, q_rope: jax.Array, c_kv_BSR: jax.Array, k_rope_BSK: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(queries [B,T,H,nope+rope], keys [B,S,H,nope+rope], values [B,S,H,v]): keys and
+        values expanded from the latents. Scores are one product over [nope | rope] dims, the
+        rotary key shared by every head: XLA:CPU runs it 3x faster than the two products summed
+        (the rotary one alone was the slowest)."""
+        kv = project(c_kv_BSR, self.kv_b_proj[...].astype(q_nope.dtype))
+        k_nope, v = jnp.split(kv, [self.cfg.qk_nope_head_dim], axis=-1)
+        B, S, H, _ = k_nope.shape
+        k_rope_BSHK = jnp.broadcast_to(k_rope_BSK[:, :, None], (B, S, H, k_rope_BSK.shape[-1]))
+        q = jnp.concatenate([q_nope, q_rope], axis=-1)
+        return q, jnp.concatenate([k_nope, k_rope_BSHK], axis=-1), v
 
     def __call__(
         self, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array
@@ -112,8 +118,20 @@ class MLA(nnx.Module):
         k_rope = constrain(k_rope, ("batch", None, None))
         key_segments = constrain(segment_ids_BT, ("batch", None))
         key_positions = constrain(positions_BT, ("batch", None))
-        mask = attention_mask(segment_ids_BT, positions_BT, key_segments, key_positions)
-        return self.attend(q_nope, q_rope, c_kv, k_rope, mask)
+        if self.cfg.attention_block_size is None:
+            mask = attention_mask(segment_ids_BT, positions_BT, key_segments, key_positions)
+            return self.attend(q_nope, q_rope, c_kv, k_rope, mask)
+        cfg, dt = self.cfg, q_nope.dtype
+        q, k, v = self.heads(q_nope, q_rope, c_kv, k_rope)
+        out = blockwise_attention(
+            q,
+            k,
+            v,
+            (segment_ids_BT, positions_BT, key_segments, key_positions),
+            rope.softmax_scale(cfg),
+            cfg.attention_block_size,
+        )
+        return project(out, self.o_proj[...].astype(dt), contract=2)
 
 
 def attention_probs(
@@ -138,6 +156,116 @@ def attention_mask(
     same_doc = q_segments_BT[:, :, None] == k_segments_BS[:, None, :]
     causal = k_positions_BS[:, None, :] <= q_positions_BT[:, :, None]
     return same_doc & causal
+
+
+# Attention in key blocks with an online softmax (FlashAttention's algorithm, written here in
+# plain JAX so that it runs, shards and differentiates on every platform): no [T, S] score matrix
+# is ever held, only a [T, block] tile per head, and the backward recomputes each tile from the
+# output and its log-sum-exp instead of keeping the probabilities. The visibility of a tile is
+# computed from segment ids and positions, so no [T, S] mask is held either.
+def _key_blocks(k, v, k_segments, k_positions, block: int):
+    """Keys, values, segments and positions as [blocks, B, block, ...]; padded keys sit at the
+    largest position, after every query, so no query sees them."""
+    pad = -k.shape[1] % block
+    if pad:
+        widths = ((0, 0), (0, pad))
+        k = jnp.pad(k, widths + ((0, 0),) * (k.ndim - 2))
+        v = jnp.pad(v, widths + ((0, 0),) * (v.ndim - 2))
+        k_segments = jnp.pad(k_segments, widths)
+        k_positions = jnp.pad(k_positions, widths, constant_values=jnp.iinfo(jnp.int32).max)
+
+    def split(x):
+        x = x.reshape(x.shape[0], -1, block, *x.shape[2:])
+        return jnp.moveaxis(x, 1, 0)
+
+    return tuple(map(split, (k, v, k_segments, k_positions)))
+
+
+def _tile_scores(q, k_tile, visibility, k_segments, k_positions, scale):
+    """Scaled, masked float32 scores of every query over one key block [B, H, T, block]."""
+    q_segments, q_positions = visibility
+    scores = jnp.einsum("bthk,bshk->bhts", q, k_tile, preferred_element_type=jnp.float32)
+    visible = attention_mask(q_segments, q_positions, k_segments, k_positions)
+    return jnp.where(visible[:, None], scores * scale, _MASKED)
+
+
+def _blockwise_forward(q, k, v, visibility, scale, block):
+    """(output [B,T,H,V] in q's dtype, log-sum-exp of each query's scores [B,H,T] float32)."""
+    q_segments, q_positions, k_segments, k_positions = visibility
+    B, T, H, _ = q.shape
+
+    def step(carry, tile):
+        running_max, total, acc = carry
+        k_tile, v_tile, seg_tile, pos_tile = tile
+        scores = _tile_scores(q, k_tile, (q_segments, q_positions), seg_tile, pos_tile, scale)
+        new_max = jnp.maximum(running_max, scores.max(axis=-1))
+        rescale = jnp.exp(running_max - new_max)
+        probs = jnp.exp(scores - new_max[..., None])
+        total = total * rescale + probs.sum(axis=-1)
+        update = jnp.einsum(
+            "bhts,bshv->bthv", probs.astype(v.dtype), v_tile, preferred_element_type=jnp.float32
+        )
+        acc = acc * jnp.moveaxis(rescale, 1, 2)[..., None] + update
+        return (new_max, total, acc), None
+
+    init = (
+        jnp.full((B, H, T), -jnp.inf, jnp.float32),
+        jnp.zeros((B, H, T), jnp.float32),
+        jnp.zeros((B, T, H, v.shape[-1]), jnp.float32),
+    )
+    tiles = _key_blocks(k, v, k_segments, k_positions, block)
+    (running_max, total, acc), _ = jax.lax.scan(step, init, tiles)
+    out = acc / jnp.moveaxis(total, 1, 2)[..., None]
+    return out.astype(q.dtype), running_max + jnp.log(total)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def blockwise_attention(q_BTHK, k_BSHK, v_BSHV, visibility, scale: float, block: int):
+    """Softmax attention of queries over keys, `block` keys at a time; `visibility` is (query
+    segments [B,T], query positions [B,T], key segments [B,S], key positions [B,S]) as
+    `attention_mask` reads them. Equals `MLA.attend`'s dense product within rounding."""
+    return _blockwise_forward(q_BTHK, k_BSHK, v_BSHV, visibility, scale, block)[0]
+
+
+def _blockwise_fwd(q, k, v, visibility, scale, block):
+    out, lse = _blockwise_forward(q, k, v, visibility, scale, block)
+    return out, (q, k, v, visibility, out, lse)
+
+
+def _blockwise_bwd(scale, block, residuals, d_out):
+    """Each tile's probabilities recomputed from the log-sum-exp; the query gradient summed
+    over tiles, the key and value gradients written per tile."""
+    q, k, v, visibility, out, lse = residuals
+    q_segments, q_positions, k_segments, k_positions = visibility
+    f32 = jnp.float32
+    # Each query's sum over keys of p * dP: the softmax backward's subtrahend.
+    row_dot = jnp.einsum("bthv,bthv->bht", d_out.astype(f32), out.astype(f32))
+
+    def step(d_q, tile):
+        k_tile, v_tile, seg_tile, pos_tile = tile
+        scores = _tile_scores(q, k_tile, (q_segments, q_positions), seg_tile, pos_tile, scale)
+        probs = jnp.exp(scores - lse[..., None])
+        d_v = jnp.einsum(
+            "bhts,bthv->bshv", probs.astype(v.dtype), d_out, preferred_element_type=f32
+        )
+        d_probs = jnp.einsum("bthv,bshv->bhts", d_out, v_tile, preferred_element_type=f32)
+        d_scores = (probs * (d_probs - row_dot[..., None]) * scale).astype(q.dtype)
+        d_q = d_q + jnp.einsum("bhts,bshk->bthk", d_scores, k_tile, preferred_element_type=f32)
+        d_k = jnp.einsum("bhts,bthk->bshk", d_scores, q, preferred_element_type=f32)
+        return d_q, (d_k, d_v)
+
+    tiles = _key_blocks(k, v, k_segments, k_positions, block)
+    d_q, (d_k, d_v) = jax.lax.scan(step, jnp.zeros(q.shape, f32), tiles)
+
+    def unsplit(x):  # [blocks, B, block, ...] -> [B, S, ...]
+        x = jnp.moveaxis(x, 0, 1)
+        return x.reshape(x.shape[0], -1, *x.shape[3:])[:, : k.shape[1]]
+
+    cotangents = (d_q.astype(q.dtype), unsplit(d_k).astype(k.dtype), unsplit(d_v).astype(v.dtype))
+    return (*cotangents, None)
+
+
+blockwise_attention.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 
 def mla_max_logits(

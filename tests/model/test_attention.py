@@ -29,6 +29,9 @@ MLA_CFGS = {
     "q_lora": dict(q_lora_rank=32),
     "no_q_lora": dict(q_lora_rank=None),
     "q_lora_yarn": dict(q_lora_rank=32, rope_scaling=YARN),
+    # Keys 5 at a time: 12 keys leave a padded last block.
+    "q_lora_yarn_blockwise": dict(q_lora_rank=32, rope_scaling=YARN, attention_block_size=5),
+    "no_q_lora_blockwise": dict(q_lora_rank=None, attention_block_size=4),
 }
 
 
@@ -189,3 +192,62 @@ def test_changing_a_token_never_changes_earlier_logits(model_and_cfg):
         got = logits[j + 1]
         np.testing.assert_allclose(got[:j], base[:j], rtol=1e-6, atol=1e-6)
         assert np.abs(got[j] - base[j]).max() > 1e-3
+
+
+def _dense_attention(q, k, v, visibility, scale):
+    """The dense product MLA.attend computes, on expanded queries, keys and values."""
+    scores = jnp.einsum("bthk,bshk->bhts", q, k, preferred_element_type=jnp.float32)
+    mask = attention.attention_mask(*visibility)
+    scores = jnp.where(mask[:, None], scores * scale, attention._MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    return jnp.einsum("bhts,bshv->bthv", probs, v)
+
+
+def _attention_inputs(rng, dtype, B=2, T=9, S=23, H=3, K=6, V=5):
+    """Random queries over keys as context parallelism sees them: T queries from the middle of
+    S keys in a shuffled order, row 0 two packed documents, row 1 one."""
+    key_positions = np.stack([np.concatenate([np.arange(11), np.arange(12)]), np.arange(S)])
+    key_segments = np.stack([np.repeat([1, 2], [11, 12]), np.ones(S, int)])
+    order = rng.permutation(S)
+    key_positions, key_segments = key_positions[:, order], key_segments[:, order]
+    queries = order[7 : 7 + T]
+    visibility = tuple(
+        jnp.asarray(a, jnp.int32)
+        for a in (key_segments[:, queries], key_positions[:, queries], key_segments, key_positions)
+    )
+    q, k, v = (
+        jnp.asarray(rng.standard_normal(shape), dtype)
+        for shape in ((B, T, H, K), (B, S, H, K), (B, S, H, V))
+    )
+    return q, k, v, visibility
+
+
+@pytest.mark.parametrize("block", [1, 4, 23, 64])
+def test_blockwise_attention_and_its_gradients_equal_the_dense_product(block):
+    """Online softmax over key blocks (padded where the block does not divide the keys) equals
+    the dense product, and its hand-written backward equals autodiff of the dense product."""
+    rng = np.random.default_rng(block)
+    q, k, v, visibility = _attention_inputs(rng, jnp.float32)
+    scale = 0.37
+    got = attention.blockwise_attention(q, k, v, visibility, scale, block)
+    want = _dense_attention(q, k, v, visibility, scale)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    cotangent = jnp.asarray(rng.standard_normal(want.shape), jnp.float32)
+
+    def grads(fn):
+        loss = lambda q, k, v: (fn(q, k, v, visibility, scale) * cotangent).sum()  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    blockwise = functools.partial(attention.blockwise_attention, block=block)
+    for name, g, w in zip("qkv", grads(blockwise), grads(_dense_attention)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_blockwise_attention_in_bfloat16_stays_close_to_float32():
+    rng = np.random.default_rng(7)
+    q, k, v, visibility = _attention_inputs(rng, jnp.float32)
+    want = _dense_attention(q, k, v, visibility, 0.37)
+    low = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    got = attention.blockwise_attention(*low, visibility, 0.37, 8)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=3e-2)

@@ -1,5 +1,7 @@
 """Every (replica, fsdp, cp) layout with expert parallelism computes the single-device step."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -84,6 +86,19 @@ CASES = [
     )
     for layout in LAYOUTS
 ]
+
+
+def test_blockwise_attention_under_context_parallelism_matches_single_device(batch, single_device):
+    """The key-block attention with the queries split over cp (2 x 2 x 2) gives the dense
+    single-device step: loss, every gradient, logits and MTP states."""
+    want_loss, want_grads, want_logits, want_mtp = single_device("float32")
+    layout = make_layout(config_lib.MeshConfig(replica=2, fsdp=2, cp=2))
+    cfg = dataclasses.replace(_model_cfg("float32"), attention_block_size=6)
+    loss, grads, logits, mtp = _loss_grads_logits(cfg, layout, batch)
+    assert abs(loss - want_loss) / abs(want_loss) < 1e-5
+    errors = jax.tree.map(_rel, grads, want_grads)
+    assert max(jax.tree.leaves(errors)) < 1e-5, errors
+    assert _rel(logits, want_logits) < 1e-5 and _rel(mtp, want_mtp) < 1e-5
 
 
 @pytest.mark.parametrize("dtype, tol, shape", CASES)
