@@ -39,6 +39,11 @@ _DECODE = flags.DEFINE_list("decode", ["8x128"], "Decode shapes, PROMPTSxNEW_TOK
 _DECODE_CHUNK = flags.DEFINE_integer(
     "decode_chunk", 8, "Our engine's decode steps per jitted call (the peer syncs every token)."
 )
+_ATTENTION_BLOCK = flags.DEFINE_integer(
+    "attention_block",
+    256,
+    "Keys per block of our training step's attention (model.attention_block_size; 0: dense).",
+)
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameters and compute.")
 _COMPILE = flags.DEFINE_bool("compile", False, "Also time the peer under torch.compile.")
 _BREAKDOWN = flags.DEFINE_bool(
@@ -154,12 +159,19 @@ def _our_train_step(m, tokens, repeats: int) -> tuple[float, dict, list]:
 
     from composer_jax import config as config_lib
     from composer_jax import optim
+    from composer_jax.model import Transformer
     from composer_jax.train import step as step_lib
 
     opt_cfg = config_lib.OptimizerConfig(name="adamw", warmup_steps=0)
     schedule = optim.learning_rate_schedule(opt_cfg, 1000)
     optimizer = optim.make_optimizer(opt_cfg, schedule)
-    graphdef, _, _ = step_lib.split_model(m)
+    # The checkpoint's parameters in a model of the same architecture with our attention choice.
+    block = _ATTENTION_BLOCK.value or None
+    graphdef, _, _ = step_lib.split_model(
+        nnx.eval_shape(
+            lambda: Transformer(dataclasses.replace(m.cfg, attention_block_size=block), nnx.Rngs(0))
+        )
+    )
     holder = {"state": step_lib.init_train_state(m, optimizer)}
     rows, length = tokens.shape
     batch = {
