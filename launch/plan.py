@@ -9,8 +9,8 @@ The steps are compiled for CPU devices standing in for the GPUs (XLA's CPU SPMD 
 the same collectives; kernels and fusion differ), so memory is what the partitioned program
 holds, and time is an estimate from the named GPU's datasheet peaks (the table says how). When
 the training step does not fit the GPU (or with --knobs=always), each layout change that could
-help (remat, micro-batches, FSDP instead of HSDP, more or less context parallelism) is planned
-too and ranked by its peak.
+help (remat, attention in key blocks, micro-batches, FSDP instead of HSDP, more or less context
+parallelism) is planned too and ranked by its peak.
 """
 
 import importlib.metadata

@@ -86,19 +86,28 @@ class Knob:
     error: str = ""
 
 
+# Keys per block of the attention knob: a [T, 1024] score tile per head instead of [T, S].
+ATTENTION_BLOCK = 1024
+
+
 def layout_knobs(
     cfg: config_lib.ExperimentConfig, devices: int, phase: int = 0
 ) -> list[tuple[str, object]]:
     """(flags, config) for each layout change that could lower a step's memory: layer
-    rematerialisation, twice the planned phase's micro-batches (gradient accumulation), the
-    replica axis folded into fsdp (FSDP instead of HSDP), and twice or half the context
-    parallelism; only changes that apply to `cfg`'s resolved mesh."""
+    rematerialisation, attention in key blocks (no [T, S] scores), twice the planned phase's
+    micro-batches (gradient accumulation), the replica axis folded into fsdp (FSDP instead of
+    HSDP), and twice or half the context parallelism; only changes that apply to `cfg`'s
+    resolved mesh and model."""
     mesh = config_lib.fitted_mesh(cfg, devices)
     r, f, c = mesh.replica, mesh.fsdp, mesh.cp
     out = []
     if not cfg.model.remat:
         model = dataclasses.replace(cfg.model, remat=True)
         out.append(("--config.model.remat=True", dataclasses.replace(cfg, model=model)))
+    if cfg.model.attention_block_size is None:
+        model = dataclasses.replace(cfg.model, attention_block_size=ATTENTION_BLOCK)
+        flag = f"--config.model.attention_block_size={ATTENTION_BLOCK}"
+        out.append((flag, dataclasses.replace(cfg, model=model)))
     planned = cfg.train.phases[phase]
     micro = 2 * planned.microbatches
     phases = list(cfg.train.phases)

@@ -153,13 +153,16 @@ def test_the_layout_knobs_are_the_changes_that_apply_to_the_mesh():
     flags = [f for f, _ in training.layout_knobs(cfg, 8)]
     assert flags == [
         "--config.model.remat=True",
+        "--config.model.attention_block_size=1024",
         "--config.train.phases[0].microbatches=2",
         "--config.mesh.replica=1 --config.mesh.fsdp=4 --config.mesh.cp=2",
         "--config.mesh.replica=2 --config.mesh.fsdp=1 --config.mesh.cp=4",
         "--config.mesh.replica=2 --config.mesh.fsdp=4 --config.mesh.cp=1",
     ]
-    remat = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=True))
-    first = training.layout_knobs(remat, 8, phase=1)[0][0]
+    lean = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, remat=True, attention_block_size=64)
+    )
+    first = training.layout_knobs(lean, 8, phase=1)[0][0]
     assert first == "--config.train.phases[1].microbatches=2"
 
 
