@@ -2,8 +2,11 @@
 never shares a process with the expected answers, and every known trick scores 0 and is flagged.
 Also the harness's plain-data codec and HumanEval through the grader."""
 
+import json
 import math
+import pathlib
 import random
+import tempfile
 import threading
 import time
 
@@ -132,6 +135,46 @@ def test_code_under_test_holds_only_its_own_pipes_in_the_spare_and_in_a_fresh_ch
     assert outcomes == {"case_0": "pass", "case_1": "error", "case_2": "pass"}
 
 
+def _spy_task(honest: envs.Task, marker: str) -> envs.Task:
+    """`honest`'s task with a solution that searches every readable temporary folder for a file
+    holding `marker` (the expected answers) and answers with what it finds."""
+    head, tail = marker[:6], marker[6:]  # not written out whole in the spy's own source
+    spy_source = (
+        "import os\n"
+        "def f(x):\n"
+        f"    marker = {head!r} + {tail!r}\n"
+        "    own = os.getcwd()\n"
+        "    for root in ('/tmp', '/var/tmp', '/dev/shm'):\n"
+        "        for folder, subfolders, names in os.walk(root):\n"
+        "            if folder.startswith(own):\n"
+        "                continue\n"
+        "            # A grader's files sit near the top and are small: search there first, so the\n"
+        "            # search ends while the other sample is still graded, whatever else /tmp holds\n"
+        "            # (a clone with its virtualenv took 20 s to read whole).\n"
+        "            if folder[len(root):].count(os.sep) >= 3:\n"
+        "                subfolders.clear()\n"
+        "            for name in names:\n"
+        "                path = os.path.join(folder, name)\n"
+        "                try:\n"
+        "                    if os.path.getsize(path) > 1 << 20:\n"
+        "                        continue\n"
+        "                    text = open(path, errors='ignore').read()\n"
+        "                except OSError:\n"
+        "                    continue\n"
+        "                if marker in text:\n"
+        "                    return marker + '-' + str(x)\n"
+        "    return 'nothing'\n"
+    )
+    return envs.Task(
+        **{
+            **honest.to_json(),
+            "task_id": "spy",
+            "files": {"solution.py": spy_source},
+            "graded_tests": honest.graded_tests,
+        }
+    )
+
+
 @pytest.mark.skipif(not isolation.usable("bwrap"), reason="needs a second backend to compare")
 @pytest.mark.parametrize("backend", ["bwrap", "rlimit"])
 def test_a_sibling_cannot_read_hidden_answers_while_a_sample_is_graded(backend):
@@ -146,33 +189,7 @@ def test_a_sibling_cannot_read_hidden_answers_while_a_sample_is_graded(backend):
         grader={"kind": "cases", "module": "solution", "function": "f", "cases": cases},
         graded_tests=case_tests(3),
     )
-    head, tail = marker[:6], marker[6:]  # not written out whole in the spy's own source
-    spy_source = (
-        "import os\n"
-        "def f(x):\n"
-        f"    marker = {head!r} + {tail!r}\n"
-        "    own = os.getcwd()\n"
-        "    for root in ('/tmp', '/var/tmp', '/dev/shm'):\n"
-        "        for folder, _, names in os.walk(root):\n"
-        "            if folder.startswith(own):\n"
-        "                continue\n"
-        "            for name in names:\n"
-        "                try:\n"
-        "                    text = open(os.path.join(folder, name), errors='ignore').read()\n"
-        "                except OSError:\n"
-        "                    continue\n"
-        "                if marker in text:\n"
-        "                    return marker + '-' + str(x)\n"
-        "    return 'nothing'\n"
-    )
-    spy = envs.Task(
-        **{
-            **honest.to_json(),
-            "task_id": "spy",
-            "files": {"solution.py": spy_source},
-            "graded_tests": honest.graded_tests,
-        }
-    )
+    spy = _spy_task(honest, marker)
     options = {"backend": backend, "require_isolation": False}
     results = {}
     slow = threading.Thread(
@@ -183,6 +200,26 @@ def test_a_sibling_cannot_read_hidden_answers_while_a_sample_is_graded(backend):
     results["spy"] = grade_solution(spy, {}, **options)
     slow.join()
     assert results["spy"].passed == 0
+
+
+def test_the_spy_finds_answers_a_grader_would_leave_in_a_temporary_folder():
+    """The attack above is real: answers written to a file under the system's temporary folder
+    (as a grader that kept them on disk would) are found and score every case."""
+    marker = f"cj-secret-{random.randrange(10**9)}"
+    cases = [[[encode_value(i)], encode_value(f"{marker}-{i}")] for i in range(3)]
+    honest = envs.Task(
+        task_id="secret",
+        prompt="",
+        files={"solution.py": "def f(x):\n    return x\n"},
+        grader={"kind": "cases", "module": "solution", "function": "f", "cases": cases},
+        graded_tests=case_tests(3),
+    )
+    with tempfile.TemporaryDirectory(prefix="cj_answers_", dir="/tmp") as folder:
+        (pathlib.Path(folder) / "answers.json").write_text(json.dumps(cases))
+        spied = grade_solution(
+            _spy_task(honest, marker), {}, backend="rlimit", require_isolation=False
+        )
+    assert spied.passed == 3
 
 
 # -------------------------------------------------------------------------------- the codec
