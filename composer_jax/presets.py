@@ -7,6 +7,7 @@ agent in repositories) and `rl_small`."""
 import dataclasses
 
 from composer_jax.config import (
+    LONG_CONTEXT_ATTENTION_BLOCK,
     AgentConfig,
     ExperimentConfig,
     HeldoutConfig,
@@ -124,6 +125,7 @@ def kimi_k2_model() -> ModelConfig:
         topk_group=1,
         routed_scaling_factor=2.827,
         num_mtp_layers=0,
+        attention_block_size=LONG_CONTEXT_ATTENTION_BLOCK,
     )
 
 
@@ -183,6 +185,7 @@ def deepseek_v3_model() -> ModelConfig:
         topk_group=4,
         routed_scaling_factor=2.5,
         num_mtp_layers=1,
+        attention_block_size=LONG_CONTEXT_ATTENTION_BLOCK,
     )
 
 

@@ -23,6 +23,11 @@ class YarnConfig:
     mscale_all_dim: float = 1.0
 
 
+# Keys per block for long contexts (the 1T presets, launch.plan's layout change): a [T, 1024]
+# score tile per head instead of a dense [T, S] product.
+LONG_CONTEXT_ATTENTION_BLOCK = 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """DeepSeek-V3 / Kimi-K2 shaped MoE transformer with MLA attention and MTP heads."""

@@ -86,10 +86,6 @@ class Knob:
     error: str = ""
 
 
-# Keys per block of the attention knob: a [T, 1024] score tile per head instead of [T, S].
-ATTENTION_BLOCK = 1024
-
-
 def layout_knobs(
     cfg: config_lib.ExperimentConfig, devices: int, phase: int = 0
 ) -> list[tuple[str, object]]:
@@ -105,9 +101,11 @@ def layout_knobs(
         model = dataclasses.replace(cfg.model, remat=True)
         out.append(("--config.model.remat=True", dataclasses.replace(cfg, model=model)))
     if cfg.model.attention_block_size is None:
-        model = dataclasses.replace(cfg.model, attention_block_size=ATTENTION_BLOCK)
-        flag = f"--config.model.attention_block_size={ATTENTION_BLOCK}"
-        out.append((flag, dataclasses.replace(cfg, model=model)))
+        block = config_lib.LONG_CONTEXT_ATTENTION_BLOCK
+        model = dataclasses.replace(cfg.model, attention_block_size=block)
+        out.append(
+            (f"--config.model.attention_block_size={block}", dataclasses.replace(cfg, model=model))
+        )
     planned = cfg.train.phases[phase]
     micro = 2 * planned.microbatches
     phases = list(cfg.train.phases)
