@@ -93,63 +93,6 @@ def small() -> ExperimentConfig:
     )
 
 
-def kimi_k2_model() -> ModelConfig:
-    """The Kimi-K2 shape (1.04T total / 32B active); used for accounting, never allocated."""
-    return ModelConfig(
-        vocab_size=163840,
-        hidden_size=7168,
-        num_layers=61,
-        first_k_dense=1,
-        num_heads=64,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        rope_theta=50000.0,
-        rope_scaling=YarnConfig(
-            factor=32.0,
-            original_max_position_embeddings=4096,
-            beta_fast=1.0 * 32,
-            beta_slow=1.0,
-            mscale=1.0,
-            mscale_all_dim=1.0,
-        ),
-        max_position_embeddings=131072,
-        intermediate_size=18432,
-        moe_intermediate_size=2048,
-        num_experts=384,
-        num_experts_per_tok=8,
-        num_shared_experts=1,
-        n_group=1,
-        topk_group=1,
-        routed_scaling_factor=2.827,
-        num_mtp_layers=0,
-        attention_block_size=LONG_CONTEXT_ATTENTION_BLOCK,
-    )
-
-
-def kimi_k2() -> ExperimentConfig:
-    return ExperimentConfig(
-        model=kimi_k2_model(),
-        # 64-way FSDP (the long-context phase's batch of 64 caps replica x fsdp at 64) with the
-        # experts split over it (64 divides the 384 experts), context parallelism over the rest:
-        # cp=2 on 128 GPUs, 4 on 256, 16 on 1024.
-        mesh=MeshConfig(replica=1, fsdp=64, cp=-1, ep=("fsdp",)),
-        train=TrainConfig(
-            phases=(
-                PhaseConfig("main", fraction=0.9, seq_len=32768, batch_size=512),
-                PhaseConfig(
-                    "long_context", fraction=0.08, seq_len=262144, batch_size=64, lr_scale=0.3
-                ),
-                PhaseConfig("sft", fraction=0.02, seq_len=32768, batch_size=512, lr_scale=0.1),
-            )
-        ),
-        steps=100000,
-        workdir="runs/kimi_k2",
-    )
-
-
 def deepseek_v3_model() -> ModelConfig:
     """The DeepSeek-V3 shape (671B total / 37B active), as its config.json describes it
     (tests/model/test_transformer.py checks the two agree); for accounting, the plan and
@@ -186,6 +129,47 @@ def deepseek_v3_model() -> ModelConfig:
         routed_scaling_factor=2.5,
         num_mtp_layers=1,
         attention_block_size=LONG_CONTEXT_ATTENTION_BLOCK,
+    )
+
+
+def kimi_k2_model() -> ModelConfig:
+    """The Kimi-K2 shape (1.04T total / 32B active): DeepSeek-V3's architecture with 384 experts,
+    64 heads and one dense layer; used for accounting, never allocated."""
+    v3 = deepseek_v3_model()
+    return dataclasses.replace(
+        v3,
+        vocab_size=163840,
+        first_k_dense=1,
+        num_heads=64,
+        rope_theta=50000.0,
+        rope_scaling=dataclasses.replace(v3.rope_scaling, factor=32.0),
+        max_position_embeddings=131072,
+        num_experts=384,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.827,
+        num_mtp_layers=0,
+    )
+
+
+def kimi_k2() -> ExperimentConfig:
+    return ExperimentConfig(
+        model=kimi_k2_model(),
+        # 64-way FSDP (the long-context phase's batch of 64 caps replica x fsdp at 64) with the
+        # experts split over it (64 divides the 384 experts), context parallelism over the rest:
+        # cp=2 on 128 GPUs, 4 on 256, 16 on 1024.
+        mesh=MeshConfig(replica=1, fsdp=64, cp=-1, ep=("fsdp",)),
+        train=TrainConfig(
+            phases=(
+                PhaseConfig("main", fraction=0.9, seq_len=32768, batch_size=512),
+                PhaseConfig(
+                    "long_context", fraction=0.08, seq_len=262144, batch_size=64, lr_scale=0.3
+                ),
+                PhaseConfig("sft", fraction=0.02, seq_len=32768, batch_size=512, lr_scale=0.1),
+            )
+        ),
+        steps=100000,
+        workdir="runs/kimi_k2",
     )
 
 
