@@ -135,6 +135,20 @@ def test_code_under_test_holds_only_its_own_pipes_in_the_spare_and_in_a_fresh_ch
     assert outcomes == {"case_0": "pass", "case_1": "error", "case_2": "pass"}
 
 
+def _secret_task(solution: str) -> tuple[envs.Task, str]:
+    """(a task graded on three cases whose expected answers hold a fresh marker, the marker)."""
+    marker = f"cj-secret-{random.randrange(10**9)}"
+    cases = [[[encode_value(i)], encode_value(f"{marker}-{i}")] for i in range(3)]
+    task = envs.Task(
+        task_id="secret",
+        prompt="",
+        files={"solution.py": solution},
+        grader={"kind": "cases", "module": "solution", "function": "f", "cases": cases},
+        graded_tests=case_tests(3),
+    )
+    return task, marker
+
+
 def _spy_task(honest: envs.Task, marker: str) -> envs.Task:
     """`honest`'s task with a solution that searches every readable temporary folder for a file
     holding `marker` (the expected answers) and answers with what it finds."""
@@ -180,15 +194,7 @@ def _spy_task(honest: envs.Task, marker: str) -> envs.Task:
 def test_a_sibling_cannot_read_hidden_answers_while_a_sample_is_graded(backend):
     """Two samples graded at once on the same backend: one slow honest grade, one sample whose
     code searches every readable temporary folder for the other's expected answers."""
-    marker = f"cj-secret-{random.randrange(10**9)}"
-    cases = [[[encode_value(i)], encode_value(f"{marker}-{i}")] for i in range(3)]
-    honest = envs.Task(
-        task_id="secret",
-        prompt="",
-        files={"solution.py": "import time\ndef f(x):\n    time.sleep(0.3)\n    return x\n"},
-        grader={"kind": "cases", "module": "solution", "function": "f", "cases": cases},
-        graded_tests=case_tests(3),
-    )
+    honest, marker = _secret_task("import time\ndef f(x):\n    time.sleep(0.3)\n    return x\n")
     spy = _spy_task(honest, marker)
     options = {"backend": backend, "require_isolation": False}
     results = {}
@@ -205,17 +211,9 @@ def test_a_sibling_cannot_read_hidden_answers_while_a_sample_is_graded(backend):
 def test_the_spy_finds_answers_a_grader_would_leave_in_a_temporary_folder():
     """The attack above is real: answers written to a file under the system's temporary folder
     (as a grader that kept them on disk would) are found and score every case."""
-    marker = f"cj-secret-{random.randrange(10**9)}"
-    cases = [[[encode_value(i)], encode_value(f"{marker}-{i}")] for i in range(3)]
-    honest = envs.Task(
-        task_id="secret",
-        prompt="",
-        files={"solution.py": "def f(x):\n    return x\n"},
-        grader={"kind": "cases", "module": "solution", "function": "f", "cases": cases},
-        graded_tests=case_tests(3),
-    )
+    honest, marker = _secret_task("def f(x):\n    return x\n")
     with tempfile.TemporaryDirectory(prefix="cj_answers_", dir="/tmp") as folder:
-        (pathlib.Path(folder) / "answers.json").write_text(json.dumps(cases))
+        (pathlib.Path(folder) / "answers.json").write_text(json.dumps(honest.grader["cases"]))
         spied = grade_solution(
             _spy_task(honest, marker), {}, backend="rlimit", require_isolation=False
         )
