@@ -2,7 +2,9 @@
 
 Keys and values are compressed into a per-token latent (kv_lora_rank, RMS-normed) plus one rotary
 key part shared by every head. The forward pass is split at the latent so that context parallelism
-can all-gather just the latents, and an inference KV cache can store just the latents.
+can all-gather just the latents, and an inference KV cache can store just the latents. Training
+attends with one dense [T, S] product per head, or with `model.attention_block_size` set, in key
+blocks under an online softmax (`blockwise_attention`: long contexts hold no [T, S] array).
 """
 
 from __future__ import annotations
