@@ -166,8 +166,10 @@ def attention_mask(
 # output and its log-sum-exp instead of keeping the probabilities. The visibility of a tile is
 # computed from segment ids and positions, so no [T, S] mask is held either.
 def _key_blocks(k, v, k_segments, k_positions, block: int):
-    """Keys, values, segments and positions as [blocks, B, block, ...]; padded keys sit at the
-    largest position, after every query, so no query sees them."""
+    """Keys, values, segments and positions as [blocks, B, block, ...] (one block of all keys
+    when there are fewer than `block`); padded keys sit at the largest position, after every
+    query, so no query sees them."""
+    block = min(block, k.shape[1])
     pad = -k.shape[1] % block
     if pad:
         widths = ((0, 0), (0, pad))
