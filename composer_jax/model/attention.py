@@ -185,29 +185,30 @@ def _key_blocks(k, v, k_segments, k_positions, block: int):
     return tuple(map(split, (k, v, k_segments, k_positions)))
 
 
-def _tile_scores(q, k_tile, visibility, k_segments, k_positions, scale):
-    """Scaled, masked float32 scores of every query over one key block [B, H, T, block]."""
-    q_segments, q_positions = visibility
+def _tile_scores(q, q_visible, k_tile, seg_tile, pos_tile, scale):
+    """Scaled, masked float32 scores of every query over one key block [B, H, T, block];
+    `q_visible` is (query segments, query positions)."""
     scores = jnp.einsum("bthk,bshk->bhts", q, k_tile, preferred_element_type=jnp.float32)
-    visible = attention_mask(q_segments, q_positions, k_segments, k_positions)
+    visible = attention_mask(*q_visible, seg_tile, pos_tile)
     return jnp.where(visible[:, None], scores * scale, _MASKED)
 
 
-def _blockwise_forward(q, k, v, visibility, scale, block):
-    """(output [B,T,H,V] in q's dtype, log-sum-exp of each query's scores [B,H,T] float32)."""
-    q_segments, q_positions, k_segments, k_positions = visibility
+def _blockwise_forward(q, tiles, q_visible, scale):
+    """(output [B,T,H,V] in q's dtype, log-sum-exp of each query's scores [B,H,T] float32) of
+    queries over `_key_blocks` tiles."""
     B, T, H, _ = q.shape
+    v_dtype, v_dim = tiles[1].dtype, tiles[1].shape[-1]
 
     def step(carry, tile):
         running_max, total, acc = carry
         k_tile, v_tile, seg_tile, pos_tile = tile
-        scores = _tile_scores(q, k_tile, (q_segments, q_positions), seg_tile, pos_tile, scale)
+        scores = _tile_scores(q, q_visible, k_tile, seg_tile, pos_tile, scale)
         new_max = jnp.maximum(running_max, scores.max(axis=-1))
         rescale = jnp.exp(running_max - new_max)
         probs = jnp.exp(scores - new_max[..., None])
         total = total * rescale + probs.sum(axis=-1)
         update = jnp.einsum(
-            "bhts,bshv->bthv", probs.astype(v.dtype), v_tile, preferred_element_type=jnp.float32
+            "bhts,bshv->bthv", probs.astype(v_dtype), v_tile, preferred_element_type=jnp.float32
         )
         acc = acc * jnp.moveaxis(rescale, 1, 2)[..., None] + update
         return (new_max, total, acc), None
@@ -215,9 +216,8 @@ def _blockwise_forward(q, k, v, visibility, scale, block):
     init = (
         jnp.full((B, H, T), -jnp.inf, jnp.float32),
         jnp.zeros((B, H, T), jnp.float32),
-        jnp.zeros((B, T, H, v.shape[-1]), jnp.float32),
+        jnp.zeros((B, T, H, v_dim), jnp.float32),
     )
-    tiles = _key_blocks(k, v, k_segments, k_positions, block)
     (running_max, total, acc), _ = jax.lax.scan(step, init, tiles)
     out = acc / jnp.moveaxis(total, 1, 2)[..., None]
     return out.astype(q.dtype), running_max + jnp.log(total)
@@ -228,29 +228,30 @@ def blockwise_attention(q_BTHK, k_BSHK, v_BSHV, visibility, scale: float, block:
     """Softmax attention of queries over keys, `block` keys at a time; `visibility` is (query
     segments [B,T], query positions [B,T], key segments [B,S], key positions [B,S]) as
     `attention_mask` reads them. Equals `MLA.attend`'s dense product within rounding."""
-    return _blockwise_forward(q_BTHK, k_BSHK, v_BSHV, visibility, scale, block)[0]
+    return _blockwise_fwd(q_BTHK, k_BSHK, v_BSHV, visibility, scale, block)[0]
 
 
 def _blockwise_fwd(q, k, v, visibility, scale, block):
-    out, lse = _blockwise_forward(q, k, v, visibility, scale, block)
-    return out, (q, k, v, visibility, out, lse)
+    """The output, and for the backward the key tiles (built once) and the log-sum-exp."""
+    tiles = _key_blocks(k, v, *visibility[2:], block)
+    out, lse = _blockwise_forward(q, tiles, visibility[:2], scale)
+    return out, (q, tiles, visibility, out, lse)
 
 
 def _blockwise_bwd(scale, block, residuals, d_out):
     """Each tile's probabilities recomputed from the log-sum-exp; the query gradient summed
     over tiles, the key and value gradients written per tile."""
-    q, k, v, visibility, out, lse = residuals
-    q_segments, q_positions, k_segments, k_positions = visibility
+    q, tiles, visibility, out, lse = residuals
     f32 = jnp.float32
     # Each query's sum over keys of p * dP: the softmax backward's subtrahend.
     row_dot = jnp.einsum("bthv,bthv->bht", d_out.astype(f32), out.astype(f32))
 
     def step(d_q, tile):
         k_tile, v_tile, seg_tile, pos_tile = tile
-        scores = _tile_scores(q, k_tile, (q_segments, q_positions), seg_tile, pos_tile, scale)
+        scores = _tile_scores(q, visibility[:2], k_tile, seg_tile, pos_tile, scale)
         probs = jnp.exp(scores - lse[..., None])
         d_v = jnp.einsum(
-            "bhts,bthv->bshv", probs.astype(v.dtype), d_out, preferred_element_type=f32
+            "bhts,bthv->bshv", probs.astype(v_tile.dtype), d_out, preferred_element_type=f32
         )
         d_probs = jnp.einsum("bthv,bshv->bhts", d_out, v_tile, preferred_element_type=f32)
         d_scores = (probs * (d_probs - row_dot[..., None]) * scale).astype(q.dtype)
@@ -258,15 +259,15 @@ def _blockwise_bwd(scale, block, residuals, d_out):
         d_k = jnp.einsum("bhts,bthk->bshk", d_scores, q, preferred_element_type=f32)
         return d_q, (d_k, d_v)
 
-    tiles = _key_blocks(k, v, k_segments, k_positions, block)
     d_q, (d_k, d_v) = jax.lax.scan(step, jnp.zeros(q.shape, f32), tiles)
+    keys = visibility[2].shape[1]
 
-    def unsplit(x):  # [blocks, B, block, ...] -> [B, S, ...]
+    def unsplit(x, dtype):  # [blocks, B, block, ...] -> [B, S, ...]
         x = jnp.moveaxis(x, 0, 1)
-        return x.reshape(x.shape[0], -1, *x.shape[3:])[:, : k.shape[1]]
+        return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :keys].astype(dtype)
 
-    cotangents = (d_q.astype(q.dtype), unsplit(d_k).astype(k.dtype), unsplit(d_v).astype(v.dtype))
-    return (*cotangents, None)
+    k_tiles, v_tiles = tiles[:2]
+    return d_q.astype(q.dtype), unsplit(d_k, k_tiles.dtype), unsplit(d_v, v_tiles.dtype), None
 
 
 blockwise_attention.defvjp(_blockwise_fwd, _blockwise_bwd)

@@ -162,7 +162,7 @@ def _spy_task(honest: envs.Task, marker: str) -> envs.Task:
         "        for folder, subfolders, names in os.walk(root):\n"
         "            if folder.startswith(own):\n"
         "                continue\n"
-        "            # A grader's files sit near the top and are small: search there first, so the\n"
+        "            # A grader's files sit near the top and are small: search only there, so the\n"
         "            # search ends while the other sample is still graded, whatever else /tmp holds\n"
         "            # (a clone with its virtualenv took 20 s to read whole).\n"
         "            if folder[len(root):].count(os.sep) >= 3:\n"
