@@ -119,6 +119,11 @@ def _check_mesh(cfg: ExperimentConfig) -> None:
         f"must be auto, ragged, padded or ragged_emulated, got {cfg.mesh.ep_dispatch!r}",
     )
     _check(
+        cfg.mesh.ep_capacity is None or 0 < cfg.mesh.ep_capacity < float("inf"),
+        "mesh.ep_capacity",
+        f"must be None (dropless) or a positive number, got {cfg.mesh.ep_capacity!r}",
+    )
+    _check(
         cfg.mesh.ep_quantize == "none" or cfg.model.hidden_size % 32 == 0,
         "mesh.ep_quantize",
         f"MXFP8 dispatch needs model.hidden_size divisible by 32, got {cfg.model.hidden_size}",

@@ -101,7 +101,10 @@ class MeshConfig:
     dtype), "none", or "auto" (mxfp8 on GPU, none elsewhere). `ep_dispatch` is the exchange:
     "ragged" (ragged all-to-all: only real rows travel; GPU), "padded" (all-to-all of worst-case
     buffers; any backend), "ragged_emulated" (ragged bookkeeping over all-gathers, for CPU tests),
-    or "auto" (ragged on GPU, padded elsewhere).
+    or "auto" (ragged on GPU, padded elsewhere). `ep_capacity` bounds the rows each device sends
+    each member of its group to ceil(ep_capacity x its token slots / group size): buffers and
+    wire bytes shrink by group / ep_capacity, rows past the bound are dropped (counted as
+    `expert_drop_rate`); None keeps the exchange dropless with worst-case buffers.
     """
 
     replica: int = 1
@@ -110,6 +113,7 @@ class MeshConfig:
     ep: tuple[str, ...] = ("fsdp", "cp")
     ep_quantize: str = "auto"
     ep_dispatch: str = "auto"
+    ep_capacity: float | None = None
 
 
 def validate_model(m: ModelConfig, where: str = "model") -> None:

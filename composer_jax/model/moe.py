@@ -37,6 +37,7 @@ class Routing(NamedTuple):
 class RoutingStats(NamedTuple):
     load_E: jax.Array  # valid tokens routed to each expert
     replay_replaced: jax.Array  # replayed (token, slot) pairs the plausibility filter replaced
+    dropped: jax.Array  # valid (token, slot) pairs an expert-parallel capacity bound left out
 
 
 def _ragged_dot(lhs_MK: jax.Array, rhs_EKN: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
@@ -190,8 +191,9 @@ class MoE(nnx.Module):
         gate, up, down = (w[...].astype(dt) for w in (self.gate, self.up, self.down))
         layout = current_layout()
         if layout is not None and layout.ep_size > 1:
-            out = expert_parallel.routed_experts(
+            out, dropped = expert_parallel.routed_experts(
                 x_BTD,
+                valid_BT,
                 routing.indices_BTK,
                 routing.weights_BTK,
                 gate,
@@ -211,6 +213,7 @@ class MoE(nnx.Module):
                 routing.weights_BTK,
             )
             out = routed.astype(dt)
+            dropped = jnp.zeros(routing.indices_BTK.shape, jnp.bool_)
         if self.shared is not None:
             out = out + self.shared(x_BTD)
         valid_slots = jnp.broadcast_to(valid_BT[..., None], routing.indices_BTK.shape)
@@ -220,7 +223,14 @@ class MoE(nnx.Module):
             .add(valid_slots.astype(jnp.float32))
         )
         replaced_slots = jnp.sum(replaced & valid_slots).astype(jnp.float32)
-        return out, routing, RoutingStats(load, replaced_slots)
+        dropped_slots = jnp.sum(dropped & valid_slots).astype(jnp.float32)
+        return out, routing, RoutingStats(load, replaced_slots, dropped_slots)
+
+
+def drops_tokens() -> bool:
+    """Whether the layout being traced bounds the expert exchange, so slots can be dropped."""
+    layout = current_layout()
+    return layout is not None and layout.ep_size > 1 and layout.ep_capacity is not None
 
 
 def update_expert_bias(bias_E: jax.Array, load_E: jax.Array, rate: float) -> jax.Array:

@@ -16,7 +16,7 @@ from flax import nnx
 from composer_jax.config import ModelConfig
 from composer_jax.model.attention import MLA
 from composer_jax.model.layers import DenseMLP, RMSNorm, dtype_of, param
-from composer_jax.model.moe import MoE, RoutingStats
+from composer_jax.model.moe import MoE, RoutingStats, drops_tokens
 from composer_jax.model.projection import project
 from composer_jax.parallel.context_parallel import inverse_order, load_balanced_order
 from composer_jax.parallel.mesh import constrain, current_layout
@@ -79,6 +79,17 @@ class ForwardOutput(NamedTuple):
     router_indices_LBTK: jax.Array  # experts used per MoE layer (for router replay)
     expert_load_LE: jax.Array  # valid tokens routed to each expert, per MoE layer
     replay_replaced_L: jax.Array  # replayed expert slots the plausibility filter replaced
+    expert_dropped_L: jax.Array  # valid expert slots an expert-parallel capacity bound dropped
+
+
+def drop_metrics(out: ForwardOutput, segment_ids_BT: jax.Array, k: int) -> dict[str, jax.Array]:
+    """{"expert_drop_rate": dropped / routed valid slots over the MoE layers} where the traced
+    layout bounds the expert exchange; nothing where it cannot drop."""
+    layers = out.expert_dropped_L.shape[0]
+    if not (layers and drops_tokens()):
+        return {}
+    routed = jnp.sum(segment_ids_BT > 0) * k * layers
+    return {"expert_drop_rate": out.expert_dropped_L.sum() / jnp.maximum(routed, 1)}
 
 
 def _stack(make: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs) -> nnx.Module:
@@ -165,7 +176,7 @@ class Transformer(nnx.Module):
             )
         else:
             indices = jnp.zeros((0, B, T, cfg.num_experts_per_tok), jnp.int32)
-            stats = RoutingStats(jnp.zeros((0, cfg.num_experts)), jnp.zeros((0,)))
+            stats = RoutingStats(jnp.zeros((0, cfg.num_experts)), jnp.zeros((0,)), jnp.zeros((0,)))
 
         mtp_hidden = None
         if with_mtp and len(self.mtp):
@@ -178,7 +189,9 @@ class Transformer(nnx.Module):
                 h = layer(h, self.embed_tokens(ahead), positions_BT, segment_ids_BT)
                 states.append(layer.out_norm(h))
             mtp_hidden = jnp.stack(states)
-        return ForwardOutput(x, mtp_hidden, indices, stats.load_E, stats.replay_replaced)
+        return ForwardOutput(
+            x, mtp_hidden, indices, stats.load_E, stats.replay_replaced, stats.dropped
+        )
 
     def head(self, normed_hidden: jax.Array) -> jax.Array:
         """Output projection to float32 logits."""

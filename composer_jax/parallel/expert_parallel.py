@@ -8,12 +8,17 @@ and sends the results back the same way. Two exchanges, both dropless whatever t
   (slowly) on CPU tests.
 - "padded" (`lax.all_to_all`, every backend, XLA:CPU included): a [group, slots] buffer per
   device, (group size)x the bytes on the wire.
+A capacity factor c (`Layout.ep_capacity`) bounds what one device sends one member to
+ceil(c x slots / group) rows, GShard's expert capacity taken per device pair: buffers, wire bytes
+and the experts' rows shrink by group / c, and rows past the bound are dropped (padding tokens
+first, then the batch's later tokens) and reported, so their experts contribute nothing.
 Tokens can travel in MXFP8 (results always return in the compute dtype, as in DeepSeek-V3).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -127,38 +132,52 @@ def _ragged_move_bwd(in_rows, out_rows, axes, emulate, quantize, plans, cotangen
 _ragged_move.defvjp(_ragged_move_fwd, _ragged_move_bwd)
 
 
-def _padded_dispatch(rows, local_expert, destination, rank, counts, layout, experts_here):
-    """Every member gets a [G, slots] buffer slot per possible row: static, wasteful, universal."""
+def pair_capacity(slots: int, group: int, factor: float | None) -> int:
+    """Rows one device may send one member of its group: all its slots (dropless) without a
+    factor, else ceil(factor x slots / group), the factor times an even share."""
+    if factor is None:
+        return slots
+    return min(slots, math.ceil(factor * slots / group))
+
+
+def _padded_dispatch(rows, local_expert, destination, rank, counts, layout, experts_here, cap):
+    """Every member gets a [G, cap] buffer, a slot per row it could be sent: static, universal,
+    and (without a capacity factor) wasteful. Rows ranked past `cap` are not sent."""
     axes, group = layout.ep_axes, layout.ep_size
-    slots, d = rows.shape
-    send_x = jnp.zeros((group, slots, d), rows.dtype).at[destination, rank].set(rows)
+    d = rows.shape[1]
+    send_x = jnp.zeros((group, cap, d), rows.dtype).at[destination, rank].set(rows, mode="drop")
     send_e = (
-        jnp.full((group, slots), experts_here, jnp.int32).at[destination, rank].set(local_expert)
+        jnp.full((group, cap), experts_here, jnp.int32)
+        .at[destination, rank]
+        .set(local_expert, mode="drop")
     )
     exchange = _exchange_mxfp8 if layout.quantize_dispatch else _exchange
-    received_x = exchange(send_x, axes).reshape(group * slots, d)
-    received_e = _exchange(send_e, axes).reshape(group * slots)
+    received_x = exchange(send_x, axes).reshape(group * cap, d)
+    received_e = _exchange(send_e, axes).reshape(group * cap)
 
     def send_back(results):
-        return _exchange(results.reshape(group, slots, d), axes)[destination, rank]
+        back = _exchange(results.reshape(group, cap, d), axes)
+        return back.at[destination, rank].get(mode="fill", fill_value=0)
 
     return received_x, received_e, send_back
 
 
-def _ragged_dispatch(rows, local_expert, destination, rank, counts, layout, experts_here):
-    """Only real rows travel (`ragged_all_to_all`); buffers stay sized for the worst case."""
+def _ragged_dispatch(rows, local_expert, destination, rank, counts, layout, experts_here, cap):
+    """Only real rows travel (`ragged_all_to_all`), at most `cap` to each member; the receive
+    buffer holds group x cap rows."""
     axes, group = layout.ep_axes, layout.ep_size
     emulate = layout.dispatch_mode == "ragged_emulated"
     slots = rows.shape[0]
     starts = jnp.cumsum(counts) - counts
+    sent = jnp.minimum(counts, cap)
     me = jax.lax.axis_index(axes)
-    sent_by = jax.lax.all_gather(counts, axes)  # [sender, receiver]
+    sent_by = jax.lax.all_gather(sent, axes)  # [sender, receiver]
     earlier = jnp.arange(group)[:, None] < me
     forward = _Plan(
         input_offsets=starts.astype(jnp.int32),
-        send_sizes=counts.astype(jnp.int32),
+        send_sizes=sent.astype(jnp.int32),
         output_offsets=jnp.sum(jnp.where(earlier, sent_by, 0), axis=0).astype(jnp.int32),
-        recv_sizes=_exchange(counts, axes).astype(jnp.int32),
+        recv_sizes=_exchange(sent, axes).astype(jnp.int32),
     )
     reverse = _Plan(
         input_offsets=(jnp.cumsum(forward.recv_sizes) - forward.recv_sizes).astype(jnp.int32),
@@ -166,7 +185,7 @@ def _ragged_dispatch(rows, local_expert, destination, rank, counts, layout, expe
         output_offsets=_exchange(forward.input_offsets, axes),
         recv_sizes=forward.send_sizes,
     )
-    capacity = group * slots
+    capacity = group * cap
     move = functools.partial(_ragged_move, axes=axes, emulate=emulate)
     received_x = move(rows, forward, reverse, slots, capacity, quantize=layout.quantize_dispatch)
     received_e = _ragged_all_to_all(
@@ -179,8 +198,15 @@ def _ragged_dispatch(rows, local_expert, destination, rank, counts, layout, expe
     return received_x, received_e, send_back
 
 
+def _drop_last_order(destination: jax.Array, valid: jax.Array) -> jax.Array:
+    """Slots grouped by destination member, valid ones first in each group (token order
+    within), so a capacity bound drops padding before real tokens."""
+    return jnp.argsort(2 * destination + (~valid).astype(destination.dtype), stable=True)
+
+
 def routed_experts(
     x_BTD: jax.Array,
+    valid_BT: jax.Array,
     indices_BTK: jax.Array,
     weights_BTK: jax.Array,
     gate_EDF: jax.Array,
@@ -188,20 +214,22 @@ def routed_experts(
     down_EFD: jax.Array,
     layout: Layout,
     local_experts: LocalExperts,
-) -> jax.Array:
-    """Weighted sum over each token's experts, with experts split across `layout.ep_axes`."""
+) -> tuple[jax.Array, jax.Array]:
+    """Weighted sum over each token's experts, with experts split across `layout.ep_axes`.
+    Returns (output [B, T, D], dropped [B, T, k]: the slots a capacity bound left out)."""
     group = layout.ep_size
     token_spec = P(BATCH_AXES, "cp")
     expert_spec = P(layout.ep_axes)
 
-    def body(x, indices, weights, gate, up, down):
+    def body(x, valid, indices, weights, gate, up, down):
         b, t, d = x.shape
         k = indices.shape[-1]
         experts_here = gate.shape[0]
         slots = b * t * k
+        cap = pair_capacity(slots, group, layout.ep_capacity)
         expert = indices.reshape(slots)
         destination = expert // experts_here
-        order = jnp.argsort(destination, stable=True)
+        order = _drop_last_order(destination, jnp.repeat(valid.reshape(b * t) > 0, k))
         sorted_destination = destination[order]
         counts = jnp.bincount(destination, length=group)
         starts = jnp.cumsum(counts) - counts
@@ -217,17 +245,19 @@ def routed_experts(
             counts,
             layout,
             experts_here,
+            cap,
         )
         results = local_experts(received_x, received_e, gate, up, down)
         out_sorted = send_back(results)
         out_slots = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(b, t, k, d)
         mixed = jnp.einsum("btkd,btk->btd", out_slots.astype(jnp.float32), weights)
-        return mixed.astype(x.dtype)
+        dropped = jnp.zeros((slots,), jnp.bool_).at[order].set(rank >= cap).reshape(b, t, k)
+        return mixed.astype(x.dtype), dropped
 
     return jax.shard_map(
         body,
         mesh=layout.mesh,
-        in_specs=(token_spec, token_spec, token_spec, expert_spec, expert_spec, expert_spec),
-        out_specs=token_spec,
+        in_specs=(token_spec,) * 4 + (expert_spec,) * 3,
+        out_specs=(token_spec, token_spec),
         check_vma=False,
-    )(x_BTD, indices_BTK, weights_BTK, gate_EDF, up_EDF, down_EFD)
+    )(x_BTD, valid_BT, indices_BTK, weights_BTK, gate_EDF, up_EDF, down_EFD)

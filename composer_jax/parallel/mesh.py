@@ -36,6 +36,7 @@ class Layout:
     ep_axes: tuple[str, ...] = ("fsdp", "cp")
     ep_quantize: str = "auto"
     ep_dispatch: str = "auto"
+    ep_capacity: float | None = None
 
     @property
     def dispatch_mode(self) -> str:
@@ -137,7 +138,9 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
 
 
 def make_layout(cfg: MeshConfig, devices=None) -> Layout:
-    return Layout(make_mesh(cfg, devices), tuple(cfg.ep), cfg.ep_quantize, cfg.ep_dispatch)
+    return Layout(
+        make_mesh(cfg, devices), tuple(cfg.ep), cfg.ep_quantize, cfg.ep_dispatch, cfg.ep_capacity
+    )
 
 
 _CURRENT: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("layout", default=None)

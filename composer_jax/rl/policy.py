@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from composer_jax.model.transformer import Transformer, forward
+from composer_jax.model.transformer import Transformer, drop_metrics, forward
 from composer_jax.rl.batch import TrajectoryBatch
 from composer_jax.rl.config import RLObjectiveConfig
 from composer_jax.rl.loss import Metrics, policy_objective, token_logprobs
@@ -35,6 +35,7 @@ def trainer_logits(
     metrics = {
         "router_replaced": replaced.sum(),
         "router_replace_rate": replaced.sum() / jnp.maximum(replay_slots * replaced.shape[0], 1),
+        **drop_metrics(out, batch.segment_ids_BT, model.cfg.num_experts_per_tok),
     }
     return model.logits(out.hidden_BTD), metrics
 

@@ -25,7 +25,7 @@ from flax import nnx
 
 from composer_jax.config import ModelConfig, TrainConfig
 from composer_jax.model.moe import ExpertBias, update_expert_bias
-from composer_jax.model.transformer import Transformer, forward
+from composer_jax.model.transformer import Transformer, drop_metrics, forward
 from composer_jax.parallel.mesh import Layout, constrain, use_layout
 
 Batch = dict[str, jax.Array]
@@ -103,6 +103,7 @@ def pretrain_loss(
         "ce": ce,
         "tokens": mask.sum().astype(jnp.float32),
         "expert_load": out.expert_load_LE,
+        **drop_metrics(out, batch["segment_ids"], m.cfg.num_experts_per_tok),
     }
     loss = ce
     if out.mtp_hidden_DBTD is not None:
