@@ -26,6 +26,9 @@ class YarnConfig:
 # Keys per block for long contexts (the 1T presets, launch.plan's layout change): a [T, 1024]
 # score tile per head instead of a dense [T, S] product.
 LONG_CONTEXT_ATTENTION_BLOCK = 1024
+# The expert capacity a plan tries when a dropless exchange does not fit (`mesh.ep_capacity`):
+# Switch Transformer's training factor; the drop rate it costs is measured per run.
+PLANNED_EXPERT_CAPACITY = 1.25
 
 
 @dataclasses.dataclass(frozen=True)

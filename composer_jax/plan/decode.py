@@ -44,8 +44,9 @@ class PlanError(ValueError):
 def serving_layout(layout: Layout, num_experts: int) -> Layout:
     """`layout`'s devices without context parallelism (a decode step has one position per row,
     nothing splits along the sequence): the cp axis folded into fsdp, or into replica where the
-    larger fsdp would no longer divide the experts."""
+    larger fsdp would no longer divide the experts. Serving drops no tokens: no capacity bound."""
     r, f, c = (layout.mesh.shape[a] for a in AXES)
+    layout = dataclasses.replace(layout, ep_capacity=None)
     folded = dataclasses.replace(layout, mesh=Mesh(layout.mesh.devices.reshape(r, f * c, 1), AXES))
     if num_experts % folded.ep_size == 0:
         return folded

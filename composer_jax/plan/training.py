@@ -35,7 +35,8 @@ class StepPlan(costs.CompiledCosts):
     optimizer_bytes: int
     buffers_bytes: int
     gradient_bytes: int
-    dispatch: str  # the EP token exchange compiled: "padded" (worst-case buffers) or "ragged"
+    dispatch: str  # the EP token exchange compiled: "padded", "ragged", or "none" (no EP)
+    capacity: float | None = None  # its bound per device pair (mesh.ep_capacity); None: dropless
 
 
 def abstract_batch(layout: Layout, batch_size: int, seq_len: int) -> dict:
@@ -73,6 +74,7 @@ def plan_training_step(
         buffers_bytes=bytes_per_device(state.buffers),
         gradient_bytes=params,  # gradients take the parameters' shapes, dtypes and shardings
         dispatch=layout.dispatch_mode if layout.ep_size > 1 else "none",
+        capacity=layout.ep_capacity if layout.ep_size > 1 else None,
     )
 
 
@@ -90,10 +92,11 @@ def layout_knobs(
     cfg: config_lib.ExperimentConfig, devices: int, phase: int = 0
 ) -> list[tuple[str, object]]:
     """(flags, config) for each layout change that could lower a step's memory: layer
-    rematerialisation, attention in key blocks (no [T, S] scores), twice the planned phase's
-    micro-batches (gradient accumulation), the replica axis folded into fsdp (FSDP instead of
-    HSDP), and twice or half the context parallelism; only changes that apply to `cfg`'s
-    resolved mesh and model."""
+    rematerialisation, attention in key blocks (no [T, S] scores), a bounded expert exchange
+    (capacity `config.PLANNED_EXPERT_CAPACITY` instead of worst-case buffers), twice the planned
+    phase's micro-batches (gradient accumulation), the replica axis folded into fsdp (FSDP
+    instead of HSDP), and twice or half the context parallelism; only changes that apply to
+    `cfg`'s resolved mesh and model."""
     mesh = config_lib.fitted_mesh(cfg, devices)
     r, f, c = mesh.replica, mesh.fsdp, mesh.cp
     out = []
@@ -105,6 +108,15 @@ def layout_knobs(
         model = dataclasses.replace(cfg.model, attention_block_size=block)
         out.append(
             (f"--config.model.attention_block_size={block}", dataclasses.replace(cfg, model=model))
+        )
+    ep_size = 1
+    for axis in mesh.ep:
+        ep_size *= config_lib.mesh_shape(mesh, devices)[axis]
+    if ep_size > 1 and mesh.ep_capacity is None and cfg.model.num_moe_layers:
+        capacity = config_lib.PLANNED_EXPERT_CAPACITY
+        bounded = dataclasses.replace(mesh, ep_capacity=capacity)
+        out.append(
+            (f"--config.mesh.ep_capacity={capacity}", dataclasses.replace(cfg, mesh=bounded))
         )
     planned = cfg.train.phases[phase]
     micro = 2 * planned.microbatches
@@ -166,10 +178,19 @@ def render_knobs(base: StepPlan, knobs: list[Knob], device: DeviceSpec) -> str:
     return "\n".join(rows)
 
 
-PADDED_NOTE = (
-    "note: experts exchange tokens in padded worst-case buffers here (XLA:CPU compiles no "
-    "ragged all-to-all), so all-to-all bytes and temporaries are upper bounds of a GPU run's"
+WORST_CASE_NOTE = (
+    "note: the expert exchange is dropless, so its buffers hold the worst case (every token "
+    "of a device bound for one member): all-to-all bytes and temporaries are upper bounds "
+    "(padded) or receive buffers a GPU run holds too (ragged); --config.mesh.ep_capacity=C "
+    "bounds them"
 )
+
+
+def capacity_note(capacity: float) -> str:
+    return (
+        f"note: the expert exchange is bounded (mesh.ep_capacity={capacity}): a device sends "
+        f"each member at most {capacity}x an even share of its tokens and drops the rest"
+    )
 
 
 def render(plan: StepPlan, device: DeviceSpec, title: str = "") -> str:
@@ -184,6 +205,6 @@ def render(plan: StepPlan, device: DeviceSpec, title: str = "") -> str:
         f"  gradients           {costs.size(plan.gradient_bytes)}",
         *costs.render_costs(plan, device),
     ]
-    if plan.dispatch == "padded":
-        rows.append(PADDED_NOTE)
+    if plan.dispatch != "none":
+        rows.append(WORST_CASE_NOTE if plan.capacity is None else capacity_note(plan.capacity))
     return "\n".join(rows)

@@ -56,8 +56,15 @@ def test_the_decode_plan_is_what_a_sharded_sampler_holds_and_exchanges():
         assert needle in text
 
 
-def test_the_serving_layout_keeps_the_experts_divisible():
-    """cp goes into fsdp, or into replica when fsdp x cp would not divide the experts."""
-    layout = make_layout(config_lib.MeshConfig(fsdp=2, cp=4, ep=("fsdp",)), jax.devices()[:8])
-    assert dict(decode.serving_layout(layout, 8).mesh.shape) == {"replica": 1, "fsdp": 8, "cp": 1}
-    assert dict(decode.serving_layout(layout, 6).mesh.shape) == {"replica": 4, "fsdp": 2, "cp": 1}
+def test_the_serving_layout_keeps_the_experts_divisible_and_drops_no_token():
+    """cp goes into fsdp, or into replica when fsdp x cp would not divide the experts; the
+    training layout's expert capacity bound is lifted (a decode step drops no token)."""
+    mesh = config_lib.MeshConfig(fsdp=2, cp=4, ep=("fsdp",), ep_capacity=1.25)
+    layout = make_layout(mesh, jax.devices()[:8])
+    assert layout.ep_capacity == 1.25
+    for experts, shape in (
+        (8, {"replica": 1, "fsdp": 8, "cp": 1}),
+        (6, {"replica": 4, "fsdp": 2, "cp": 1}),
+    ):
+        serving = decode.serving_layout(layout, experts)
+        assert dict(serving.mesh.shape) == shape and serving.ep_capacity is None

@@ -95,6 +95,21 @@ def _gathers(x, layers: int, unrolled: bool):
     return hlo.analyze(jax.jit(fn).lower(sharded).compile().as_text())
 
 
+def test_a_capacity_bound_shrinks_the_planned_exchange_and_says_so(tiny_8):
+    """At capacity 1 over a group of 8 the step exchanges 8x fewer bytes and holds fewer
+    temporaries than the dropless (worst-case) one, and the table names the bound."""
+    cfg, layout, dropless = tiny_8
+    bounded_layout = dataclasses.replace(layout, ep_capacity=1.0)
+    bounded = training.plan_training_step(cfg, bounded_layout)
+    assert bounded.capacity == 1.0 and dropless.capacity is None
+    exchanged = bounded.collective_bytes["all-to-all"], dropless.collective_bytes["all-to-all"]
+    assert exchanged[0] * 8 == exchanged[1], exchanged
+    assert bounded.temp_bytes < dropless.temp_bytes
+    h200 = devices.by_name("H200")
+    assert "worst case" in training.render(dropless, h200)
+    assert "mesh.ep_capacity=1.0" in training.render(bounded, h200)
+
+
 def test_a_scanned_loop_counts_each_trip_like_the_written_out_one():
     x = jnp.arange(64.0)
     scanned, written = _gathers(x, 6, unrolled=False), _gathers(x, 6, unrolled=True)
@@ -154,13 +169,16 @@ def test_the_layout_knobs_are_the_changes_that_apply_to_the_mesh():
     assert flags == [
         "--config.model.remat=True",
         "--config.model.attention_block_size=1024",
+        f"--config.mesh.ep_capacity={config_lib.PLANNED_EXPERT_CAPACITY}",
         "--config.train.phases[0].microbatches=2",
         "--config.mesh.replica=1 --config.mesh.fsdp=4 --config.mesh.cp=2",
         "--config.mesh.replica=2 --config.mesh.fsdp=1 --config.mesh.cp=4",
         "--config.mesh.replica=2 --config.mesh.fsdp=4 --config.mesh.cp=1",
     ]
     lean = dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model, remat=True, attention_block_size=64)
+        cfg,
+        model=dataclasses.replace(cfg.model, remat=True, attention_block_size=64),
+        mesh=dataclasses.replace(cfg.mesh, ep_capacity=2.0),
     )
     first = training.layout_knobs(lean, 8, phase=1)[0][0]
     assert first == "--config.train.phases[1].microbatches=2"
