@@ -187,7 +187,11 @@ def _key_blocks(k, v, k_segments, k_positions, block: int):
 
 def _tile_scores(q, q_visible, k_tile, seg_tile, pos_tile, scale):
     """Scaled, masked float32 scores of every query over one key block [B, H, T, block];
-    `q_visible` is (query segments, query positions)."""
+    `q_visible` is (query segments, query positions). The barrier ties the tile's visibility
+    to the queries: it is the same in every layer, and a layer scan's partial evaluation would
+    otherwise hoist every block's mask out of the layers' loop, [blocks, B, H, T, block] at
+    once (16 GiB a device at the 1T shape)."""
+    q, seg_tile, pos_tile = jax.lax.optimization_barrier((q, seg_tile, pos_tile))
     scores = jnp.einsum("bthk,bshk->bhts", q, k_tile, preferred_element_type=jnp.float32)
     visible = attention_mask(*q_visible, seg_tile, pos_tile)
     return jnp.where(visible[:, None], scores * scale, _MASKED)

@@ -243,6 +243,29 @@ def test_blockwise_attention_and_its_gradients_equal_the_dense_product(block):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+def test_key_block_masks_are_not_hoisted_out_of_a_layer_scan():
+    """Under a scanned stack of layers the visibility is the same in every layer; the gradient's
+    program must still build each block's mask inside the block loop, never every block's
+    [blocks, B, H, T, block] mask at once (which scan's partial evaluation used to hoist)."""
+    rng = np.random.default_rng(0)
+    q, k, v, visibility = _attention_inputs(rng, jnp.float32)
+    block = 4
+    blocks = -(-k.shape[1] // block)
+
+    def layers(q):
+        def layer(carry, _):
+            out = attention.blockwise_attention(q + carry, k, v, visibility, 0.37, block)
+            return carry + out.mean(), None
+
+        return jax.lax.scan(layer, 0.0, None, length=3)[0]
+
+    program = str(jax.make_jaxpr(jax.grad(layers))(q))
+    B, T, H = q.shape[:3]
+    for stacked in (f"bool[{blocks},{B},{H},{T},{block}]", f"bool[{blocks},{B},1,{T},{block}]"):
+        assert stacked not in program
+    assert f"bool[{B},{H},{T},{block}]" in program  # one tile's mask, inside the loop
+
+
 def test_blockwise_attention_in_bfloat16_stays_close_to_float32():
     rng = np.random.default_rng(7)
     q, k, v, visibility = _attention_inputs(rng, jnp.float32)
