@@ -4,23 +4,28 @@ memory, collectives and time per device, without allocating the model (composer_
   python -m launch.plan --config=tiny --devices=8
   python -m launch.plan --config=kimi_k2 --devices=256 --device=H200 [--config.mesh.fsdp=...]
   python -m launch.plan --config=kimi_k2 --devices=256 --steps=train --knobs=always
+  python -m launch.plan --config=kimi_k2 --devices=256 --steps=train --buffers=10
 
 The steps are compiled for CPU devices standing in for the GPUs (XLA's CPU SPMD partitioner makes
 the same collectives; kernels and fusion differ), so memory is what the partitioned program
 holds, and time is an estimate from the named GPU's datasheet peaks (the table says how). When
 the training step does not fit the GPU (or with --knobs=always), each layout change that could
 help (remat, attention in key blocks, micro-batches, FSDP instead of HSDP, more or less context
-parallelism) is planned too and ranked by its peak.
+parallelism, a bounded expert exchange) is planned too and ranked by its peak. --buffers=N lists
+what holds the training step's peak: XLA's N largest allocations and the ops that made them.
 """
 
 import importlib.metadata
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 from absl import flags
 
+from composer_jax.plan import buffers
 from launch import cli
 
 # The command line as given: defining --config takes the typed overrides (tuples such as
@@ -42,15 +47,21 @@ _KNOBS = flags.DEFINE_enum(
     ["auto", "always", "never"],
     "Re-plan the training step with each layout change and rank them (auto: when it does not fit).",
 )
+_BUFFERS = flags.DEFINE_integer(
+    "buffers", 0, "List the training step's N largest allocations and the ops that made them."
+)
 MAX_DEVICES = 4096  # XLA's CPU client makes each virtual device a thread pool; more is unusable
 
 
-def _simulate(devices: int) -> None:
-    """Sets up `devices` CPU devices; must run before JAX is imported."""
+def _simulate(devices: int, dump_to: str | None) -> None:
+    """Sets up `devices` CPU devices (and the training step's buffer dump into `dump_to`);
+    must run before JAX is imported."""
     if "jax" in sys.modules:
         raise RuntimeError("launch.plan must choose the device count before JAX is imported")
     flags_now = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     flags_now.append(f"--xla_force_host_platform_device_count={devices}")
+    if dump_to is not None:
+        flags_now += buffers.dump_flags(dump_to, "train_step")
     # XLA:CPU's fusion emitters divide by zero on some fusions of the 1T step (SIGFPE, jaxlib
     # 0.11.2 and 0.12, at 8 to 256 devices): elementwise fusions go to its YNNPACK library path
     # next to the dots (the default), and on jaxlib 0.12 the tiled emitter takes its older
@@ -121,7 +132,18 @@ def main(argv):
         cli.fail(f"--device: {error}")
     if not 0 <= _PHASE.value < len(cfg.train.phases):
         cli.fail(f"--phase: the config has phases 0 to {len(cfg.train.phases) - 1}")
-    _simulate(_DEVICES.value)
+    if _BUFFERS.value < 0:
+        cli.fail(f"--buffers: {_BUFFERS.value} is not a count of allocations")
+    dump_to = tempfile.mkdtemp(prefix="plan-buffers-") if _BUFFERS.value else None
+    _simulate(_DEVICES.value, dump_to)
+    try:
+        _plan(cfg, device, dump_to)
+    finally:
+        if dump_to is not None:
+            shutil.rmtree(dump_to, ignore_errors=True)
+
+
+def _plan(cfg, device, dump_to: str | None) -> None:
     from composer_jax import config as config_lib
     from composer_jax.plan import decode
 
@@ -133,7 +155,7 @@ def main(argv):
     except config_lib.ConfigError as error:
         cli.fail(str(error))
     if "train" in _STEPS.value:
-        _plan_training(cfg, device)
+        _plan_training(cfg, device, dump_to)
     if "decode" in _STEPS.value:
         try:
             plan = decode.plan_decode_step(cfg, slots=_SLOTS.value)
@@ -142,12 +164,15 @@ def main(argv):
         print(decode.render(plan, device), flush=True)
 
 
-def _plan_training(cfg, device) -> None:
+def _plan_training(cfg, device, dump_to: str | None) -> None:
     # Imported here, not at the top: JAX must see the simulated device count first (_simulate).
     from composer_jax.plan import costs, training
 
     plan = training.plan_training_step(cfg, phase=_PHASE.value)
     print(training.render(plan, device), flush=True)
+    if dump_to is not None:
+        allocations = buffers.read_dump(dump_to)
+        print(buffers.render(allocations, _BUFFERS.value, costs.size), flush=True)
     fits = costs.estimate(plan, device)["fits"]
     if _KNOBS.value == "always" or (_KNOBS.value == "auto" and not fits):
         knobs = training.rank_knobs(

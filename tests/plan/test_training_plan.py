@@ -3,6 +3,7 @@ devices; loop trip counts in the HLO costs; the command line's errors."""
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from composer_jax import config as config_lib
 from composer_jax import presets
 from composer_jax.parallel import hlo, make_layout
-from composer_jax.plan import costs, devices, training
+from composer_jax.plan import buffers, costs, devices, training
 from composer_jax.train.loop import make_train_setup
 from tests.plan.helpers import device0_bytes
 
@@ -110,6 +111,50 @@ def test_a_capacity_bound_shrinks_the_planned_exchange_and_says_so(tiny_8):
     assert "mesh.ep_capacity=1.0" in training.render(bounded, h200)
 
 
+REPORT = """Memory Space: default (color=0)
+Total bytes: 37889 (37.00KiB)
+  cumulative_size;       size;       offset; used_by_n_values; shapes_list
+  ------------------------------------------------------------
+    2.00KiB(  5%);    2.00KiB;         35840;                1; f32[8,64]
+   35.00KiB( 95%);   33.00KiB;            0;                3; bf16[4,64,64], 2×f32[8,128]
+"""
+MODULE = """
+  %p.1 = f32[8,64]{1,0} parameter(0), metadata={op_name="x"}
+  %gather.2 = bf16[4,64,64]{2,1,0} gather(%a, %b), metadata={op_name="jit(step)/transpose(jvp())/while/body/gather"}
+  ROOT %dot.3 = f32[8,128]{1,0} dot(%c, %d), metadata={op_name="jit(step)/jvp()/ab,bc->ac/dot_general"}
+"""
+
+
+def test_the_buffer_report_is_read_largest_first_with_the_ops_that_made_them():
+    allocations = buffers.parse_report(REPORT, MODULE)
+    assert [a.size_bytes for a in allocations] == [33 * 1024, 2 * 1024]
+    assert allocations[0].values == (
+        ("bf16[4,64,64]", 1, "backward gather"),
+        ("f32[8,128]", 2, "ab,bc->ac/dot_general"),
+    )
+    assert allocations[1].values == (("f32[8,64]", 1, ""),)  # a parameter makes no value
+    text = buffers.render(allocations, 1, costs.size)
+    assert "(1 of 2)" in text and "2x f32[8,128] (ab,bc->ac/dot_general)" in text
+
+
+def test_the_plan_lists_what_holds_the_peak(tmp_path):
+    """--buffers=N prints N allocations of the tiny step, read from XLA's dump, and leaves no
+    dump behind."""
+    done = subprocess.run(
+        [sys.executable, "-m", "launch.plan", "--config=tiny", "--steps=train", "--buffers=3"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, TMPDIR=str(tmp_path)),
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    listing = done.stdout.split("largest allocations XLA made for the step (3 of ")[1]
+    rows = listing.splitlines()[1:4]
+    assert len(rows) == 3 and all(re.search(r"\d+\.\d+ [KMG]iB  \w+\[", row) for row in rows)
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_scanned_loop_counts_each_trip_like_the_written_out_one():
     x = jnp.arange(64.0)
     scanned, written = _gathers(x, 6, unrolled=False), _gathers(x, 6, unrolled=True)
@@ -132,6 +177,7 @@ def test_a_scanned_loop_counts_each_trip_like_the_written_out_one():
         (["--config.mesh.fsdp=16", "--config.mesh.replica=1"], "mesh: axes"),
         (["--config.mesh.fsdp=8", "--config.mesh.cp=1"], "batch_size: 4 is not divisible"),
         (["--steps=bogus"], "--steps: unknown step 'bogus'"),
+        (["--buffers=-1"], "--buffers: -1 is not a count"),
         (["--steps=decode", "--slots=3"], "--slots: 3 decode rows do not split over 8 devices"),
     ],
 )
