@@ -62,6 +62,8 @@ def _simulate(devices: int, dump_to: str | None) -> None:
     flags_now.append(f"--xla_force_host_platform_device_count={devices}")
     if dump_to is not None:
         flags_now += buffers.dump_flags(dump_to, "train_step")
+        # A step loaded from JAX's compilation cache is not compiled, so nothing is dumped.
+        os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     # XLA:CPU's fusion emitters divide by zero on some fusions of the 1T step (SIGFPE, jaxlib
     # 0.11.2 and 0.12, at 8 to 256 devices): elementwise fusions go to its YNNPACK library path
     # next to the dots (the default), and on jaxlib 0.12 the tiled emitter takes its older

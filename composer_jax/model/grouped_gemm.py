@@ -38,13 +38,24 @@ def tile_count(num_rows: int, num_groups: int, tile_rows: int) -> int:
     return (num_rows + min(num_groups, num_rows) * (tile_rows - 1)) // tile_rows
 
 
+# Each tile multiplies its own gathered copy of its group's weights (and the weight gradient
+# keeps a float32 partial per tile): the tiles may hold at most this many times the weights.
+MAX_WEIGHT_COPIES = 16
+
+
 def default_tile_rows(num_rows: int, num_groups: int) -> int:
     """Tile height: large tiles make few, efficient matmuls; small ones compute fewer zero rows
     (the static tile count covers rows + groups x tile_rows). A quarter of the mean group, a
     multiple of 8 in [8, 128], bounds that at ~1.25x the rows; it was the fastest or within
-    noise of it in bench_expert_gemm's shapes (a sweep of 32..512)."""
-    quarter_group = num_rows // max(4 * num_groups, 1)
-    return int(min(128, max(8, quarter_group // 8 * 8)))
+    noise of it in bench_expert_gemm's shapes (a sweep of 32..512). Past a mean group of
+    ~2,000 rows, tiles grow instead so that they hold at most `MAX_WEIGHT_COPIES` x the weights
+    (at the 1T shape 128-row tiles gathered 100x the experts' weights, 18 GiB a product)."""
+    groups = max(num_groups, 1)
+    quarter_group = num_rows // (4 * groups)
+    fastest = min(128, max(8, quarter_group // 8 * 8))
+    # tiles <= rows / tile_rows + groups <= MAX_WEIGHT_COPIES x groups
+    fewest = -(-num_rows // ((MAX_WEIGHT_COPIES - 1) * groups))
+    return int(max(fastest, -(-fewest // 8) * 8))
 
 
 def plan_tiles(group_sizes_G: jax.Array, num_rows: int, tile_rows: int) -> TilePlan:

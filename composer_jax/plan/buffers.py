@@ -1,42 +1,44 @@
-"""What holds a compiled step's peak: its largest allocations, read from XLA's own report.
+"""What holds a compiled step's peak: its largest buffers, read from XLA's buffer assignment.
 
-With dumping on (`dump_flags`), XLA writes a memory-usage report next to a module's buffer
-assignment: every allocation of the peak by size, with the shapes of the values that share it.
-JAX exposes only the totals (`memory_analysis`), so this reads the dump, and names each shape by
-the JAX operation that made it (the `op_name` of the first instruction producing that shape in
-the optimized module). A plan that does not fit then says what to attack.
+JAX exposes only a compiled step's memory totals (`memory_analysis`). With dumping on
+(`dump_flags`), XLA writes the module's buffer assignment: every allocation (the arguments, and
+one block of temporaries whose values reuse each other's space as their lifetimes allow), each
+value with its instruction, size and offset. Here the temporaries are cut into regions (values
+whose byte ranges overlap share a region, so the regions add up to the block), and each value is
+named by the JAX operation that made it (its instruction's `op_name` in the optimized module). A
+plan that does not fit then says what to attack.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import glob
 import os
 import re
 
-REPORT_SUFFIX = "cpu_after_optimizations-memory-usage-report.txt"
+ASSIGNMENT_SUFFIX = "cpu_after_optimizations-buffer-assignment.txt"
 MODULE_SUFFIX = "cpu_after_optimizations.txt"
-_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-# "   35.27GiB(  9%);   35.27GiB;  37874565120;   3; bf16[645,1,7168,2048], 2×f32[64,8192]"
-_ROW = re.compile(r"^\s*[\d.]+[KMGT]?i?B\(\s*\d+%\);\s*([\d.]+)([KMGT]?i?B);\s*\d+;\s*\d+;\s*(.*)$")
-_SHAPE = re.compile(r"(?:(\d+)×)?([a-z][a-z0-9]*\[[\d,]*\])")
-_PRODUCER = re.compile(
-    r"^\s*(?:ROOT )?%\S+ = ([a-z][a-z0-9]*\[[\d,]*\])\{[^}]*\} .*?op_name=\"([^\"]+)\""
+_ALLOCATION = re.compile(r"^allocation \d+: size (\d+), (.*):$")
+_VALUE = re.compile(
+    r"^ value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\): ([a-z][a-z0-9]*\[[\d,]*\])"
 )
+_OP_NAME = re.compile(r"^\s*(?:ROOT )?%(\S+) = .*?op_name=\"([^\"]+)\"")
 
 
 @dataclasses.dataclass(frozen=True)
-class Allocation:
-    """One allocation of the peak: its bytes and the values sharing it, as (shape, how many,
-    the JAX operation that made the first of that shape or "")."""
+class Buffer:
+    """An argument allocation or a region of the temporaries: its bytes and the values in it
+    as (shape, the JAX operation that made it or the instruction's name)."""
 
     size_bytes: int
-    values: tuple[tuple[str, int, str], ...]
+    kind: str  # "argument", "temporaries" or XLA's word for it (constant, output, ...)
+    values: tuple[tuple[str, str], ...]
 
 
 def dump_flags(folder: str, module: str) -> list[str]:
-    """XLA flags that dump modules matching `module` (optimized HLO, buffer assignment and its
-    memory-usage report) into `folder`, skipping the intermediate passes."""
+    """XLA flags that dump modules matching `module` (optimized HLO and buffer assignment)
+    into `folder`, skipping the intermediate passes."""
     return [
         f"--xla_dump_to={folder}",
         "--xla_dump_hlo_pass_re=NONE",
@@ -52,54 +54,78 @@ def _short_op(op_name: str) -> str:
     return f"backward {name}" if "transpose(" in op_name else name
 
 
-def parse_report(report: str, module_text: str = "") -> list[Allocation]:
-    """The allocations of a memory-usage report, largest first, each shape named by the op that
-    made it in `module_text` (the optimized HLO) where it is found."""
-    makers: dict[str, str] = {}
-    for line in module_text.splitlines():
-        match = _PRODUCER.match(line)
-        if match and " parameter(" not in line:
-            makers.setdefault(match.group(1), _short_op(match.group(2)))
+def _allocations(assignment: str):
+    """(size, description, [(instruction, size, offset, shape)]) per allocation."""
     allocations = []
-    for line in report.splitlines():
-        match = _ROW.match(line)
-        if match:
-            size = round(float(match.group(1)) * _UNITS[match.group(2)])
-            values = tuple(
-                (shape, int(count or 1), makers.get(shape, ""))
-                for count, shape in _SHAPE.findall(match.group(3))
-            )
-            allocations.append(Allocation(size, values))
-    return sorted(allocations, key=lambda a: -a.size_bytes)
+    for line in assignment.splitlines():
+        if match := _ALLOCATION.match(line):
+            allocations.append((int(match.group(1)), match.group(2), []))
+        elif (match := _VALUE.match(line)) and allocations:
+            name, size, offset, shape = match.groups()
+            allocations[-1][2].append((name, int(size), int(offset), shape))
+    return allocations
 
 
-def read_dump(folder: str) -> list[Allocation]:
-    """The allocations of the one module dumped into `folder` (see `dump_flags`)."""
-    reports = sorted(glob.glob(os.path.join(folder, f"*{REPORT_SUFFIX}")))
-    if len(reports) != 1:
-        raise ValueError(f"expected one memory-usage report in {folder}, found {len(reports)}")
-    module = reports[0][: -len(REPORT_SUFFIX)] + MODULE_SUFFIX
-    with open(reports[0]) as f:
-        report = f.read()
+def _regions(values):
+    """The temporaries' values grouped where their byte ranges overlap: (size, values)."""
+    regions, end = [], -1
+    for value in sorted(values, key=lambda v: v[2]):
+        _, size, offset, _ = value
+        if offset >= end:
+            regions.append([offset, offset + size, [value]])
+        else:
+            regions[-1][1] = max(regions[-1][1], offset + size)
+            regions[-1][2].append(value)
+        end = regions[-1][1]
+    return [(stop - start, members) for start, stop, members in regions]
+
+
+def parse(assignment: str, module_text: str = "") -> list[Buffer]:
+    """The buffers of a buffer assignment, largest first, values named by their ops."""
+    ops = {
+        m.group(1): _short_op(m.group(2))
+        for m in map(_OP_NAME.match, module_text.splitlines())
+        if m
+    }
+
+    def named(values):
+        return tuple((shape, ops.get(name, name)) for name, _, _, shape in values)
+
+    buffers = []
+    for size, description, values in _allocations(assignment):
+        if "preallocated-temp" in description:
+            buffers += [Buffer(s, "temporaries", named(v)) for s, v in _regions(values)]
+        else:
+            kind = "argument" if description.startswith("page 0, parameter") else description
+            buffers.append(Buffer(size, kind.replace("page 0, ", "").split(",")[0], named(values)))
+    return sorted(buffers, key=lambda b: -b.size_bytes)
+
+
+def read_dump(folder: str) -> list[Buffer]:
+    """The buffers of the one module dumped into `folder` (see `dump_flags`)."""
+    found = sorted(glob.glob(os.path.join(folder, f"*{ASSIGNMENT_SUFFIX}")))
+    if len(found) != 1:
+        raise ValueError(f"expected one buffer assignment in {folder}, found {len(found)}")
+    with open(found[0]) as f:
+        assignment = f.read()
+    module = found[0][: -len(ASSIGNMENT_SUFFIX)] + MODULE_SUFFIX
     text = ""
     if os.path.exists(module):
         with open(module) as f:
             text = f.read()
-    return parse_report(report, text)
+    return parse(assignment, text)
 
 
-def render(allocations: list[Allocation], count: int, size) -> str:
-    """The `count` largest allocations, one line each: size, then up to three of its values
-    with the ops that made them. `size` formats bytes (`costs.size`)."""
-    rows = [f"largest allocations XLA made for the step ({count} of {len(allocations)})"]
-    for allocation in allocations[:count]:
-        named = [
-            f"{f'{n}x ' if n > 1 else ''}{shape}{f' ({op})' if op else ''}"
-            for shape, n, op in allocation.values[:3]
-        ]
-        more = len(allocation.values) - 3
+def render(buffers: list[Buffer], count: int, size) -> str:
+    """The `count` largest buffers, one line each: size, kind, and its three most frequent
+    (shape, op) values. `size` formats bytes (`costs.size`)."""
+    rows = [f"largest buffers of the step ({count} of {len(buffers)})"]
+    for buffer in buffers[:count]:
+        common = collections.Counter(buffer.values).most_common(3)
+        named = [f"{f'{n}x ' if n > 1 else ''}{shape} ({op})" for (shape, op), n in common]
+        more = len(buffer.values) - sum(n for _, n in common)
         rows.append(
-            f"  {size(allocation.size_bytes)}  {'; '.join(named)}"
+            f"  {size(buffer.size_bytes)}  {buffer.kind}: {'; '.join(named)}"
             + (f"; +{more} more" if more > 0 else "")
         )
     return "\n".join(rows)

@@ -139,6 +139,27 @@ def test_tile_plan_places_every_row_once():
             np.testing.assert_array_equal(tile_group, np.repeat(np.arange(num_groups), sizes))
 
 
+@pytest.mark.parametrize(
+    "rows, groups, want",
+    [
+        (2048, 8, 64),
+        (15360, 8, 128),
+        (40960, 8, 344),
+        (81920, 6, 912),
+        (5, 8, 8),
+        (10**6, 1, 66672),
+    ],
+)
+def test_default_tiles_are_fast_but_never_hold_many_copies_of_the_weights(rows, groups, want):
+    """A quarter of the mean group up to 128 rows (the benchmark's fastest), larger where that
+    would gather more than MAX_WEIGHT_COPIES x the weights (the 1T shape's 81,920 rows over 6
+    experts)."""
+    tile_rows = grouped_gemm.default_tile_rows(rows, groups)
+    assert tile_rows == want and tile_rows % 8 == 0
+    tiles = grouped_gemm.tile_count(rows, groups, tile_rows)
+    assert tiles <= grouped_gemm.MAX_WEIGHT_COPIES * groups
+
+
 def test_rejects_bad_shapes():
     lhs, rhs, _ = _inputs(0, jnp.float32)
     with pytest.raises(ValueError, match="rhs"):

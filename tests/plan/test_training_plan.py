@@ -111,30 +111,41 @@ def test_a_capacity_bound_shrinks_the_planned_exchange_and_says_so(tiny_8):
     assert "mesh.ep_capacity=1.0" in training.render(bounded, h200)
 
 
-REPORT = """Memory Space: default (color=0)
-Total bytes: 37889 (37.00KiB)
-  cumulative_size;       size;       offset; used_by_n_values; shapes_list
-  ------------------------------------------------------------
-    2.00KiB(  5%);    2.00KiB;         35840;                1; f32[8,64]
-   35.00KiB( 95%);   33.00KiB;            0;                3; bf16[4,64,64], 2×f32[8,128]
+ASSIGNMENT = """BufferAssignment:
+allocation 0: size 2048, page 0, parameter 0, shape |f32[8,64]| at ShapeIndex {}, maybe-live-out:
+ value: <1 p.1 @0> (size=2048,offset=0): f32[8,64]{1,0}
+allocation 1: size 40960, page 0, preallocated-temp:
+ value: <2 gather.2 @0> (size=32768,offset=0): bf16[4,64,64]{2,1,0}
+ value: <3 dot.3 @0> (size=4096,offset=0): f32[8,128]{1,0}
+ value: <4 dot.4 @0> (size=4096,offset=28672): f32[8,128]{1,0}
+ value: <5 add.5 @0> (size=8192,offset=32768): f32[16,128]{1,0}
 """
 MODULE = """
-  %p.1 = f32[8,64]{1,0} parameter(0), metadata={op_name="x"}
+  %p.1 = f32[8,64]{1,0} parameter(0), metadata={op_name="state.params['w']"}
   %gather.2 = bf16[4,64,64]{2,1,0} gather(%a, %b), metadata={op_name="jit(step)/transpose(jvp())/while/body/gather"}
-  ROOT %dot.3 = f32[8,128]{1,0} dot(%c, %d), metadata={op_name="jit(step)/jvp()/ab,bc->ac/dot_general"}
+  %dot.3 = f32[8,128]{1,0} dot(%c, %d), metadata={op_name="jit(step)/jvp()/ab,bc->ac/dot_general"}
+  ROOT %dot.4 = f32[8,128]{1,0} dot(%c, %d), metadata={op_name="jit(step)/jvp()/ab,bc->ac/dot_general"}
 """
 
 
-def test_the_buffer_report_is_read_largest_first_with_the_ops_that_made_them():
-    allocations = buffers.parse_report(REPORT, MODULE)
-    assert [a.size_bytes for a in allocations] == [33 * 1024, 2 * 1024]
-    assert allocations[0].values == (
-        ("bf16[4,64,64]", 1, "backward gather"),
-        ("f32[8,128]", 2, "ab,bc->ac/dot_general"),
+def test_the_buffers_are_the_arguments_and_the_regions_of_the_temporaries():
+    """Temporaries whose byte ranges overlap share a region; the regions and the arguments add
+    up to the allocations; each value is named by the operation that made it."""
+    found = buffers.parse(ASSIGNMENT, MODULE)
+    assert [(b.size_bytes, b.kind) for b in found] == [
+        (32768, "temporaries"),
+        (8192, "temporaries"),
+        (2048, "argument"),
+    ]
+    assert found[0].values == (
+        ("bf16[4,64,64]", "backward gather"),
+        ("f32[8,128]", "ab,bc->ac/dot_general"),
+        ("f32[8,128]", "ab,bc->ac/dot_general"),
     )
-    assert allocations[1].values == (("f32[8,64]", 1, ""),)  # a parameter makes no value
-    text = buffers.render(allocations, 1, costs.size)
-    assert "(1 of 2)" in text and "2x f32[8,128] (ab,bc->ac/dot_general)" in text
+    assert found[1].values == (("f32[16,128]", "add.5"),)  # no op name: the instruction's
+    assert found[2].values == (("f32[8,64]", "state.params['w']"),)
+    text = buffers.render(found, 1, costs.size)
+    assert "(1 of 3)" in text and "2x f32[8,128] (ab,bc->ac/dot_general)" in text
 
 
 def test_the_plan_lists_what_holds_the_peak(tmp_path):
@@ -149,9 +160,9 @@ def test_the_plan_lists_what_holds_the_peak(tmp_path):
         env=dict(os.environ, TMPDIR=str(tmp_path)),
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    listing = done.stdout.split("largest allocations XLA made for the step (3 of ")[1]
+    listing = done.stdout.split("largest buffers of the step (3 of ")[1]
     rows = listing.splitlines()[1:4]
-    assert len(rows) == 3 and all(re.search(r"\d+\.\d+ [KMG]iB  \w+\[", row) for row in rows)
+    assert len(rows) == 3 and all(re.search(r"\d+\.\d+ [KMG]iB  \w+: (\d+x )?\w+\[", row) for row in rows)
     assert not list(tmp_path.iterdir())
 
 
