@@ -17,7 +17,7 @@ from flax import nnx
 
 from composer_jax.config import ModelConfig
 from composer_jax.model import rope
-from composer_jax.model.layers import RMSNorm, fan_in_param
+from composer_jax.model.layers import RMSNorm, compute_weight, fan_in_param
 from composer_jax.model.projection import project
 from composer_jax.parallel.mesh import constrain
 
@@ -62,10 +62,10 @@ class MLA(nnx.Module):
         """(q_nope [B,T,H,nope], q_rope [B,T,H,rope]) with RoPE applied."""
         dt = x_BTD.dtype
         if self.cfg.q_lora_rank is None:
-            q = project(x_BTD, self.q_proj[...].astype(dt))
+            q = project(x_BTD, compute_weight(self.q_proj, dt))
         else:
-            c = self.q_a_norm(project(x_BTD, self.q_a_proj[...].astype(dt)))
-            q = project(c, self.q_b_proj[...].astype(dt))
+            c = self.q_a_norm(project(x_BTD, compute_weight(self.q_a_proj, dt)))
+            q = project(c, compute_weight(self.q_b_proj, dt))
         q_nope, q_rope = jnp.split(q, [self.cfg.qk_nope_head_dim], axis=-1)
         return q_nope, rope.apply_rope(q_rope, cos, sin)
 
@@ -74,7 +74,7 @@ class MLA(nnx.Module):
     ) -> tuple[jax.Array, jax.Array]:
         """(normed kv latent [B,T,R], rotary key [B,T,rope]): all a KV cache or CP exchange needs."""
         dt = x_BTD.dtype
-        kv = project(x_BTD, self.kv_a_proj[...].astype(dt))
+        kv = project(x_BTD, compute_weight(self.kv_a_proj, dt))
         c_kv, k_rope = jnp.split(kv, [self.cfg.kv_lora_rank], axis=-1)
         return self.kv_a_norm(c_kv), rope.apply_rope(k_rope, cos, sin)
 
@@ -92,7 +92,7 @@ class MLA(nnx.Module):
         scores = jnp.einsum("bthk,bshk->bhts", q, k, preferred_element_type=jnp.float32)
         probs = attention_probs(scores, mask_BTS, cfg, dt)
         out = jnp.einsum("bhts,bshk->bthk", probs, v)
-        return project(out, self.o_proj[...].astype(dt), contract=2)
+        return project(out, compute_weight(self.o_proj, dt), contract=2)
 
     def heads(
         self, q_nope: jax.Array, q_rope: jax.Array, c_kv_BSR: jax.Array, k_rope_BSK: jax.Array
@@ -101,7 +101,7 @@ class MLA(nnx.Module):
         values expanded from the latents. Scores are one product over [nope | rope] dims, the
         rotary key shared by every head: XLA:CPU runs it 3x faster than the two products summed
         (the rotary one alone was the slowest)."""
-        kv = project(c_kv_BSR, self.kv_b_proj[...].astype(q_nope.dtype))
+        kv = project(c_kv_BSR, compute_weight(self.kv_b_proj, q_nope.dtype))
         k_nope, v = jnp.split(kv, [self.cfg.qk_nope_head_dim], axis=-1)
         B, S, H, _ = k_nope.shape
         k_rope_BSHK = jnp.broadcast_to(k_rope_BSK[:, :, None], (B, S, H, k_rope_BSK.shape[-1]))
@@ -133,7 +133,7 @@ class MLA(nnx.Module):
             rope.softmax_scale(cfg),
             cfg.attention_block_size,
         )
-        return project(out, self.o_proj[...].astype(dt), contract=2)
+        return project(out, compute_weight(self.o_proj, dt), contract=2)
 
 
 def attention_probs(

@@ -17,7 +17,7 @@ from flax import nnx
 
 from composer_jax.config import EXPERT_GEMM_IMPLS, ModelConfig
 from composer_jax.model import grouped_gemm
-from composer_jax.model.layers import DenseMLP, fan_in_param
+from composer_jax.model.layers import DenseMLP, compute_weight, fan_in_param
 from composer_jax.model.projection import project
 from composer_jax.parallel import expert_parallel
 from composer_jax.parallel.mesh import current_layout
@@ -183,12 +183,13 @@ class MoE(nnx.Module):
     ) -> tuple[jax.Array, Routing, RoutingStats]:
         """Returns (output, routing, statistics over valid tokens)."""
         cfg, dt = self.cfg, x_BTD.dtype
-        logits = project(x_BTD.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        router = compute_weight(self.router, jnp.float32)
+        logits = project(x_BTD.astype(jnp.float32), router)
         routing, replaced = route(
             jax.nn.sigmoid(logits), self.expert_bias[...], cfg, forced_indices_BTK
         )
 
-        gate, up, down = (w[...].astype(dt) for w in (self.gate, self.up, self.down))
+        gate, up, down = (compute_weight(w, dt) for w in (self.gate, self.up, self.down))
         layout = current_layout()
         if layout is not None and layout.ep_size > 1:
             out, dropped = expert_parallel.routed_experts(

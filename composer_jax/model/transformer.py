@@ -15,7 +15,7 @@ from flax import nnx
 
 from composer_jax.config import ModelConfig
 from composer_jax.model.attention import MLA
-from composer_jax.model.layers import DenseMLP, RMSNorm, dtype_of, param
+from composer_jax.model.layers import DenseMLP, RMSNorm, compute_weight, dtype_of, param
 from composer_jax.model.moe import MoE, RoutingStats, drops_tokens
 from composer_jax.model.projection import project
 from composer_jax.parallel.context_parallel import inverse_order, load_balanced_order
@@ -66,7 +66,7 @@ class MTPLayer(nnx.Module):
     def mix(self, h, next_embed):
         """The depth's input: both normed, concatenated and projected back to the model width."""
         mixed = jnp.concatenate([self.hidden_norm(h), self.embed_norm(next_embed)], axis=-1)
-        return project(mixed, self.proj[...].astype(h.dtype))
+        return project(mixed, compute_weight(self.proj, h.dtype))
 
     def __call__(self, h, next_embed, positions, segment_ids):
         x, _, _ = self.block(self.mix(h, next_embed), positions, segment_ids)
@@ -148,7 +148,7 @@ class Transformer(nnx.Module):
         self.mtp = nnx.List([MTPLayer(cfg, rngs) for _ in range(cfg.num_mtp_layers)])
 
     def embed_tokens(self, tokens_BT: jax.Array) -> jax.Array:
-        return jnp.take(self.embed[...], tokens_BT, axis=0).astype(dtype_of(self.cfg.dtype))
+        return jnp.take(compute_weight(self.embed, dtype_of(self.cfg.dtype)), tokens_BT, axis=0)
 
     def __call__(
         self,
@@ -195,7 +195,7 @@ class Transformer(nnx.Module):
 
     def head(self, normed_hidden: jax.Array) -> jax.Array:
         """Output projection to float32 logits."""
-        weights = self.lm_head[...].astype(normed_hidden.dtype)
+        weights = compute_weight(self.lm_head, normed_hidden.dtype)
         return project(normed_hidden, weights, preferred=jnp.float32)
 
     def logits(self, hidden_BTD: jax.Array) -> jax.Array:

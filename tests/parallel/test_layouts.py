@@ -9,7 +9,7 @@ from flax import nnx
 
 from composer_jax import config as config_lib
 from composer_jax.model import init_model
-from composer_jax.model.layers import logical_axes_of
+from composer_jax.model.layers import compute_weight, logical_axes_of
 from composer_jax.model.transformer import forward
 from composer_jax.parallel import make_layout, report, use_layout
 from composer_jax.train import loop
@@ -191,3 +191,23 @@ def test_ragged_dispatch_lowers_for_gpu(batch):
     lowered = jax.jit(jax.grad(loss)).trace(params, batch).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "ragged_all_to_all" in text or "ragged-all-to-all" in text
+
+
+def test_a_weight_is_cast_where_it_is_stored():
+    """`compute_weight` under a layout gives the cast copy the parameter's own sharding (so no
+    device needs a gathered float32 copy); without a layout it is the plain cast."""
+    layout = make_layout(config_lib.MeshConfig(replica=2, fsdp=2, cp=2))
+    sharding = layout.sharding(("embed", "mlp"), (16, 24))
+    value = np.random.default_rng(0).normal(size=(16, 24)).astype(np.float32)
+
+    def cast(value, under_layout=True):
+        w = nnx.Param(value, logical_axes=("embed", "mlp"))
+        with use_layout(layout if under_layout else None):
+            return compute_weight(w, jax.numpy.bfloat16)
+
+    replicated = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
+    out = jax.jit(cast)(jax.device_put(value, replicated))  # the cast itself is what shards
+    assert out.dtype == jax.numpy.bfloat16 and out.sharding.is_equivalent_to(sharding, 2)
+    np.testing.assert_array_equal(np.asarray(out), value.astype(out.dtype))
+    plain = cast(value, under_layout=False)
+    np.testing.assert_array_equal(np.asarray(plain), value.astype(jax.numpy.bfloat16))
