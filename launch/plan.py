@@ -5,13 +5,15 @@ memory, collectives and time per device, without allocating the model (composer_
   python -m launch.plan --config=kimi_k2 --devices=256 --device=H200 [--config.mesh.fsdp=...]
   python -m launch.plan --config=kimi_k2 --devices=256 --steps=train --knobs=always
   python -m launch.plan --config=kimi_k2 --devices=256 --steps=train --buffers=10
+  python -m launch.plan --config=kimi_k2 --devices=512 --steps=train --knobs=search
 
 The steps are compiled for CPU devices standing in for the GPUs (XLA's CPU SPMD partitioner makes
 the same collectives; kernels and fusion differ), so memory is what the partitioned program
 holds, and time is an estimate from the named GPU's datasheet peaks (the table says how). When
 the training step does not fit the GPU (or with --knobs=always), each layout change that could
 help (remat, attention in key blocks, micro-batches, FSDP instead of HSDP, more or less context
-parallelism, a bounded expert exchange) is planned too and ranked by its peak. --buffers=N lists
+parallelism, a bounded expert exchange) is planned too and ranked by its peak; --knobs=search
+combines the best of them one at a time until the step fits. --buffers=N lists
 what holds the training step's peak: XLA's N largest allocations and the ops that made them.
 """
 
@@ -44,8 +46,9 @@ _SLOTS = flags.DEFINE_integer(
 _KNOBS = flags.DEFINE_enum(
     "knobs",
     "auto",
-    ["auto", "always", "never"],
-    "Re-plan the training step with each layout change and rank them (auto: when it does not fit).",
+    ["auto", "always", "never", "search"],
+    "Re-plan the training step with each layout change and rank them (auto: when it does not "
+    "fit); search: combine the best changes one at a time until it fits.",
 )
 _BUFFERS = flags.DEFINE_integer(
     "buffers", 0, "List the training step's N largest allocations and the ops that made them."
@@ -176,12 +179,18 @@ def _plan_training(cfg, device, dump_to: str | None) -> None:
         allocations = buffers.read_dump(dump_to)
         print(buffers.render(allocations, _BUFFERS.value, costs.size), flush=True)
     fits = costs.estimate(plan, device)["fits"]
-    if _KNOBS.value == "always" or (_KNOBS.value == "auto" and not fits):
+    progress = lambda k: print(f"  planned {k.flags}", file=sys.stderr, flush=True)  # noqa: E731
+    if _KNOBS.value == "search":
+        chain = training.search_knobs(
+            cfg, plan, device, _DEVICES.value, _PHASE.value, on_plan=progress
+        )
+        print(training.render_search(plan, chain, device), flush=True)
+    elif _KNOBS.value == "always" or (_KNOBS.value == "auto" and not fits):
         knobs = training.rank_knobs(
             cfg,
             _DEVICES.value,
             _PHASE.value,
-            on_plan=lambda k: print(f"  planned {k.flags}", file=sys.stderr, flush=True),
+            on_plan=progress,
         )
         print(training.render_knobs(plan, knobs, device), flush=True)
 

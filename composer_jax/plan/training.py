@@ -86,6 +86,7 @@ class Knob:
     flags: str
     plan: StepPlan | None
     error: str = ""
+    config: config_lib.ExperimentConfig | None = dataclasses.field(default=None, repr=False)
 
 
 def layout_knobs(
@@ -150,13 +151,69 @@ def rank_knobs(
     for flags, changed in layout_knobs(cfg, devices, phase):
         try:
             config_lib.validate(changed, num_devices=devices)
-            knob = Knob(flags, plan_training_step(changed, phase=phase))
+            knob = Knob(flags, plan_training_step(changed, phase=phase), config=changed)
         except (config_lib.ConfigError, ValueError) as error:
-            knob = Knob(flags, None, str(error).splitlines()[0])
+            knob = Knob(flags, None, str(error).splitlines()[0], config=changed)
         knobs.append(knob)
         if on_plan is not None:
             on_plan(knob)
     return sorted(knobs, key=lambda k: (k.plan is None, k.plan.peak_bytes if k.plan else 0))
+
+
+def search_knobs(
+    cfg: config_lib.ExperimentConfig,
+    base: StepPlan,
+    device: DeviceSpec,
+    devices: int,
+    phase: int = 0,
+    max_changes: int = 8,
+    on_plan=None,
+) -> list[Knob]:
+    """Layout changes combined greedily until the step fits `device`: each round re-plans every
+    change that applies to the config so far (`rank_knobs`) and keeps the one with the lowest
+    peak, if it lowers the peak. Returns the changes kept, in order, each with its plan; the
+    last one fits unless no change lowered the peak further or `max_changes` were kept."""
+    chain: list[Knob] = []
+    current, peak = cfg, base.peak_bytes
+    while len(chain) < max_changes and peak > device.hbm_bytes:
+        ranked = rank_knobs(current, devices, phase, on_plan)
+        best = ranked[0] if ranked and ranked[0].plan is not None else None
+        if best is None or best.plan.peak_bytes >= peak:
+            break
+        chain.append(best)
+        current, peak = best.config, best.plan.peak_bytes
+    return chain
+
+
+def combined_flags(chain: list[Knob]) -> str:
+    """The command-line overrides of a chain of changes, a later value of a field replacing an
+    earlier one, in the order the fields were first changed."""
+    merged: dict[str, str] = {}
+    for knob in chain:
+        for flag in knob.flags.split():
+            merged[flag.split("=", 1)[0]] = flag
+    return " ".join(merged.values())
+
+
+def render_search(base: StepPlan, chain: list[Knob], device: DeviceSpec) -> str:
+    """Each change of a search with the peak it reached, then the flags that reach the last."""
+    rows = [
+        f"layout changes combined (peak per device; the plan above: {costs.size(base.peak_bytes)})"
+    ]
+    for knob in chain:
+        t = costs.estimate(knob.plan, device)
+        fits = "fits" if t["fits"] else "does not fit"
+        rows.append(
+            f"  {costs.size(knob.plan.peak_bytes)} ({fits}; step "
+            f"{costs.duration(t['step_s_overlapped'])}) + {knob.flags}"
+        )
+    if not chain:
+        rows.append("  no layout change lowers the peak")
+    elif chain[-1].plan.peak_bytes > device.hbm_bytes:
+        rows.append("  no further change lowers the peak enough: plan with more devices")
+    if chain:
+        rows.append(f"flags: {combined_flags(chain)}")
+    return "\n".join(rows)
 
 
 def render_knobs(base: StepPlan, knobs: list[Knob], device: DeviceSpec) -> str:

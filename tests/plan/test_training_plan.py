@@ -162,7 +162,9 @@ def test_the_plan_lists_what_holds_the_peak(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     listing = done.stdout.split("largest buffers of the step (3 of ")[1]
     rows = listing.splitlines()[1:4]
-    assert len(rows) == 3 and all(re.search(r"\d+\.\d+ [KMG]iB  \w+: (\d+x )?\w+\[", row) for row in rows)
+    assert len(rows) == 3 and all(
+        re.search(r"\d+\.\d+ [KMG]iB  \w+: (\d+x )?\w+\[", row) for row in rows
+    )
     assert not list(tmp_path.iterdir())
 
 
@@ -256,6 +258,39 @@ def test_each_knob_is_planned_and_ranked_by_its_peak(tiny_8, monkeypatch):
     assert knobs[1].plan is None and "batch_size" in knobs[1].error
     text = training.render_knobs(base, knobs, devices.by_name("H200"))
     assert "cannot plan          fsdp=8" in text and "fits; step" in text
+
+
+def test_the_search_combines_the_best_change_of_each_round_until_the_step_fits(tiny_8, monkeypatch):
+    """Each round keeps the change with the lowest peak (if it lowers it) and plans the next
+    round from it; the search stops once the step fits, and the flags merge field by field."""
+    cfg, _, base = tiny_8
+    device = devices.DeviceSpec("small", 1e12, 2e12, None, 1e12, 1e11, base.peak_bytes - 1000, 1)
+
+    def planned(flags, saved, config):
+        plan = dataclasses.replace(base, temp_bytes=base.temp_bytes - saved)
+        return training.Knob(flags, plan, config=config)
+
+    rounds = {
+        cfg.steps: [planned("--micro=2", 400, "micro2"), planned("--remat", 100, "remat")],
+        "micro2": [planned("--micro=4", 1200, "micro4"), planned("--remat", 300, "both")],
+    }
+    seen = []
+    monkeypatch.setattr(
+        training,
+        "rank_knobs",
+        lambda c, n, p, on_plan: seen.append(c) or rounds[c if isinstance(c, str) else c.steps],
+    )
+    chain = training.search_knobs(cfg, base, device, 8)
+    assert [k.flags for k in chain] == ["--micro=2", "--micro=4"] and seen[1] == "micro2"
+    assert training.combined_flags(chain + [planned("--mesh=1 --remat", 0, "")]) == (
+        "--micro=4 --mesh=1 --remat"
+    )
+    text = training.render_search(base, chain, device)
+    assert "(fits; step" in text.splitlines()[-2] and text.endswith("flags: --micro=4")
+    rounds["micro2"] = [planned("--remat", -5, "worse")]  # nothing lowers the peak further
+    stuck = training.search_knobs(cfg, base, device, 8)
+    assert [k.flags for k in stuck] == ["--micro=2"]
+    assert "plan with more devices" in training.render_search(base, stuck, device)
 
 
 def test_the_scanned_block_plans_the_written_out_layers():
