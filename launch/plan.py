@@ -182,7 +182,15 @@ def _plan_training(cfg, device, dump_to: str | None) -> None:
     progress = lambda k: print(f"  planned {k.flags}", file=sys.stderr, flush=True)  # noqa: E731
     if _KNOBS.value == "search":
         chain = training.search_knobs(
-            cfg, plan, device, _DEVICES.value, _PHASE.value, on_plan=progress
+            cfg,
+            plan,
+            device,
+            _DEVICES.value,
+            _PHASE.value,
+            on_plan=progress,
+            on_keep=lambda k: print(
+                f"kept {k.flags}: {costs.size(k.plan.peak_bytes)}", file=sys.stderr, flush=True
+            ),
         )
         print(training.render_search(plan, chain, device), flush=True)
     elif _KNOBS.value == "always" or (_KNOBS.value == "auto" and not fits):

@@ -168,11 +168,13 @@ def search_knobs(
     phase: int = 0,
     max_changes: int = 8,
     on_plan=None,
+    on_keep=None,
 ) -> list[Knob]:
     """Layout changes combined greedily until the step fits `device`: each round re-plans every
     change that applies to the config so far (`rank_knobs`) and keeps the one with the lowest
     peak, if it lowers the peak. Returns the changes kept, in order, each with its plan; the
-    last one fits unless no change lowered the peak further or `max_changes` were kept."""
+    last one fits unless no change lowered the peak further or `max_changes` were kept.
+    `on_plan(knob)` and `on_keep(knob)` report each plan and each change kept (progress)."""
     chain: list[Knob] = []
     current, peak = cfg, base.peak_bytes
     while len(chain) < max_changes and peak > device.hbm_bytes:
@@ -182,6 +184,8 @@ def search_knobs(
             break
         chain.append(best)
         current, peak = best.config, best.plan.peak_bytes
+        if on_keep is not None:
+            on_keep(best)
     return chain
 
 
@@ -208,7 +212,8 @@ def render_search(base: StepPlan, chain: list[Knob], device: DeviceSpec) -> str:
             f"{costs.duration(t['step_s_overlapped'])}) + {knob.flags}"
         )
     if not chain:
-        rows.append("  no layout change lowers the peak")
+        fits = base.peak_bytes <= device.hbm_bytes
+        rows.append("  the step fits as it is" if fits else "  no layout change lowers the peak")
     elif chain[-1].plan.peak_bytes > device.hbm_bytes:
         rows.append("  no further change lowers the peak enough: plan with more devices")
     if chain:

@@ -280,8 +280,10 @@ def test_the_search_combines_the_best_change_of_each_round_until_the_step_fits(t
         "rank_knobs",
         lambda c, n, p, on_plan: seen.append(c) or rounds[c if isinstance(c, str) else c.steps],
     )
-    chain = training.search_knobs(cfg, base, device, 8)
+    kept = []
+    chain = training.search_knobs(cfg, base, device, 8, on_keep=kept.append)
     assert [k.flags for k in chain] == ["--micro=2", "--micro=4"] and seen[1] == "micro2"
+    assert kept == chain
     assert training.combined_flags(chain + [planned("--mesh=1 --remat", 0, "")]) == (
         "--micro=4 --mesh=1 --remat"
     )
@@ -291,6 +293,9 @@ def test_the_search_combines_the_best_change_of_each_round_until_the_step_fits(t
     stuck = training.search_knobs(cfg, base, device, 8)
     assert [k.flags for k in stuck] == ["--micro=2"]
     assert "plan with more devices" in training.render_search(base, stuck, device)
+    roomy = dataclasses.replace(device, hbm_bytes=base.peak_bytes)
+    assert training.search_knobs(cfg, base, roomy, 8) == []
+    assert "fits as it is" in training.render_search(base, [], roomy)
 
 
 def test_the_scanned_block_plans_the_written_out_layers():
