@@ -1,8 +1,9 @@
-"""Dropless expert parallelism: tokens travel to the devices that hold their experts and back.
+"""Expert parallelism: tokens travel to the devices that hold their experts and back.
 
 Inside `jax.shard_map`, each device routes its own tokens, sorts every (token, expert) slot by the
 group member that holds the expert, exchanges them, runs its local experts with the grouped GEMM,
-and sends the results back the same way. Two exchanges, both dropless whatever the routing:
+and sends the results back the same way. Two exchanges, both dropless whatever the routing
+unless a capacity factor bounds them (below):
 - "ragged" (`lax.ragged_all_to_all`, GPU): only real rows travel; the receive buffer is sized for
   the worst case. "ragged_emulated" moves the same rows with all-gathers so its bookkeeping runs
   (slowly) on CPU tests.
