@@ -25,6 +25,18 @@ from tests.plan.helpers import device0_bytes
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _plan(*args: str, **environment: str) -> subprocess.CompletedProcess:
+    """`python -m launch.plan ARGS` with `environment` added to this one's."""
+    return subprocess.run(
+        [sys.executable, "-m", "launch.plan", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, **environment),
+    )
+
+
 @pytest.fixture(scope="module")
 def tiny_8():
     cfg = presets.tiny()
@@ -151,14 +163,7 @@ def test_the_buffers_are_the_arguments_and_the_regions_of_the_temporaries():
 def test_the_plan_lists_what_holds_the_peak(tmp_path):
     """--buffers=N prints N allocations of the tiny step, read from XLA's dump, and leaves no
     dump behind."""
-    done = subprocess.run(
-        [sys.executable, "-m", "launch.plan", "--config=tiny", "--steps=train", "--buffers=3"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ, TMPDIR=str(tmp_path)),
-    )
+    done = _plan("--config=tiny", "--steps=train", "--buffers=3", TMPDIR=str(tmp_path))
     assert done.returncode == 0, done.stderr[-2000:]
     listing = done.stdout.split("largest buffers of the step (3 of ")[1]
     rows = listing.splitlines()[1:4]
@@ -195,13 +200,7 @@ def test_a_scanned_loop_counts_each_trip_like_the_written_out_one():
     ],
 )
 def test_bad_plans_are_one_line_errors(args, needle):
-    done = subprocess.run(
-        [sys.executable, "-m", "launch.plan", "--config=tiny", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = _plan("--config=tiny", *args)
     lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert done.returncode == 2 and len(lines) == 1 and needle in lines[0], done.stderr[-2000:]
 
@@ -209,13 +208,7 @@ def test_bad_plans_are_one_line_errors(args, needle):
 def test_the_1t_plan_prints_its_table():
     """The 1T step at the preset's layout on 128 devices compiles (XLA:CPU's loop-fusion emitter
     once crashed on it: launch.plan routes elementwise fusions around it) and does not fit."""
-    done = subprocess.run(
-        [sys.executable, "-m", "launch.plan", "--config=kimi_k2", "--devices=128", "--knobs=never"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = _plan("--config=kimi_k2", "--devices=128", "--knobs=never")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "training step, phase main (batch 512 x 32768), 128 devices" in done.stdout
     assert "(replica=1 x fsdp=64 x cp=2)" in done.stdout and "does NOT fit" in done.stdout
