@@ -87,18 +87,12 @@ def test_step_publishes_an_exact_delta_and_resumes(tmp_path):
     resumed.close()
 
 
-def test_step_on_eight_devices_equals_one_device(tmp_path):
-    """The RL step sharded over the simulated 8-device mesh (FSDP + expert parallel) matches
-    the same step on one device. Computed in float32: the claim is equality, so only the
-    summation order may differ between layouts."""
-    from composer_jax.parallel import make_layout
+def _packed_rl_batch(cfg, seed: int = 7):
+    """Eight random trajectories (prompt, then policy tokens with sampler log-probs and router
+    choices) in two groups, packed into 8 rows of 256."""
     from composer_jax.rl.batch import SegmentKind, Sequence, pack_trajectories
 
-    cfg = presets.rl_tiny()
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="float32"))
-    model = init_model(cfg.model, 3)
-    _, params, buffers = split_model(model)
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng(seed)
     sequences = []
     for i in range(8):
         n = int(rng.integers(40, 120))
@@ -116,13 +110,26 @@ def test_step_on_eight_devices_equals_one_device(tmp_path):
                 )[None].astype(np.int32),
             )
         )
-    batch = pack_trajectories(
+    return pack_trajectories(
         sequences,
         group_id=np.repeat(np.arange(2), 4).astype(np.int32),
         rewards={"task": rng.random(8).astype(np.float32)},
         seq_len=256,
         num_rows=8,
     )
+
+
+def test_step_on_eight_devices_equals_one_device(tmp_path):
+    """The RL step sharded over the simulated 8-device mesh (FSDP + expert parallel) matches
+    the same step on one device. Computed in float32: the claim is equality, so only the
+    summation order may differ between layouts."""
+    from composer_jax.parallel import make_layout
+
+    cfg = presets.rl_tiny()
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="float32"))
+    model = init_model(cfg.model, 3)
+    _, params, buffers = split_model(model)
+    batch = _packed_rl_batch(cfg)
     results = []
     for name, devices in (("one", jax.devices()[:1]), ("eight", jax.devices())):
         run = dataclasses.replace(cfg, workdir=str(tmp_path / name))
@@ -135,6 +142,7 @@ def test_step_on_eight_devices_equals_one_device(tmp_path):
     assert m1["grad_norm"] > 0 and not all(np.array_equal(a, b) for a, b in zip(p1, _host(params)))
     for key in ("loss", "pg_loss", "grad_norm"):
         np.testing.assert_allclose(m8[key], m1[key], rtol=1e-4, err_msg=key)
+    assert "expert_drop_rate" not in m8  # a dropless exchange has no drops to report
     # k1 is a mean of differences of log-probs of size up to log(vocab) ~ 5.6: its float32
     # rounding is absolute, about 1e-6 of the log-probs, whatever the KL's own size.
     np.testing.assert_allclose(m8["kl_k1"], m1["kl_k1"], rtol=0, atol=1e-5 * np.log(259))
@@ -145,6 +153,23 @@ def test_step_on_eight_devices_equals_one_device(tmp_path):
         assert diff.max() <= 2.5 * lr  # at most a first Adam step of opposite sign
         moved += int((diff > lr / 2).sum())
     assert moved <= 0.01 * sum(a.size for a in p1)  # only near-zero gradients flip
+
+
+def test_a_bounded_expert_exchange_reports_its_drops_in_the_rl_step(tmp_path):
+    """With the expert exchange bounded (8 devices, capacity 0.5) the RL step still trains and
+    reports the share of routed slots it dropped."""
+    from composer_jax.parallel import make_layout
+
+    cfg = presets.rl_tiny()
+    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, ep_capacity=0.5))
+    _, params, buffers = split_model(init_model(cfg.model, 3))
+    trainer = RLTrainer(
+        cfg, params, buffers, str(tmp_path / "w"), layout=make_layout(cfg.mesh, jax.devices())
+    )
+    metrics = trainer.step(_packed_rl_batch(cfg))
+    trainer.close()
+    assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    assert 0 < metrics["expert_drop_rate"] < 1
 
 
 def test_the_loss_normaliser_is_the_runs_not_the_batchs():
