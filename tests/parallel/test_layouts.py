@@ -176,9 +176,12 @@ def test_ragged_dispatch_bookkeeping(batch, single_device, quantize):
     assert max(jax.tree.leaves(jax.tree.map(_rel, grads, want_grads))) < tol * 7
 
 
-def test_ragged_dispatch_lowers_for_gpu(batch):
-    """The real `ragged_all_to_all` path compiles for CUDA (it cannot run on XLA:CPU)."""
-    layout = make_layout(config_lib.MeshConfig(fsdp=4, cp=2, ep_dispatch="ragged"))
+@pytest.mark.parametrize("capacity", [None, 1.25])
+def test_ragged_dispatch_lowers_for_gpu(batch, capacity):
+    """The real `ragged_all_to_all` path, dropless and bounded, lowers for CUDA (it cannot run
+    on XLA:CPU)."""
+    mesh = config_lib.MeshConfig(fsdp=4, cp=2, ep_dispatch="ragged", ep_capacity=capacity)
+    layout = make_layout(mesh)
     m = init_model(_model_cfg("bfloat16"), seed=5)
     graphdef, params, buffers = S.split_model(m)
 
