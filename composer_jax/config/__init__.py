@@ -27,6 +27,7 @@ from composer_jax.config.model import (
     MeshConfig,
     ModelConfig,
     YarnConfig,
+    ep_group_size,
     mesh_shape,
     validate_model,
 )
@@ -85,6 +86,7 @@ __all__ = [
     "YarnConfig",
     "fitted_mesh",
     "from_dict",
+    "ep_group_size",
     "mesh_shape",
     "phase_steps",
     "to_dict",

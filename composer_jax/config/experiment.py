@@ -6,7 +6,13 @@ from __future__ import annotations
 import dataclasses
 
 from composer_jax.config.base import check as _check
-from composer_jax.config.model import MeshConfig, ModelConfig, mesh_shape, validate_model
+from composer_jax.config.model import (
+    MeshConfig,
+    ModelConfig,
+    ep_group_size,
+    mesh_shape,
+    validate_model,
+)
 from composer_jax.config.rl import RLConfig, validate_rl
 from composer_jax.config.training import DataConfig, LogConfig, OptimizerConfig, TrainConfig
 
@@ -132,10 +138,9 @@ def _check_mesh(cfg: ExperimentConfig) -> None:
 
 def _check_fits(cfg: ExperimentConfig, num_devices: int) -> None:
     """The mesh on `num_devices`: experts split evenly, batches and CP chunks divide."""
-    shape = mesh_shape(fitted_mesh(cfg, num_devices), num_devices)
-    ep_size = 1
-    for axis in cfg.mesh.ep:
-        ep_size *= shape[axis]
+    mesh = fitted_mesh(cfg, num_devices)
+    shape = mesh_shape(mesh, num_devices)
+    ep_size = ep_group_size(mesh, num_devices)
     _check(
         cfg.model.num_experts % ep_size == 0,
         "mesh.ep",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from composer_jax.config.base import check as _check
 
@@ -230,6 +231,12 @@ def _check_numerics(m: ModelConfig, where: str) -> None:
             f"{where}.rope_scaling.beta_fast",
             "must exceed beta_slow",
         )
+
+
+def ep_group_size(mesh: MeshConfig, num_devices: int) -> int:
+    """Devices in one expert-parallel group: the product of the `ep` axes' resolved sizes."""
+    shape = mesh_shape(mesh, num_devices)
+    return math.prod(shape[axis] for axis in mesh.ep)
 
 
 def mesh_shape(mesh: MeshConfig, num_devices: int) -> dict[str, int]:

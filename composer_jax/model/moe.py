@@ -231,7 +231,7 @@ class MoE(nnx.Module):
 def drops_tokens() -> bool:
     """Whether the layout being traced bounds the expert exchange, so slots can be dropped."""
     layout = current_layout()
-    return layout is not None and layout.ep_size > 1 and layout.ep_capacity is not None
+    return layout is not None and layout.drop_capacity is not None
 
 
 def update_expert_bias(bias_E: jax.Array, load_E: jax.Array, rate: float) -> jax.Array:

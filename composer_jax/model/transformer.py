@@ -148,7 +148,13 @@ class Transformer(nnx.Module):
         self.mtp = nnx.List([MTPLayer(cfg, rngs) for _ in range(cfg.num_mtp_layers)])
 
     def embed_tokens(self, tokens_BT: jax.Array) -> jax.Array:
-        return jnp.take(compute_weight(self.embed, dtype_of(self.cfg.dtype)), tokens_BT, axis=0)
+        """The tokens' rows in the compute dtype. On one device only those rows are cast (XLA
+        casts a table before a lookup whole: every decode step); under a layout the table is
+        cast where it is stored, so no device holds it gathered in float32."""
+        dt = dtype_of(self.cfg.dtype)
+        if current_layout() is None:
+            return jnp.take(self.embed[...], tokens_BT, axis=0).astype(dt)
+        return jnp.take(compute_weight(self.embed, dt), tokens_BT, axis=0)
 
     def __call__(
         self,

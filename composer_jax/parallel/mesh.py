@@ -53,6 +53,12 @@ class Layout:
         return self.ep_quantize == "mxfp8"
 
     @property
+    def drop_capacity(self) -> float | None:
+        """The capacity bound in force on the expert exchange: None without expert parallelism
+        or without a factor (dropless)."""
+        return self.ep_capacity if self.ep_size > 1 else None
+
+    @property
     def ep_size(self) -> int:
         return math.prod(self.mesh.shape[a] for a in self.ep_axes)
 

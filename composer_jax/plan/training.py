@@ -74,7 +74,7 @@ def plan_training_step(
         buffers_bytes=bytes_per_device(state.buffers),
         gradient_bytes=params,  # gradients take the parameters' shapes, dtypes and shardings
         dispatch=layout.dispatch_mode if layout.ep_size > 1 else "none",
-        capacity=layout.ep_capacity if layout.ep_size > 1 else None,
+        capacity=layout.drop_capacity,
     )
 
 
@@ -110,9 +110,7 @@ def layout_knobs(
         out.append(
             (f"--config.model.attention_block_size={block}", dataclasses.replace(cfg, model=model))
         )
-    ep_size = 1
-    for axis in mesh.ep:
-        ep_size *= config_lib.mesh_shape(mesh, devices)[axis]
+    ep_size = config_lib.ep_group_size(mesh, devices)
     if ep_size > 1 and mesh.ep_capacity is None and cfg.model.num_moe_layers:
         capacity = config_lib.PLANNED_EXPERT_CAPACITY
         bounded = dataclasses.replace(mesh, ep_capacity=capacity)
