@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from composer_jax import config as config_lib
 from composer_jax.config import RLConfig, RLObjectiveConfig
 from composer_jax.model.transformer import Transformer
+from composer_jax.optim import QKClip
 from composer_jax.parallel import Layout, make_layout
 from composer_jax.parallel.mesh import BATCH_AXES, use_layout
 from composer_jax.parallel.multihost import LeaderChannel, host_model, place_global
@@ -62,6 +63,7 @@ def rl_train_step(
     state: TrainState,
     batch: TrajectoryBatch,
     ref_logprobs_BT: jax.Array | None,
+    qk_clip: QKClip | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One policy-gradient step (the gradient step pretraining uses, on the RL loss). Expert
     routing biases are left alone: routing is replayed."""
@@ -72,6 +74,7 @@ def rl_train_step(
         layout,
         state,
         lambda m: rl_loss(m, batch, objective, ref_logprobs_BT),
+        qk_clip,
     )
     # A non-finite step leaves the state as it was (the caller raises): the old state's buffers
     # are donated, so the kept copy has to come out of the step.
@@ -158,6 +161,7 @@ class RLTrainer:
                 rl_objective(cfg.rl),
                 setup.schedule,
                 self.layout,
+                qk_clip=QKClip.of(cfg.optim, cfg.model),
             ),
             donate_argnums=0,
         )

@@ -77,6 +77,11 @@ def _check_optim(o: OptimizerConfig) -> None:
     _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must lie in [0, 1]")
     _check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
     _check(o.clip_norm > 0, "optim.clip_norm", "must be positive")
+    _check(
+        0 <= o.qk_clip_threshold < float("inf"),
+        "optim.qk_clip_threshold",
+        f"must be a finite logit >= 0 (0 disables QK-clip), got {o.qk_clip_threshold}",
+    )
 
 
 def _check_training(cfg: ExperimentConfig) -> None:

@@ -24,7 +24,9 @@ class OptimizerConfig:
     muon_nesterov: bool = True
     muon_ns_steps: int = 5
     muon_scaling: str = "rms"  # "rms": 0.2*sqrt(max(A, B)) (AdamW-matched); "spectral"
-    qk_clip_threshold: float = 0.0  # MuonClip for MLA, 0 disables (not wired into the step yet)
+    # QK-clip (Kimi K2's MuonClip, with either optimizer): after each update, the heads whose
+    # largest attention logit in the step's forward passed this are scaled back to it. 0: off.
+    qk_clip_threshold: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

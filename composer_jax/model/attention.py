@@ -5,6 +5,8 @@ key part shared by every head. The forward pass is split at the latent so that c
 can all-gather just the latents, and an inference KV cache can store just the latents. Training
 attends with one dense [T, S] product per head, or with `model.attention_block_size` set, in key
 blocks under an online softmax (`blockwise_attention`: long contexts hold no [T, S] array).
+Both report each head's largest visible logit, which QK-clip (`composer_jax.optim.qk_clip`)
+reads to rescale the heads whose logits grew past its threshold.
 """
 
 from __future__ import annotations
@@ -87,12 +89,24 @@ class MLA(nnx.Module):
         mask_BTS: jax.Array,
     ) -> jax.Array:
         """Attention of T queries over S latent tokens, projected back to the model width."""
+        return self._dense(q_nope, q_rope, c_kv_BSR, k_rope_BSK, mask_BTS)[0]
+
+    def _dense(self, q_nope, q_rope, c_kv_BSR, k_rope_BSK, mask_BTS, counted_BT=None):
+        """(`attend`'s output, each head's largest visible logit [H] over the queries
+        `counted_BT` marks, by default all)."""
         cfg, dt = self.cfg, q_nope.dtype
         q, k, v = self.heads(q_nope, q_rope, c_kv_BSR, k_rope_BSK)
         scores = jnp.einsum("bthk,bshk->bhts", q, k, preferred_element_type=jnp.float32)
         probs = attention_probs(scores, mask_BTS, cfg, dt)
         out = jnp.einsum("bhts,bshk->bthk", probs, v)
-        return project(out, compute_weight(self.o_proj, dt), contract=2)
+        # The maximum reads the scores through a barrier: the softmax's fusion, and so its
+        # rounding, stays the same whether or not anything uses the maximum (router replay's
+        # trainer then reproduces a sampler's logits to the bit).
+        visible = masked_scores(jax.lax.optimization_barrier(scores), mask_BTS, cfg)
+        if counted_BT is None:
+            counted_BT = jnp.ones(mask_BTS.shape[:2], bool)
+        max_logit_H = head_max_logits(visible.max(axis=-1), counted_BT)
+        return project(out, compute_weight(self.o_proj, dt), contract=2), max_logit_H
 
     def heads(
         self, q_nope: jax.Array, q_rope: jax.Array, c_kv_BSR: jax.Array, k_rope_BSK: jax.Array
@@ -110,7 +124,9 @@ class MLA(nnx.Module):
 
     def __call__(
         self, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array
-    ) -> jax.Array:
+    ) -> tuple[jax.Array, jax.Array]:
+        """(the attention's output [B,T,D], each head's largest visible logit [H], softmax
+        scale included: a constant for QK-clip and the logs, no gradient flows through it)."""
         cos, sin = rope.rope_tables(positions_BT, self.cfg)
         q_nope, q_rope = self.queries(x_BTD, cos, sin)
         c_kv, k_rope = self.latents(x_BTD, cos, sin)
@@ -122,10 +138,10 @@ class MLA(nnx.Module):
         key_positions = constrain(positions_BT, ("batch", None))
         if self.cfg.attention_block_size is None:
             mask = attention_mask(segment_ids_BT, positions_BT, key_segments, key_positions)
-            return self.attend(q_nope, q_rope, c_kv, k_rope, mask)
+            return self._dense(q_nope, q_rope, c_kv, k_rope, mask, segment_ids_BT > 0)
         cfg, dt = self.cfg, q_nope.dtype
         q, k, v = self.heads(q_nope, q_rope, c_kv, k_rope)
-        out = blockwise_attention(
+        out, max_logit_H = blockwise_attention_with_max_logits(
             q,
             k,
             v,
@@ -133,15 +149,27 @@ class MLA(nnx.Module):
             rope.softmax_scale(cfg),
             cfg.attention_block_size,
         )
-        return project(out, compute_weight(self.o_proj, dt), contract=2)
+        out = project(out, compute_weight(self.o_proj, dt), contract=2)
+        return out, jax.lax.stop_gradient(max_logit_H)
+
+
+def masked_scores(scores_BHTS: jax.Array, mask_BTS: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Scores scaled (YaRN mscale included), hidden keys at a large negative value."""
+    return jnp.where(mask_BTS[:, None], scores_BHTS * rope.softmax_scale(cfg), _MASKED)
+
+
+def head_max_logits(row_max_BHT: jax.Array, counted_BT: jax.Array) -> jax.Array:
+    """Each head's largest logit [H] over the queries `counted_BT` marks (not padding: padding
+    queries attend to each other, and their logits reach no loss)."""
+    counted = jnp.where(counted_BT[:, None], row_max_BHT, _MASKED)
+    return jax.lax.stop_gradient(counted.max(axis=(0, 2)))
 
 
 def attention_probs(
     scores_BHTS: jax.Array, mask_BTS: jax.Array, cfg: ModelConfig, dtype
 ) -> jax.Array:
-    """Scaled (YaRN mscale included), masked, float32 softmax, cast to the compute dtype."""
-    scores = jnp.where(mask_BTS[:, None], scores_BHTS * rope.softmax_scale(cfg), _MASKED)
-    return jax.nn.softmax(scores, axis=-1).astype(dtype)
+    """Scaled, masked, float32 softmax, cast to the compute dtype."""
+    return jax.nn.softmax(masked_scores(scores_BHTS, mask_BTS, cfg), axis=-1).astype(dtype)
 
 
 def attention_mask(
@@ -198,8 +226,8 @@ def _tile_scores(q, q_visible, k_tile, seg_tile, pos_tile, scale):
 
 
 def _blockwise_forward(q, tiles, q_visible, scale):
-    """(output [B,T,H,V] in q's dtype, log-sum-exp of each query's scores [B,H,T] float32) of
-    queries over `_key_blocks` tiles."""
+    """(output [B,T,H,V] in q's dtype, log-sum-exp [B,H,T] and largest score [B,H,T] of each
+    query, float32) of queries over `_key_blocks` tiles."""
     B, T, H, _ = q.shape
     v_dtype, v_dim = tiles[1].dtype, tiles[1].shape[-1]
 
@@ -224,27 +252,37 @@ def _blockwise_forward(q, tiles, q_visible, scale):
     )
     (running_max, total, acc), _ = jax.lax.scan(step, init, tiles)
     out = acc / jnp.moveaxis(total, 1, 2)[..., None]
-    return out.astype(q.dtype), running_max + jnp.log(total)
+    return out.astype(q.dtype), running_max + jnp.log(total), running_max
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def blockwise_attention(q_BTHK, k_BSHK, v_BSHV, visibility, scale: float, block: int):
     """Softmax attention of queries over keys, `block` keys at a time; `visibility` is (query
     segments [B,T], query positions [B,T], key segments [B,S], key positions [B,S]) as
     `attention_mask` reads them. Equals `MLA.attend`'s dense product within rounding."""
+    return blockwise_attention_with_max_logits(q_BTHK, k_BSHK, v_BSHV, visibility, scale, block)[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def blockwise_attention_with_max_logits(q_BTHK, k_BSHK, v_BSHV, visibility, scale, block):
+    """(`blockwise_attention`, each head's largest visible scaled score [H]): the maximum is the
+    online softmax's own running maximum, so it costs a reduction over [B, H, T]; it is a
+    constant (its cotangent is ignored)."""
     return _blockwise_fwd(q_BTHK, k_BSHK, v_BSHV, visibility, scale, block)[0]
 
 
 def _blockwise_fwd(q, k, v, visibility, scale, block):
-    """The output, and for the backward the key tiles (built once) and the log-sum-exp."""
+    """(output, largest logit per head), and for the backward the key tiles (built once) and
+    the log-sum-exp."""
     tiles = _key_blocks(k, v, *visibility[2:], block)
-    out, lse = _blockwise_forward(q, tiles, visibility[:2], scale)
-    return out, (q, tiles, visibility, out, lse)
+    out, lse, row_max = _blockwise_forward(q, tiles, visibility[:2], scale)
+    max_logit_H = head_max_logits(row_max, visibility[0] > 0)
+    return (out, max_logit_H), (q, tiles, visibility, out, lse)
 
 
-def _blockwise_bwd(scale, block, residuals, d_out):
+def _blockwise_bwd(scale, block, residuals, cotangents):
     """Each tile's probabilities recomputed from the log-sum-exp; the query gradient summed
     over tiles, the key and value gradients written per tile."""
+    d_out, _ = cotangents  # the largest logit is a constant
     q, tiles, visibility, out, lse = residuals
     f32 = jnp.float32
     # Each query's sum over keys of p * dP: the softmax backward's subtrahend.
@@ -274,17 +312,15 @@ def _blockwise_bwd(scale, block, residuals, d_out):
     return d_q.astype(q.dtype), unsplit(d_k, k_tiles.dtype), unsplit(d_v, v_tiles.dtype), None
 
 
-blockwise_attention.defvjp(_blockwise_fwd, _blockwise_bwd)
+blockwise_attention_with_max_logits.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 
 def mla_max_logits(
     attn: MLA, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array
 ) -> jax.Array:
-    """Largest visible pre-softmax logit of each head [H] over a batch, as `MLA.attend` scores it.
-
-    For tests and offline checks; in training the attention layer should report these maxima
-    from its own forward pass instead of recomputing them.
-    """
+    """Largest visible pre-softmax logit of each head [H] over a batch, written out as two
+    separate products (no-position and rotary parts): the reference the attention's own
+    maxima are tested against, and an offline check of a model's logits."""
     cos, sin = rope.rope_tables(positions_BT, attn.cfg)
     q_nope, q_rope = attn.queries(x_BTD, cos, sin)
     c_kv, k_rope = attn.latents(x_BTD, cos, sin)
@@ -294,4 +330,5 @@ def mla_max_logits(
     scores += jnp.einsum("bthk,bsk->bhts", q_rope, k_rope, preferred_element_type=jnp.float32)
     scores = scores * rope.softmax_scale(attn.cfg)
     mask = attention_mask(segment_ids_BT, positions_BT, segment_ids_BT, positions_BT)
+    mask = mask & (segment_ids_BT > 0)[:, :, None]
     return jnp.max(jnp.where(mask[:, None], scores, -jnp.inf), axis=(0, 2, 3))

@@ -38,8 +38,9 @@ class Block(nnx.Module):
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, pdt, rngs)
 
     def __call__(self, x, positions, segment_ids, forced_indices=None):
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
-        return self.feed_forward(x, segment_ids > 0, forced_indices)
+        """(x, expert indices, routing stats, the attention's largest logit per head)."""
+        attended, max_logit_H = self.attn(self.attn_norm(x), positions, segment_ids)
+        return *self.feed_forward(x + attended, segment_ids > 0, forced_indices), max_logit_H
 
     def feed_forward(self, x, valid, forced_indices=None):
         """The block's second half (norm, MLP or MoE, residual): (x, expert indices, stats)."""
@@ -69,8 +70,9 @@ class MTPLayer(nnx.Module):
         return project(mixed, compute_weight(self.proj, h.dtype))
 
     def __call__(self, h, next_embed, positions, segment_ids):
-        x, _, _ = self.block(self.mix(h, next_embed), positions, segment_ids)
-        return x
+        """(the depth's hidden state, its attention's largest logit per head)."""
+        x, _, _, max_logit_H = self.block(self.mix(h, next_embed), positions, segment_ids)
+        return x, max_logit_H
 
 
 class ForwardOutput(NamedTuple):
@@ -80,6 +82,14 @@ class ForwardOutput(NamedTuple):
     expert_load_LE: jax.Array  # valid tokens routed to each expert, per MoE layer
     replay_replaced_L: jax.Array  # replayed expert slots the plausibility filter replaced
     expert_dropped_L: jax.Array  # valid expert slots an expert-parallel capacity bound dropped
+    # Each attention's largest logit per head, keyed by its parameters' path ("moe_layers/attn":
+    # [layers, H]; "mtp/0/block/attn": [H]): what QK-clip reads (`composer_jax.optim.qk_clip`).
+    attention_max_logits: dict[str, jax.Array]
+
+
+# The loss metrics' entry holding `ForwardOutput.attention_max_logits`; the update step takes it
+# out (QK-clip reads it) and logs the largest as "attention_max_logit".
+ATTENTION_MAX_LOGITS = "attention_max_logits"
 
 
 def drop_metrics(out: ForwardOutput, segment_ids_BT: jax.Array, k: int) -> dict[str, jax.Array]:
@@ -104,7 +114,8 @@ def _stack(make: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs) -
 
 
 def _run_layers(stack: nnx.Module, x, positions, segment_ids, forced, cfg: ModelConfig):
-    """Runs a stacked layer module over its leading axis; returns (x, (indices, loads)).
+    """Runs a stacked layer module over its leading axis; returns (x, (indices, routing stats,
+    largest attention logits [layers, H])).
 
     `cfg.scan_layers` compiles one layer body (compile time flat in depth); otherwise the layers
     are unrolled, which is only useful as a baseline and for debugging.
@@ -114,8 +125,8 @@ def _run_layers(stack: nnx.Module, x, positions, segment_ids, forced, cfg: Model
     def body(carry, xs):
         layer_state, forced_indices = xs
         layer = nnx.merge(graphdef, layer_state)
-        y, indices, stats = layer(carry, positions, segment_ids, forced_indices)
-        return constrain(y, ACTIVATION_AXES), (indices, stats)
+        y, indices, stats, max_logit_H = layer(carry, positions, segment_ids, forced_indices)
+        return constrain(y, ACTIVATION_AXES), (indices, stats, max_logit_H)
 
     if cfg.remat:
         body = jax.checkpoint(body, prevent_cse=False)
@@ -174,10 +185,13 @@ class Transformer(nnx.Module):
         if segment_ids_BT is None:
             segment_ids_BT = jnp.ones((B, T), jnp.int32)
         x = constrain(self.embed_tokens(tokens_BT), ACTIVATION_AXES)
+        max_logits = {}
         if self.dense_layers is not None:
-            x, _ = _run_layers(self.dense_layers, x, positions_BT, segment_ids_BT, None, cfg)
+            x, (_, _, max_logits["dense_layers/attn"]) = _run_layers(
+                self.dense_layers, x, positions_BT, segment_ids_BT, None, cfg
+            )
         if self.moe_layers is not None:
-            x, (indices, stats) = _run_layers(
+            x, (indices, stats, max_logits["moe_layers/attn"]) = _run_layers(
                 self.moe_layers, x, positions_BT, segment_ids_BT, forced_indices_LBTK, cfg
             )
         else:
@@ -192,11 +206,13 @@ class Transformer(nnx.Module):
                     ahead = jnp.roll(tokens_BT, -depth, axis=1)  # wrapped tail: masked by the loss
                 else:
                     ahead = ahead_tokens_DBT[depth - 1]
-                h = layer(h, self.embed_tokens(ahead), positions_BT, segment_ids_BT)
+                h, max_logits[f"mtp/{depth - 1}/block/attn"] = layer(
+                    h, self.embed_tokens(ahead), positions_BT, segment_ids_BT
+                )
                 states.append(layer.out_norm(h))
             mtp_hidden = jnp.stack(states)
         return ForwardOutput(
-            x, mtp_hidden, indices, stats.load_E, stats.replay_replaced, stats.dropped
+            x, mtp_hidden, indices, stats.load_E, stats.replay_replaced, stats.dropped, max_logits
         )
 
     def head(self, normed_hidden: jax.Array) -> jax.Array:

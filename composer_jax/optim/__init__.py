@@ -9,10 +9,11 @@ from composer_jax.optim.muon import (
     scale_by_muon,
     split_table,
 )
-from composer_jax.optim.qk_clip import clip_factors, qk_clip
+from composer_jax.optim.qk_clip import QKClip, clip_factors, qk_clip
 from composer_jax.optim.sharding import shard_like_params
 
 __all__ = [
+    "QKClip",
     "clip_factors",
     "learning_rate_schedule",
     "make_optimizer",

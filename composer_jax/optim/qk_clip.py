@@ -5,15 +5,20 @@ head whose largest pre-softmax logit S_h (softmax scale included) exceeded the t
 gamma_h = tau / S_h folded into its weights. In MLA a logit is q_nope . k_nope + q_rope . k_rope
 where k_rope is shared by all heads, so the head-specific parts are scaled as: q_nope and k_nope
 columns by sqrt(gamma_h), q_rope columns by gamma_h, k_rope and the values untouched. Every logit
-of head h then scales by exactly gamma_h: its maximum becomes tau. The maxima come from the
-model (`composer_jax.model.attention.mla_max_logits`); this module works on arrays only.
-Not wired into the training step yet: nothing reads `optim.qk_clip_threshold`.
+of head h then scales by exactly gamma_h: its maximum becomes tau. As in K2, the maxima are the
+step's own forward pass's (each attention reports them: `ForwardOutput.attention_max_logits`)
+and the scaling applies to the weights after the optimizer's update (`train.step.update_params`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+from flax import nnx
+
+from composer_jax.config import ModelConfig, OptimizerConfig
 
 
 def clip_factors(max_logits_H: jax.Array, threshold: float) -> jax.Array:
@@ -46,3 +51,41 @@ def qk_clip(
         (q_proj_RHK * q_scale).astype(q_proj_RHK.dtype),
         (kv_b_proj_RHK * kv_scale).astype(kv_b_proj_RHK.dtype),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class QKClip:
+    """QK-clip over a model's parameter state: every attention in `max_logits` (keyed by its
+    parameters' path, "moe_layers/attn") gets its over-threshold heads rescaled."""
+
+    threshold: float
+    qk_nope_head_dim: int
+
+    @classmethod
+    def of(cls, optim: OptimizerConfig, model: ModelConfig) -> QKClip | None:
+        """The run's QK-clip, None where `optim.qk_clip_threshold` is 0 (off)."""
+        if not optim.qk_clip_threshold:
+            return None
+        return cls(optim.qk_clip_threshold, model.qk_nope_head_dim)
+
+    def __call__(
+        self, params: nnx.State, max_logits: dict[str, jax.Array]
+    ) -> tuple[nnx.State, jax.Array]:
+        """(`params` with the projections rescaled in place, the number of heads clipped).
+        Meant for the fresh state an optimizer update returns inside a traced step."""
+        clipped = jnp.zeros((), jnp.int32)
+        for path, max_logits_H in max_logits.items():
+            attn = params
+            for part in path.split("/"):
+                attn = attn[int(part) if part.isdigit() else part]
+            q_name = "q_b_proj" if "q_b_proj" in attn else "q_proj"
+            q, kv = qk_clip(
+                attn[q_name][...],
+                attn["kv_b_proj"][...],
+                max_logits_H,
+                self.threshold,
+                self.qk_nope_head_dim,
+            )
+            attn[q_name][...], attn["kv_b_proj"][...] = q, kv
+            clipped += jnp.sum(max_logits_H > self.threshold)
+        return params, clipped

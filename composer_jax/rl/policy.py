@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from composer_jax.model.transformer import Transformer, drop_metrics, forward
+from composer_jax.model.transformer import ATTENTION_MAX_LOGITS, Transformer, drop_metrics, forward
 from composer_jax.rl.batch import TrajectoryBatch
 from composer_jax.rl.config import RLObjectiveConfig
 from composer_jax.rl.loss import Metrics, policy_objective, token_logprobs
@@ -20,7 +20,8 @@ from composer_jax.rl.loss import Metrics, policy_objective, token_logprobs
 def trainer_logits(
     model: Transformer, batch: TrajectoryBatch, replay: bool = True
 ) -> tuple[jax.Array, Metrics]:
-    """Float32 logits of the main head and the router-replay statistics."""
+    """Float32 logits of the main head, the router-replay statistics and the attention maxima
+    (QK-clip's input)."""
     forced = batch.router_indices_LBTK if replay else None
     out = forward(
         model,
@@ -35,6 +36,7 @@ def trainer_logits(
     metrics = {
         "router_replaced": replaced.sum(),
         "router_replace_rate": replaced.sum() / jnp.maximum(replay_slots * replaced.shape[0], 1),
+        ATTENTION_MAX_LOGITS: out.attention_max_logits,
         **drop_metrics(out, batch.segment_ids_BT, model.cfg.num_experts_per_tok),
     }
     return model.logits(out.hidden_BTD), metrics

@@ -193,6 +193,7 @@ class TrainSetup:
             self.schedule,
             self.layout,
             microbatches=microbatches,
+            qk_clip=optim.QKClip.of(self.cfg.optim, self.cfg.model),
         )
         return jax.jit(
             step,

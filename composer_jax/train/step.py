@@ -25,7 +25,8 @@ from flax import nnx
 
 from composer_jax.config import ModelConfig, TrainConfig
 from composer_jax.model.moe import ExpertBias, update_expert_bias
-from composer_jax.model.transformer import Transformer, drop_metrics, forward
+from composer_jax.model.transformer import ATTENTION_MAX_LOGITS, Transformer, drop_metrics, forward
+from composer_jax.optim import QKClip
 from composer_jax.parallel.mesh import Layout, constrain, use_layout
 
 Batch = dict[str, jax.Array]
@@ -103,6 +104,7 @@ def pretrain_loss(
         "ce": ce,
         "tokens": mask.sum().astype(jnp.float32),
         "expert_load": out.expert_load_LE,
+        ATTENTION_MAX_LOGITS: out.attention_max_logits,
         **drop_metrics(out, batch["segment_ids"], m.cfg.num_experts_per_tok),
     }
     loss = ce
@@ -151,12 +153,19 @@ def update_params(
     state: TrainState,
     grads: Any,
     metrics: dict[str, jax.Array],
+    qk_clip: QKClip | None = None,
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
-    """The optimizer update from `grads`: (new params, new optimizer state, `metrics` plus
-    grad_norm and lr)."""
+    """The optimizer update from `grads`, then `qk_clip` on the attention maxima the loss
+    reported: (new params, new optimizer state, `metrics` plus grad_norm, lr, the largest
+    attention logit and with QK-clip the number of heads it rescaled)."""
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = dict(metrics, grad_norm=optax.tree_utils.tree_norm(grads), lr=schedule(state.step))
+    max_logits = metrics.pop(ATTENTION_MAX_LOGITS, None)
+    if max_logits:
+        metrics["attention_max_logit"] = jnp.max(jnp.stack([x.max() for x in max_logits.values()]))
+        if qk_clip is not None:
+            params, metrics["qk_clipped_heads"] = qk_clip(params, max_logits)
     return params, opt_state, metrics
 
 
@@ -167,11 +176,12 @@ def apply_gradients(
     layout: Layout | None,
     state: TrainState,
     model_loss: Callable[[Transformer], tuple[jax.Array, dict]],
+    qk_clip: QKClip | None = None,
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
-    """The gradient step every trainer shares: differentiate `model_loss`, apply the optimizer.
-    Returns (new params, new optimizer state, the loss's metrics plus grad_norm and lr)."""
+    """The gradient step every trainer shares: differentiate `model_loss`, apply the optimizer
+    (and `qk_clip`). Returns (new params, new optimizer state, `update_params`'s metrics)."""
     metrics, grads = loss_gradients(graphdef, layout, state, model_loss)
-    return update_params(optimizer, schedule, state, grads, metrics)
+    return update_params(optimizer, schedule, state, grads, metrics, qk_clip)
 
 
 def split_microbatches(batch: Batch, microbatches: int) -> Batch:
@@ -198,7 +208,7 @@ def accumulated_gradients(
     """(metrics, gradients) of the whole batch's pretraining loss, taken one micro-batch at a
     time (in a scan: one micro-batch's activations live at once) and summed; each
     micro-batch's loss is its share of the batch's mean (`target_counts`), so the sums are the
-    whole batch's loss, gradients and metrics."""
+    whole batch's loss, gradients and metrics (the attention maxima: their maximum)."""
     counts = target_counts(batch, num_mtp_layers)
     with use_layout(layout):
         micro = split_microbatches(batch, microbatches)
@@ -209,10 +219,17 @@ def accumulated_gradients(
         )
 
     def body(total, mb):
-        return jax.tree.map(jnp.add, total, one(mb)), None
+        new = one(mb)
+        summed = jax.tree.map(jnp.add, total, new)
+        maxima = (total[0][ATTENTION_MAX_LOGITS], new[0][ATTENTION_MAX_LOGITS])
+        summed[0][ATTENTION_MAX_LOGITS] = jax.tree.map(jnp.maximum, *maxima)
+        return summed, None
 
     first = jax.tree.map(lambda x: x[0], micro)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(one, first))
+    zeros[0][ATTENTION_MAX_LOGITS] = jax.tree.map(
+        lambda x: jnp.full_like(x, -jnp.inf), zeros[0][ATTENTION_MAX_LOGITS]
+    )
     total, _ = jax.lax.scan(body, zeros, micro)
     return total
 
@@ -227,6 +244,7 @@ def train_step(
     state: TrainState,
     batch: Batch,
     microbatches: int = 1,
+    qk_clip: QKClip | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step; `layout` (bound before jit) enables EP/CP and activation shardings.
     With `microbatches` > 1 (the phase's) the gradients are accumulated over micro-batches."""
@@ -234,7 +252,9 @@ def train_step(
         metrics, grads = accumulated_gradients(
             graphdef, layout, state, batch, train_cfg, model_cfg.num_mtp_layers, microbatches
         )
-        params, opt_state, metrics = update_params(optimizer, schedule, state, grads, metrics)
+        params, opt_state, metrics = update_params(
+            optimizer, schedule, state, grads, metrics, qk_clip
+        )
     else:
         params, opt_state, metrics = apply_gradients(
             graphdef,
@@ -243,6 +263,7 @@ def train_step(
             layout,
             state,
             lambda m: pretrain_loss(m, batch, train_cfg),
+            qk_clip,
         )
     load = metrics.pop("expert_load")
     buffers = state.buffers

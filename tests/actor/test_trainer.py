@@ -172,6 +172,39 @@ def test_a_bounded_expert_exchange_reports_its_drops_in_the_rl_step(tmp_path):
     assert 0 < metrics["expert_drop_rate"] < 1
 
 
+def test_qk_clip_in_the_rl_step_shrinks_only_the_query_and_key_projections(tmp_path):
+    """With `optim.qk_clip_threshold` below the policy's logits, the RL step reports the heads it
+    rescaled, and its weights differ from the same step without QK-clip only in the query and
+    key projections, each shrunk (factors in (0, 1])."""
+    cfg = presets.rl_tiny()
+    _, params, buffers = split_model(init_model(cfg.model, 3))
+    batch = _packed_rl_batch(cfg)
+    results = {}
+    for threshold in (0.0, 0.5):
+        run = dataclasses.replace(
+            cfg,
+            workdir=str(tmp_path / str(threshold)),
+            optim=dataclasses.replace(cfg.optim, qk_clip_threshold=threshold),
+        )
+        trainer = RLTrainer(run, params, buffers, str(tmp_path / f"w-{threshold}"))
+        metrics = trainer.step(batch)
+        results[threshold] = metrics, jax.tree_util.tree_leaves_with_path(trainer.state.params)
+        trainer.close()
+    (plain_metrics, plain), (metrics, clipped) = results[0.0], results[0.5]
+    assert "qk_clipped_heads" not in plain_metrics
+    assert metrics["qk_clipped_heads"] > 0 and metrics["attention_max_logit"] > 0.5
+    np.testing.assert_allclose(metrics["loss"], plain_metrics["loss"], rtol=1e-6)
+    shrunk = 0
+    for (path, got), (_, want) in zip(clipped, plain):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        if any(getattr(k, "key", None) in ("q_b_proj", "kv_b_proj") for k in path):
+            assert (np.abs(got) <= np.abs(want) * (1 + 1e-6)).all()
+            shrunk += int((np.abs(got) < np.abs(want) * (1 - 1e-3)).sum())
+        else:
+            np.testing.assert_array_equal(got, want)
+    assert shrunk > 0
+
+
 def test_the_loss_normaliser_is_the_runs_not_the_batchs():
     """The epoch's last step may carry fewer groups; its tokens weigh the same as every
     other step's: the normaliser is groups_per_step * group_size * max_generation_len."""

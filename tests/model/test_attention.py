@@ -58,7 +58,7 @@ def _randomize_norms(mla, rng):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _mla_apply(graphdef, state, x, positions, segments):
-    return nnx.merge(graphdef, state)(x, positions, segments)
+    return nnx.merge(graphdef, state)(x, positions, segments)[0]
 
 
 def _packed_row_inputs(T=12, split=5, offset=0):

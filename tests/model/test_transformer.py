@@ -55,7 +55,7 @@ def _unrolled(dense_gd, moe_gd, embed_table, dense_state, moe_state, tokens, pos
         num = jax.tree.leaves(state)[0].shape[0]
         for i in range(num):
             layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
-            x, idx, stats = layer(x, positions, segments)
+            x, idx, stats, _ = layer(x, positions, segments)
             if idx is not None:
                 indices.append(idx)
                 loads.append(stats.load_E)

@@ -1,15 +1,24 @@
-"""QK-clip: after clipping, each over-threshold head's largest logit equals the threshold."""
+"""QK-clip: the attention's own logit maxima, and after a clipped step each over-threshold head's
+largest logit equals the threshold."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+import pytest
 from flax import nnx
 
+from composer_jax import config as config_lib
 from composer_jax import presets
+from composer_jax.model import init_model
 from composer_jax.model.attention import MLA, mla_max_logits
-from composer_jax.optim.qk_clip import qk_clip
+from composer_jax.optim.qk_clip import QKClip, qk_clip
+from composer_jax.train.step import TrainState, split_model, train_step
+from tests.train.helpers import small_model_config
+from tests.train.test_step import _packed_batch
 
 
 def test_qk_clip_caps_max_logit_per_head():
@@ -42,3 +51,115 @@ def test_qk_clip_on_stacked_layers_scales_each_layer_and_head():
     np.testing.assert_allclose(q2[:, 0, :, 4], gamma)
     np.testing.assert_allclose(kv2[:, 0, :, 0], np.sqrt(gamma))
     np.testing.assert_allclose(kv2[:, 0, :, 5], 1.0)
+
+
+def _padded_packed_inputs(cfg, B=2, T=16, seed=2):
+    """Row 0: two packed documents; row 1: one document then padding whose inputs are large,
+    so padding queries (which attend to each other) hold the largest logits of the batch."""
+    x = jax.random.normal(jax.random.key(seed), (B, T, cfg.hidden_size))
+    segments = np.ones((B, T), np.int32)
+    segments[0, 7:] = 2
+    segments[1, 11:] = 0
+    positions = np.stack([np.r_[np.arange(7), np.arange(T - 7)], np.arange(T)]).astype(np.int32)
+    x = x.at[1, 11:].multiply(30.0)
+    return x, jnp.asarray(positions), jnp.asarray(segments)
+
+
+@pytest.mark.parametrize("block", [None, 4])
+def test_attention_reports_each_heads_largest_visible_logit(block):
+    """The attention's own maxima (dense, and key blocks of 4 over 16 keys) equal the reference
+    written as two products, over real queries only: the padding's larger logits are left out."""
+    cfg = dataclasses.replace(presets.tiny().model, dtype="float32", attention_block_size=block)
+    attn = MLA(cfg, nnx.Rngs(0))
+    x, positions, segments = _padded_packed_inputs(cfg)
+    _, got = attn(x, positions, segments)
+    want = mla_max_logits(attn, x, positions, segments)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    _, with_padding = attn(x, positions, jnp.where(segments > 0, segments, 3))
+    assert (np.asarray(with_padding) > np.asarray(got) + 1).all()
+
+
+def _model_cfg(**overrides):
+    return small_model_config(num_experts=4, dtype="float32", **overrides)
+
+
+def _step_without_update(cfg, qk_clip, batch):
+    """A train step whose optimizer moves nothing, so all that changes the weights is QK-clip."""
+    m = init_model(cfg, seed=5)
+    graphdef, params, buffers = split_model(m)
+    state = TrainState(jnp.zeros((), jnp.int32), params, buffers, optax.set_to_zero().init(params))
+    step = functools.partial(
+        train_step,
+        graphdef,
+        optax.set_to_zero(),
+        cfg,
+        config_lib.TrainConfig(),
+        lambda count: 0.0,
+        None,
+        qk_clip=qk_clip,
+    )
+    return m, jax.jit(step)(state, batch)
+
+
+def _max_logits(graphdef, params, buffers, batch):
+    out = nnx.merge(graphdef, params, buffers)(
+        batch["tokens"], batch["positions"], batch["segment_ids"]
+    )
+    return out.attention_max_logits
+
+
+def _attention(params, path):
+    for part in path.split("/"):
+        params = params[int(part) if part.isdigit() else part]
+    return params
+
+
+@pytest.mark.parametrize("q_lora_rank", [16, None])
+def test_a_train_step_with_qk_clip_rescales_the_heads_over_the_threshold(q_lora_rank):
+    """A step (its optimizer update zero) rescales the query and key projections of every
+    attention (dense and MoE stacks, the MTP depth) by the factors of the maxima of the step's
+    own forward, and nothing else; the first layer (whose inputs the clip leaves alone) then has
+    each head's largest logit at min(its maximum, the threshold)."""
+    cfg = _model_cfg(q_lora_rank=q_lora_rank, first_k_dense=1, num_layers=3)
+    batch = {k: jnp.asarray(v) for k, v in _packed_batch(np.random.default_rng(3)).items()}
+    m, (plain, plain_metrics) = _step_without_update(cfg, None, batch)
+    graphdef, params, buffers = split_model(m)
+    before = _max_logits(graphdef, params, buffers, batch)
+    assert set(before) == {"dense_layers/attn", "moe_layers/attn", "mtp/0/block/attn"}
+    every = np.concatenate([np.ravel(v) for v in before.values()])
+    threshold = float(np.median(every))
+    assert (before["dense_layers/attn"] > threshold).any()
+    clip = QKClip(threshold, cfg.qk_nope_head_dim)
+    _, (clipped, metrics) = _step_without_update(cfg, clip, batch)
+    assert int(metrics["qk_clipped_heads"]) == int((every > threshold).sum()) > 0
+    np.testing.assert_allclose(metrics["attention_max_logit"], every.max(), rtol=1e-6)
+    np.testing.assert_allclose(plain_metrics["attention_max_logit"], every.max(), rtol=1e-6)
+    assert "qk_clipped_heads" not in plain_metrics
+    q_name = "q_b_proj" if q_lora_rank else "q_proj"
+    for path, maxima in before.items():
+        want = qk_clip(
+            _attention(params, path)[q_name][...],
+            _attention(params, path)["kv_b_proj"][...],
+            maxima,
+            threshold,
+            cfg.qk_nope_head_dim,
+        )
+        got = _attention(clipped.params, path)
+        np.testing.assert_allclose(got[q_name][...], want[0], rtol=1e-6)
+        np.testing.assert_allclose(got["kv_b_proj"][...], want[1], rtol=1e-6)
+    flat_plain = dict(jax.tree_util.tree_leaves_with_path(plain.params))
+    for path, leaf in jax.tree_util.tree_leaves_with_path(clipped.params):
+        if not any(getattr(k, "key", None) in (q_name, "kv_b_proj") for k in path):
+            np.testing.assert_array_equal(leaf, flat_plain[path])
+    first = _max_logits(graphdef, clipped.params, clipped.buffers, batch)["dense_layers/attn"]
+    np.testing.assert_allclose(first, np.minimum(before["dense_layers/attn"], threshold), rtol=1e-5)
+
+
+def test_qk_clip_threshold_zero_is_off_and_a_negative_one_is_refused():
+    tiny = presets.tiny()
+    assert QKClip.of(tiny.optim, tiny.model) is None
+    on = dataclasses.replace(tiny.optim, qk_clip_threshold=50.0)
+    assert QKClip.of(on, tiny.model) == QKClip(50.0, tiny.model.qk_nope_head_dim)
+    bad = dataclasses.replace(tiny, optim=dataclasses.replace(tiny.optim, qk_clip_threshold=-1.0))
+    with pytest.raises(config_lib.ConfigError, match="optim.qk_clip_threshold: must be a finite"):
+        config_lib.validate(bad)

@@ -105,7 +105,7 @@ def _moe_scores(model, batch):
     x, _ = _run_layers(model.dense_layers, x, batch.positions_BT, batch.segment_ids_BT, None, cfg)
     graphdef, state = nnx.split(model.moe_layers)
     block = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
-    h = x + block.attn(block.attn_norm(x), batch.positions_BT, batch.segment_ids_BT)
+    h = x + block.attn(block.attn_norm(x), batch.positions_BT, batch.segment_ids_BT)[0]
     return jax.nn.sigmoid(block.mlp_norm(h) @ block.mlp.router[...])
 
 

@@ -98,7 +98,7 @@ def test_pretrain_loss_matches_numpy(mtp_loss):
     np.testing.assert_allclose(loss, np.mean(ce) + 0.7 * np.mean(depth_losses), rtol=1e-5)
 
 
-def _run_steps(cfg, layout, batches, microbatches=1):
+def _run_steps(cfg, layout, batches, microbatches=1, qk_clip=None, metrics_out=None):
     train_cfg = config_lib.TrainConfig()
     opt_cfg = config_lib.OptimizerConfig(warmup_steps=1)
     schedule = optim.learning_rate_schedule(opt_cfg, 10)
@@ -118,6 +118,7 @@ def _run_steps(cfg, layout, batches, microbatches=1):
             schedule,
             layout,
             microbatches=microbatches,
+            qk_clip=qk_clip,
         ),
         in_shardings=(shardings, layout.batch_sharding()),
     )
@@ -125,6 +126,8 @@ def _run_steps(cfg, layout, batches, microbatches=1):
     for b in batches:
         state, metrics = step(state, jax.device_put(b, layout.batch_sharding()))
         losses.append(float(metrics["loss"]))
+        if metrics_out is not None:
+            metrics_out.append(jax.device_get(metrics))
     return losses, state
 
 
@@ -191,6 +194,10 @@ def test_microbatches_accumulate_the_whole_batchs_gradient(microbatches):
     )(state, batch)
     for name in ("loss", "ce", "mtp", "tokens", "expert_load"):
         np.testing.assert_allclose(metrics[name], whole_metrics[name], rtol=2e-5, atol=1e-7)
+    maxima, whole_maxima = metrics[S.ATTENTION_MAX_LOGITS], whole_metrics[S.ATTENTION_MAX_LOGITS]
+    assert set(maxima) == set(whole_maxima)
+    for path in maxima:
+        np.testing.assert_allclose(maxima[path], whole_maxima[path], rtol=1e-6, err_msg=path)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(whole)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
 
@@ -203,6 +210,26 @@ def test_microbatched_step_on_8_devices_equals_one_pass_on_one():
     eight = make_layout(config_lib.MeshConfig(fsdp=4, cp=2), devices=jax.devices()[:8])
     want_losses, want = _run_steps(cfg, one, batches)
     got_losses, got = _run_steps(cfg, eight, batches, microbatches=2)
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_a_qk_clipped_step_on_8_devices_equals_one_device():
+    """QK-clip on fsdp=4 x cp=2 in 2 micro-batches (maxima over sequence shards and micro-
+    batches) rescales the same heads by the same factors as on one device in one pass."""
+    cfg = small_model_config(dtype="float32")
+    batches = [_packed_batch(np.random.default_rng(s), B=8, T=32) for s in (13, 14)]
+    one = make_layout(config_lib.MeshConfig(fsdp=1), devices=jax.devices()[:1])
+    eight = make_layout(config_lib.MeshConfig(fsdp=4, cp=2), devices=jax.devices()[:8])
+    clip = optim.QKClip(0.5, cfg.qk_nope_head_dim)
+    want_metrics, got_metrics = [], []
+    want_losses, want = _run_steps(cfg, one, batches, qk_clip=clip, metrics_out=want_metrics)
+    got_losses, got = _run_steps(cfg, eight, batches, 2, clip, got_metrics)
+    assert all(m["qk_clipped_heads"] > 0 for m in want_metrics)
+    for w, g in zip(want_metrics, got_metrics):
+        assert g["qk_clipped_heads"] == w["qk_clipped_heads"]
+        np.testing.assert_allclose(g["attention_max_logit"], w["attention_max_logit"], rtol=1e-5)
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
