@@ -156,6 +156,18 @@ def test_mismatched_checkpoint_is_reported(tmp_path, corpus):
         run_pretraining(wider, progress=False)
 
 
+def test_a_run_with_qk_clip_logs_its_logits_and_the_heads_it_clipped(tmp_path, corpus):
+    """`--config.optim.qk_clip_threshold` reaches the run's step: each logged step has the
+    largest attention logit and, with the threshold below it, the heads QK-clip rescaled."""
+    cfg = tiny_experiment(str(tmp_path / "clip"), corpus, steps=2)
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, qk_clip_threshold=0.5))
+    run_pretraining(cfg, progress=False)
+    records = [m for m in read_metrics(os.path.join(cfg.workdir, "metrics.jsonl")) if "loss" in m]
+    assert [m["step"] for m in records] == [1, 2]
+    for m in records:
+        assert m["attention_max_logit"] > 0.5 and m["qk_clipped_heads"] > 0
+
+
 @pytest.mark.slow  # default twins: tests/optim/test_sharded_muon.py, the resume tests above
 def test_muon_run_trains_and_resumes(tmp_path, corpus):
     """`--config.optim.name=muon` trains on the sharded layout, and its sharded optimizer state
