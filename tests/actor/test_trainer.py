@@ -191,7 +191,8 @@ def test_qk_clip_in_the_rl_step_shrinks_only_the_query_and_key_projections(tmp_p
         results[threshold] = metrics, jax.tree_util.tree_leaves_with_path(trainer.state.params)
         trainer.close()
     (plain_metrics, plain), (metrics, clipped) = results[0.0], results[0.5]
-    assert "qk_clipped_heads" not in plain_metrics
+    assert "qk_clipped_heads" not in plain_metrics  # logged only with QK-clip on
+    assert plain_metrics["attention_max_logit"] == metrics["attention_max_logit"]
     assert metrics["qk_clipped_heads"] > 0 and metrics["attention_max_logit"] > 0.5
     np.testing.assert_allclose(metrics["loss"], plain_metrics["loss"], rtol=1e-6)
     shrunk = 0

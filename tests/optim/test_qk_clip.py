@@ -114,16 +114,14 @@ def _attention(params, path):
     return params
 
 
-@pytest.mark.parametrize("q_lora_rank", [16, None])
-def test_a_train_step_with_qk_clip_rescales_the_heads_over_the_threshold(q_lora_rank):
+def test_a_train_step_with_qk_clip_rescales_the_heads_over_the_threshold():
     """A step (its optimizer update zero) rescales the query and key projections of every
     attention (dense and MoE stacks, the MTP depth) by the factors of the maxima of the step's
     own forward, and nothing else; the first layer (whose inputs the clip leaves alone) then has
     each head's largest logit at min(its maximum, the threshold)."""
-    cfg = _model_cfg(q_lora_rank=q_lora_rank, first_k_dense=1, num_layers=3)
+    cfg = _model_cfg(first_k_dense=1, num_layers=3)
     batch = {k: jnp.asarray(v) for k, v in _packed_batch(np.random.default_rng(3)).items()}
-    m, (plain, plain_metrics) = _step_without_update(cfg, None, batch)
-    graphdef, params, buffers = split_model(m)
+    graphdef, params, buffers = split_model(init_model(cfg, seed=5))
     before = _max_logits(graphdef, params, buffers, batch)
     assert set(before) == {"dense_layers/attn", "moe_layers/attn", "mtp/0/block/attn"}
     every = np.concatenate([np.ravel(v) for v in before.values()])
@@ -133,26 +131,38 @@ def test_a_train_step_with_qk_clip_rescales_the_heads_over_the_threshold(q_lora_
     _, (clipped, metrics) = _step_without_update(cfg, clip, batch)
     assert int(metrics["qk_clipped_heads"]) == int((every > threshold).sum()) > 0
     np.testing.assert_allclose(metrics["attention_max_logit"], every.max(), rtol=1e-6)
-    np.testing.assert_allclose(plain_metrics["attention_max_logit"], every.max(), rtol=1e-6)
-    assert "qk_clipped_heads" not in plain_metrics
-    q_name = "q_b_proj" if q_lora_rank else "q_proj"
-    for path, maxima in before.items():
-        want = qk_clip(
-            _attention(params, path)[q_name][...],
-            _attention(params, path)["kv_b_proj"][...],
-            maxima,
-            threshold,
-            cfg.qk_nope_head_dim,
-        )
-        got = _attention(clipped.params, path)
-        np.testing.assert_allclose(got[q_name][...], want[0], rtol=1e-6)
-        np.testing.assert_allclose(got["kv_b_proj"][...], want[1], rtol=1e-6)
-    flat_plain = dict(jax.tree_util.tree_leaves_with_path(plain.params))
-    for path, leaf in jax.tree_util.tree_leaves_with_path(clipped.params):
-        if not any(getattr(k, "key", None) in (q_name, "kv_b_proj") for k in path):
-            np.testing.assert_array_equal(leaf, flat_plain[path])
+    _check_clipped(params, clipped.params, before, clip, "q_b_proj")
     first = _max_logits(graphdef, clipped.params, clipped.buffers, batch)["dense_layers/attn"]
     np.testing.assert_allclose(first, np.minimum(before["dense_layers/attn"], threshold), rtol=1e-5)
+
+
+def _check_clipped(params, clipped, max_logits, clip, q_name):
+    """`clipped` is `params` with each attention's query and key projections rescaled by
+    `qk_clip` of `max_logits`, and every other weight the same."""
+    for path, maxima in max_logits.items():
+        attn = _attention(params, path)
+        want = qk_clip(
+            attn[q_name][...], attn["kv_b_proj"][...], maxima, clip.threshold, clip.qk_nope_head_dim
+        )
+        got = _attention(clipped, path)
+        np.testing.assert_allclose(got[q_name][...], want[0], rtol=1e-6)
+        np.testing.assert_allclose(got["kv_b_proj"][...], want[1], rtol=1e-6)
+    unchanged = dict(jax.tree_util.tree_leaves_with_path(params))
+    for path, leaf in jax.tree_util.tree_leaves_with_path(clipped):
+        if not any(getattr(k, "key", None) in (q_name, "kv_b_proj") for k in path):
+            np.testing.assert_array_equal(leaf, unchanged[path])
+
+
+def test_qk_clip_of_a_model_without_a_query_latent_scales_its_query_projection():
+    """Without q_lora the queries come from `q_proj` [embed, heads, dims]: QK-clip scales it."""
+    cfg = _model_cfg(q_lora_rank=None, num_mtp_layers=0)
+    batch = {k: jnp.asarray(v) for k, v in _packed_batch(np.random.default_rng(4)).items()}
+    graphdef, params, buffers = split_model(init_model(cfg, seed=6))
+    before = _max_logits(graphdef, params, buffers, batch)
+    clip = QKClip(float(np.median(np.concatenate([np.ravel(v) for v in before.values()]))), 8)
+    clipped, count = clip(jax.tree.map(jnp.array, params), before)
+    assert int(count) > 0
+    _check_clipped(params, clipped, before, clip, "q_proj")
 
 
 def test_qk_clip_threshold_zero_is_off_and_a_negative_one_is_refused():

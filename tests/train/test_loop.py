@@ -160,7 +160,12 @@ def test_a_run_with_qk_clip_logs_its_logits_and_the_heads_it_clipped(tmp_path, c
     """`--config.optim.qk_clip_threshold` reaches the run's step: each logged step has the
     largest attention logit and, with the threshold below it, the heads QK-clip rescaled."""
     cfg = tiny_experiment(str(tmp_path / "clip"), corpus, steps=2)
-    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, qk_clip_threshold=0.5))
+    one_phase = (dataclasses.replace(cfg.train.phases[0], fraction=1.0),)
+    cfg = dataclasses.replace(
+        cfg,
+        optim=dataclasses.replace(cfg.optim, qk_clip_threshold=0.5),
+        train=dataclasses.replace(cfg.train, phases=one_phase),
+    )
     run_pretraining(cfg, progress=False)
     records = [m for m in read_metrics(os.path.join(cfg.workdir, "metrics.jsonl")) if "loss" in m]
     assert [m["step"] for m in records] == [1, 2]
