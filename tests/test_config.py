@@ -32,6 +32,7 @@ def test_presets_validate_and_roundtrip(name):
         ("qk_rope_head_dim", 5, "model.qk_rope_head_dim"),
         ("first_k_dense", 5, "model.first_k_dense"),
         ("dtype", "float8", "model.dtype"),
+        ("balance_loss_alpha", -0.1, "model.balance_loss_alpha: must be a finite weight"),
     ],
 )
 def test_bad_model_values_name_the_field(field, value, message):

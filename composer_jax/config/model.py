@@ -61,6 +61,9 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
     router_bias_update_rate: float = 1e-3  # aux-loss-free balancing step (gamma in DeepSeek-V3).
+    # DeepSeek-V3's complementary sequence-wise balance loss: pretraining adds alpha x the mean
+    # over rows of sum_i f_i P_i per MoE layer (the paper's alpha is 1e-4); 0 leaves it out.
+    balance_loss_alpha: float = 0.0
     # Router replay: a replayed expert is kept only if the trainer's score for it is at least this
     # times the trainer's k-th best score, else the trainer's own next choice replaces it (the
     # rate is logged as router_replace_rate); 0 keeps every replayed expert.
@@ -193,6 +196,11 @@ def _check_routing(m: ModelConfig, where: str) -> None:
         f"{m.topk_group} groups",
     )
     _check(0 <= m.replay_min_ratio <= 1, f"{where}.replay_min_ratio", "must lie in [0, 1]")
+    _check(
+        0 <= m.balance_loss_alpha < float("inf"),
+        f"{where}.balance_loss_alpha",
+        f"must be a finite weight >= 0 (0 leaves the balance loss out), got {m.balance_loss_alpha}",
+    )
 
 
 def _check_numerics(m: ModelConfig, where: str) -> None:

@@ -20,6 +20,7 @@ FREE_FIELDS = frozenset(
         "attention_block_size",
         "num_mtp_layers",
         "router_bias_update_rate",
+        "balance_loss_alpha",
         "max_position_embeddings",
         "replay_min_ratio",
         "expert_precision",

@@ -2,8 +2,10 @@
 
 Routing follows DeepSeek-V3: sigmoid scores; an expert bias that only influences *selection*
 (never the mixing weights) and is nudged towards balanced load outside the gradient; group-limited
-top-k; normalised top-k weights times a routed scaling factor. Router replay: the caller may force
-the selected experts (RL replays the sampler's choices); the chosen indices are always returned.
+top-k; normalised top-k weights times a routed scaling factor; optionally (pretraining with
+`model.balance_loss_alpha`) DeepSeek-V3's complementary sequence-wise balance loss. Router replay:
+the caller may force the selected experts (RL replays the sampler's choices); the chosen indices
+are always returned.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class RoutingStats(NamedTuple):
     load_E: jax.Array  # valid tokens routed to each expert
     replay_replaced: jax.Array  # replayed (token, slot) pairs the plausibility filter replaced
     dropped: jax.Array  # valid (token, slot) pairs an expert-parallel capacity bound left out
+    balance: jax.Array  # `sequence_balance_loss` summed over the rows
 
 
 def _ragged_dot(lhs_MK: jax.Array, rhs_EKN: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
@@ -225,13 +228,31 @@ class MoE(nnx.Module):
         )
         replaced_slots = jnp.sum(replaced & valid_slots).astype(jnp.float32)
         dropped_slots = jnp.sum(dropped & valid_slots).astype(jnp.float32)
-        return out, routing, RoutingStats(load, replaced_slots, dropped_slots)
+        balance = sequence_balance_loss(routing.scores_BTE, routing.indices_BTK, valid_BT).sum()
+        return out, routing, RoutingStats(load, replaced_slots, dropped_slots, balance)
 
 
 def drops_tokens() -> bool:
     """Whether the layout being traced bounds the expert exchange, so slots can be dropped."""
     layout = current_layout()
     return layout is not None and layout.drop_capacity is not None
+
+
+def sequence_balance_loss(
+    scores_BTE: jax.Array, indices_BTK: jax.Array, valid_BT: jax.Array
+) -> jax.Array:
+    """DeepSeek-V3's complementary sequence-wise balance loss of each row [B]: sum_i f_i P_i over
+    the row's valid tokens, f_i = E / (k T) x the tokens that chose expert i (a constant) and
+    P_i = the mean of expert i's share of the token's scores (s_i / sum_j s_j). A row whose
+    tokens spread evenly over the experts scores 1; it only trains the router (through P)."""
+    E, k = scores_BTE.shape[-1], indices_BTK.shape[-1]
+    valid = valid_BT.astype(jnp.float32)
+    tokens_B = jnp.maximum(valid.sum(-1), 1.0)
+    chose_BTE = jax.nn.one_hot(indices_BTK, E, dtype=jnp.bool_).any(-2) & valid_BT[..., None]
+    f_BE = E / (k * tokens_B[:, None]) * chose_BTE.sum(1)
+    share_BTE = scores_BTE / scores_BTE.sum(-1, keepdims=True)
+    p_BE = jnp.einsum("bte,bt->be", share_BTE, valid) / tokens_B[:, None]
+    return jnp.sum(jax.lax.stop_gradient(f_BE) * p_BE, axis=-1)
 
 
 def update_expert_bias(bias_E: jax.Array, load_E: jax.Array, rate: float) -> jax.Array:

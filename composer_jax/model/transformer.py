@@ -82,6 +82,7 @@ class ForwardOutput(NamedTuple):
     expert_load_LE: jax.Array  # valid tokens routed to each expert, per MoE layer
     replay_replaced_L: jax.Array  # replayed expert slots the plausibility filter replaced
     expert_dropped_L: jax.Array  # valid expert slots an expert-parallel capacity bound dropped
+    balance_loss_L: jax.Array  # the sequence-wise balance loss per MoE layer, summed over rows
     # Each attention's largest logit per head, keyed by its parameters' path ("moe_layers/attn":
     # [layers, H]; "mtp/0/block/attn": [H]): what QK-clip reads (`composer_jax.optim.qk_clip`).
     attention_max_logits: dict[str, jax.Array]
@@ -196,7 +197,7 @@ class Transformer(nnx.Module):
             )
         else:
             indices = jnp.zeros((0, B, T, cfg.num_experts_per_tok), jnp.int32)
-            stats = RoutingStats(jnp.zeros((0, cfg.num_experts)), jnp.zeros((0,)), jnp.zeros((0,)))
+            stats = RoutingStats(jnp.zeros((0, cfg.num_experts)), *[jnp.zeros((0,))] * 3)
 
         mtp_hidden = None
         if with_mtp and len(self.mtp):
@@ -212,7 +213,14 @@ class Transformer(nnx.Module):
                 states.append(layer.out_norm(h))
             mtp_hidden = jnp.stack(states)
         return ForwardOutput(
-            x, mtp_hidden, indices, stats.load_E, stats.replay_replaced, stats.dropped, max_logits
+            x,
+            mtp_hidden,
+            indices,
+            stats.load_E,
+            stats.replay_replaced,
+            stats.dropped,
+            stats.balance,
+            max_logits,
         )
 
     def head(self, normed_hidden: jax.Array) -> jax.Array:

@@ -90,11 +90,17 @@ def target_counts(batch: Batch, num_mtp_layers: int) -> jax.Array:
 
 
 def pretrain_loss(
-    m: Transformer, batch: Batch, cfg: TrainConfig, counts: jax.Array | None = None
+    m: Transformer,
+    batch: Batch,
+    cfg: TrainConfig,
+    counts: jax.Array | None = None,
+    batch_rows: int | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Cross-entropy of the main head plus `mtp_weight` x mean MTP loss over depths. `counts`
-    (`target_counts` of a whole batch this one is a micro-batch of) makes each mean a share of
-    the whole batch's, so the micro-batches' losses add up to it."""
+    """Cross-entropy of the main head plus `mtp_weight` x mean MTP loss over depths, plus
+    `model.balance_loss_alpha` x the sequence-wise balance loss (summed over MoE layers, mean
+    over rows). `counts` (`target_counts` of a whole batch this one is a micro-batch of) and
+    `batch_rows` (its rows) make each mean a share of the whole batch's, so the micro-batches'
+    losses add up to it."""
     out = forward(m, batch["tokens"], batch["positions"], batch["segment_ids"])
     logits = m.logits(out.hidden_BTD)
     targets, mask = batch_targets(batch, 1)
@@ -108,6 +114,10 @@ def pretrain_loss(
         **drop_metrics(out, batch["segment_ids"], m.cfg.num_experts_per_tok),
     }
     loss = ce
+    if m.cfg.balance_loss_alpha and out.balance_loss_L.shape[0]:
+        rows = batch["tokens"].shape[0] if batch_rows is None else batch_rows
+        metrics["balance_loss"] = out.balance_loss_L.sum() / rows
+        loss = loss + m.cfg.balance_loss_alpha * metrics["balance_loss"]
     if out.mtp_hidden_DBTD is not None:
         teacher_logp = jax.nn.log_softmax(jax.lax.stop_gradient(logits), axis=-1)
         mtp_losses = []
@@ -210,12 +220,13 @@ def accumulated_gradients(
     micro-batch's loss is its share of the batch's mean (`target_counts`), so the sums are the
     whole batch's loss, gradients and metrics (the attention maxima: their maximum)."""
     counts = target_counts(batch, num_mtp_layers)
+    rows = batch["tokens"].shape[0]
     with use_layout(layout):
         micro = split_microbatches(batch, microbatches)
 
     def one(mb):
         return loss_gradients(
-            graphdef, layout, state, lambda m: pretrain_loss(m, mb, train_cfg, counts)
+            graphdef, layout, state, lambda m: pretrain_loss(m, mb, train_cfg, counts, rows)
         )
 
     def body(total, mb):

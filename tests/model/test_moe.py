@@ -373,3 +373,47 @@ def test_bias_update_balances_routing():
     _, after = imbalance(bias)
     assert before > 2.0
     assert after < 0.6 * before
+
+
+def _balance_loss_reference(scores, indices, valid):
+    """DeepSeek-V3's L_Bal of each row, written out token by token in float64."""
+    B, T, E = scores.shape
+    k = indices.shape[-1]
+    losses = []
+    for b in range(B):
+        tokens = [t for t in range(T) if valid[b, t]]
+        f = np.zeros(E)
+        p = np.zeros(E)
+        for t in tokens:
+            for i in set(indices[b, t].tolist()):
+                f[i] += E / (k * max(len(tokens), 1))
+            p += scores[b, t] / scores[b, t].sum() / max(len(tokens), 1)
+        losses.append(float(f @ p))
+    return np.asarray(losses)
+
+
+def test_sequence_balance_loss_matches_the_written_out_definition():
+    """Per row over its valid tokens only (a padded row, an empty row); 1 when every row's tokens
+    choose each expert equally often and score them alike; the gradient reaches the scores
+    only through P (f is a count)."""
+    rng = np.random.default_rng(0)
+    B, T, E, k = 4, 10, 6, 2
+    scores = rng.uniform(0.05, 1.0, (B, T, E))
+    indices = np.stack([rng.permutation(E)[:k] for _ in range(B * T)]).reshape(B, T, k)
+    valid = np.ones((B, T), bool)
+    valid[1, 6:] = False
+    valid[3] = False
+    got = moe_lib.sequence_balance_loss(
+        jnp.asarray(scores), jnp.asarray(indices), jnp.asarray(valid)
+    )
+    np.testing.assert_allclose(got, _balance_loss_reference(scores, indices, valid), rtol=1e-5)
+    assert got[3] == 0
+    even = np.arange(E).reshape(1, E // k, k).repeat(2, 0)  # each expert once per row
+    uniform = moe_lib.sequence_balance_loss(
+        jnp.ones((2, E // k, E)), jnp.asarray(even), jnp.ones((2, E // k), bool)
+    )
+    np.testing.assert_allclose(uniform, 1.0, rtol=1e-6)
+    grad = jax.grad(
+        lambda s: moe_lib.sequence_balance_loss(s, jnp.asarray(indices), jnp.asarray(valid)).sum()
+    )(jnp.asarray(scores, jnp.float32))
+    assert np.abs(np.asarray(grad)[valid]).max() > 0 and (np.asarray(grad)[~valid] == 0).all()

@@ -177,7 +177,7 @@ def test_loss_mask_limits_the_targets():
 def test_microbatches_accumulate_the_whole_batchs_gradient(microbatches):
     """Gradients accumulated over micro-batches (rows of different token counts, a loss mask,
     MTP) are the whole batch's: the same metrics, and the same gradients as one pass."""
-    cfg = _model_cfg()
+    cfg = _model_cfg(balance_loss_alpha=0.1)
     m = init_model(cfg, seed=4)
     graphdef, params, buffers = S.split_model(m)
     state = S.TrainState(jnp.zeros((), jnp.int32), params, buffers, None)
@@ -192,7 +192,7 @@ def test_microbatches_accumulate_the_whole_batchs_gradient(microbatches):
     metrics, grads = jax.jit(
         lambda st, b: S.accumulated_gradients(graphdef, None, st, b, train_cfg, 1, microbatches)
     )(state, batch)
-    for name in ("loss", "ce", "mtp", "tokens", "expert_load"):
+    for name in ("loss", "ce", "mtp", "balance_loss", "tokens", "expert_load"):
         np.testing.assert_allclose(metrics[name], whole_metrics[name], rtol=2e-5, atol=1e-7)
     maxima, whole_maxima = metrics[S.ATTENTION_MAX_LOGITS], whole_metrics[S.ATTENTION_MAX_LOGITS]
     assert set(maxima) == set(whole_maxima)
@@ -203,8 +203,9 @@ def test_microbatches_accumulate_the_whole_batchs_gradient(microbatches):
 
 
 def test_microbatched_step_on_8_devices_equals_one_pass_on_one():
-    """A step of 2 micro-batches on fsdp=4 x cp=2 gives the one-device, one-pass step."""
-    cfg = small_model_config(dtype="float32")  # 8 experts, one per device
+    """A step of 2 micro-batches on fsdp=4 x cp=2 gives the one-device, one-pass step (the
+    balance loss on: its rows' sums span the cp shards)."""
+    cfg = small_model_config(dtype="float32", balance_loss_alpha=0.1)  # 8 experts, one a device
     batches = [_packed_batch(np.random.default_rng(s), B=8, T=32) for s in (11, 12)]
     one = make_layout(config_lib.MeshConfig(fsdp=1), devices=jax.devices()[:1])
     eight = make_layout(config_lib.MeshConfig(fsdp=4, cp=2), devices=jax.devices()[:8])
@@ -233,6 +234,33 @@ def test_a_qk_clipped_step_on_8_devices_equals_one_device():
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_the_balance_loss_adds_alpha_times_its_mean_and_trains_only_through_the_router():
+    """With one MoE layer, the balance term changes the loss by alpha x the logged mean over rows
+    and the gradients of the router and everything before it, never that layer's experts'."""
+    cfg = _model_cfg(num_mtp_layers=0)
+    _, params, buffers = S.split_model(init_model(cfg, seed=2))
+    batch = {k: jnp.asarray(v) for k, v in _packed_batch(np.random.default_rng(9)).items()}
+    results = {}
+    for alpha in (0.0, 0.5):
+        on = dataclasses.replace(cfg, balance_loss_alpha=alpha)
+        state = S.TrainState(jnp.zeros((), jnp.int32), params, buffers, None)
+        results[alpha] = S.loss_gradients(
+            S.split_model(init_model(on, seed=2))[0],
+            None,
+            state,
+            lambda m: S.pretrain_loss(m, batch, config_lib.TrainConfig()),
+        )
+    (off_metrics, off), (on_metrics, on) = results[0.0], results[0.5]
+    assert "balance_loss" not in off_metrics and on_metrics["balance_loss"] > 0.9
+    np.testing.assert_allclose(
+        on_metrics["loss"] - off_metrics["loss"], 0.5 * on_metrics["balance_loss"], rtol=1e-5
+    )
+    moe_off, moe_on = off["moe_layers"]["mlp"], on["moe_layers"]["mlp"]
+    for name in ("gate", "up", "down"):
+        np.testing.assert_allclose(moe_on[name][...], moe_off[name][...], rtol=1e-6, atol=1e-9)
+    assert np.abs(moe_on["router"][...] - moe_off["router"][...]).max() > 1e-6
 
 
 def test_microbatches_must_split_the_phases_batch():
