@@ -149,8 +149,7 @@ class MLA(nnx.Module):
             rope.softmax_scale(cfg),
             cfg.attention_block_size,
         )
-        out = project(out, compute_weight(self.o_proj, dt), contract=2)
-        return out, jax.lax.stop_gradient(max_logit_H)
+        return project(out, compute_weight(self.o_proj, dt), contract=2), max_logit_H
 
 
 def masked_scores(scores_BHTS: jax.Array, mask_BTS: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -53,6 +53,13 @@ def qk_clip(
     )
 
 
+def attention_params(params: nnx.State, path: str) -> nnx.State:
+    """The parameters of the attention at `path` ("moe_layers/attn", "mtp/0/block/attn")."""
+    for part in path.split("/"):
+        params = params[int(part) if part.isdigit() else part]
+    return params
+
+
 @dataclasses.dataclass(frozen=True)
 class QKClip:
     """QK-clip over a model's parameter state: every attention in `max_logits` (keyed by its
@@ -75,9 +82,7 @@ class QKClip:
         Meant for the fresh state an optimizer update returns inside a traced step."""
         clipped = jnp.zeros((), jnp.int32)
         for path, max_logits_H in max_logits.items():
-            attn = params
-            for part in path.split("/"):
-                attn = attn[int(part) if part.isdigit() else part]
+            attn = attention_params(params, path)
             q_name = "q_b_proj" if "q_b_proj" in attn else "q_proj"
             q, kv = qk_clip(
                 attn[q_name][...],

@@ -15,7 +15,7 @@ from composer_jax import config as config_lib
 from composer_jax import presets
 from composer_jax.model import init_model
 from composer_jax.model.attention import MLA, mla_max_logits
-from composer_jax.optim.qk_clip import QKClip, qk_clip
+from composer_jax.optim.qk_clip import QKClip, attention_params, qk_clip
 from composer_jax.train.step import TrainState, split_model, train_step
 from tests.train.helpers import small_model_config
 from tests.train.test_step import _packed_batch
@@ -108,12 +108,6 @@ def _max_logits(graphdef, params, buffers, batch):
     return out.attention_max_logits
 
 
-def _attention(params, path):
-    for part in path.split("/"):
-        params = params[int(part) if part.isdigit() else part]
-    return params
-
-
 def test_a_train_step_with_qk_clip_rescales_the_heads_over_the_threshold():
     """A step (its optimizer update zero) rescales the query and key projections of every
     attention (dense and MoE stacks, the MTP depth) by the factors of the maxima of the step's
@@ -140,11 +134,11 @@ def _check_clipped(params, clipped, max_logits, clip, q_name):
     """`clipped` is `params` with each attention's query and key projections rescaled by
     `qk_clip` of `max_logits`, and every other weight the same."""
     for path, maxima in max_logits.items():
-        attn = _attention(params, path)
+        attn = attention_params(params, path)
         want = qk_clip(
             attn[q_name][...], attn["kv_b_proj"][...], maxima, clip.threshold, clip.qk_nope_head_dim
         )
-        got = _attention(clipped, path)
+        got = attention_params(clipped, path)
         np.testing.assert_allclose(got[q_name][...], want[0], rtol=1e-6)
         np.testing.assert_allclose(got["kv_b_proj"][...], want[1], rtol=1e-6)
     unchanged = dict(jax.tree_util.tree_leaves_with_path(params))
