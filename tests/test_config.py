@@ -97,6 +97,15 @@ def test_presets_fit_1_2_4_8_devices(preset, devices):
     assert mesh.replica * mesh.fsdp * mesh.cp == devices
 
 
+@pytest.mark.parametrize("preset, devices", [("kimi_k2", 128), ("deepseek_v3", 256)])
+def test_the_1t_presets_are_valid_at_their_smallest_meshes(preset, devices):
+    """The full-scale presets (their optimizers included: kimi_k2's MuonClip, deepseek_v3's AdamW
+    with the balance loss) pass validation where launch.plan plans them."""
+    cfg = presets.PRESETS[preset]()
+    C.validate(cfg, num_devices=devices)
+    assert cfg.optim.warmup_steps < cfg.steps
+
+
 def test_phase_fractions_must_sum_to_one():
     phases = (C.PhaseConfig("a", 0.5), C.PhaseConfig("b", 0.4))
     cfg = dataclasses.replace(

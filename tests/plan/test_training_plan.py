@@ -206,10 +206,12 @@ def test_bad_plans_are_one_line_errors(args, needle):
 
 
 def test_the_1t_plan_prints_its_table():
-    """The 1T step at the preset's layout on 128 devices compiles (XLA:CPU's loop-fusion emitter
-    once crashed on it: launch.plan routes elementwise fusions around it) and does not fit."""
+    """The 1T step at the preset's layout and optimizer (MuonClip) on 128 devices compiles
+    (XLA:CPU's loop-fusion emitter once crashed on it: launch.plan routes elementwise fusions
+    around it) and does not fit."""
     done = _plan("--config=kimi_k2", "--devices=128", "--knobs=never")
     assert done.returncode == 0, done.stderr[-2000:]
+    assert "muon: 1,024,058,392,576 params" in done.stdout  # every matrix but the embeddings
     assert "training step, phase main (batch 512 x 32768), 128 devices" in done.stdout
     assert "(replica=1 x fsdp=64 x cp=2)" in done.stdout and "does NOT fit" in done.stdout
     assert "decode step" in done.stdout
