@@ -173,7 +173,7 @@ def _plan_training(cfg, device, dump_to: str | None) -> None:
     # Imported here, not at the top: JAX must see the simulated device count first (_simulate).
     from composer_jax.plan import costs, training
 
-    plan = training.plan_training_step(cfg, phase=_PHASE.value)
+    plan = training.plan_training_step(cfg, phase=_PHASE.value, verbose=True)
     print(training.render(plan, device), flush=True)
     if dump_to is not None:
         allocations = buffers.read_dump(dump_to)

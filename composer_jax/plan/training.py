@@ -47,13 +47,18 @@ def abstract_batch(layout: Layout, batch_size: int, seq_len: int) -> dict:
 
 
 def plan_training_step(
-    cfg: config_lib.ExperimentConfig, layout: Layout | None = None, phase: int = 0
+    cfg: config_lib.ExperimentConfig,
+    layout: Layout | None = None,
+    phase: int = 0,
+    *,
+    verbose: bool = False,
 ) -> StepPlan:
     """Compiles the training step of `cfg`'s phase `phase` for `layout` (default: the config's
-    mesh over every device) without allocating the state, and reads its costs."""
+    mesh over every device) without allocating the state, and reads its costs. With `verbose`,
+    Muon's split of the parameters is printed (once for a plan, not for each layout change)."""
     if layout is None:
         layout = make_layout(config_lib.fitted_mesh(cfg, jax.device_count()))
-    setup = make_train_setup(cfg, layout)
+    setup = make_train_setup(cfg, layout, verbose=verbose)
     p = cfg.train.phases[phase]
     start = time.perf_counter()
     compiled = (

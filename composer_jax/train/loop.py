@@ -207,10 +207,13 @@ class TrainSetup:
         return init_train_state(model, self.optimizer)
 
 
-def make_train_setup(cfg: config_lib.ExperimentConfig, layout: Layout | None = None) -> TrainSetup:
-    """The pretraining setup: one learning-rate schedule over the phases of cfg.train."""
+def make_train_setup(
+    cfg: config_lib.ExperimentConfig, layout: Layout | None = None, *, verbose: bool = True
+) -> TrainSetup:
+    """The pretraining setup: one learning-rate schedule over the phases of cfg.train. With
+    `verbose`, Muon's split of the parameters is printed as the state is built."""
     lengths = config_lib.phase_steps(cfg)
-    return make_setup(cfg, layout, lengths, [p.lr_scale for p in cfg.train.phases])
+    return make_setup(cfg, layout, lengths, [p.lr_scale for p in cfg.train.phases], verbose)
 
 
 def make_setup(
@@ -218,6 +221,7 @@ def make_setup(
     layout: Layout | None,
     phase_lengths: list[int],
     lr_scales: list[float],
+    verbose: bool = True,
 ) -> TrainSetup:
     """Shardings, optimizer and schedule of a train state of cfg.model under cfg.optim, the
     schedule running over phases of the given lengths and learning-rate scales."""
@@ -230,7 +234,7 @@ def make_setup(
     graphdef, abstract_params, _ = split_model(model)
     axes = logical_axes_of(abstract_params)
     optimizer = optim.make_optimizer(
-        cfg.optim, schedule, axes, layout.tree_shardings(axes, abstract_params)
+        cfg.optim, schedule, axes, layout.tree_shardings(axes, abstract_params), verbose=verbose
     )
     shapes = jax.eval_shape(
         lambda: init_train_state(Transformer(cfg.model, nnx.Rngs(0)), optimizer)

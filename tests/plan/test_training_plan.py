@@ -217,6 +217,18 @@ def test_the_1t_plan_prints_its_table():
     assert "decode step" in done.stdout
 
 
+def test_muons_split_is_printed_only_where_asked(capsys):
+    """A plan prints Muon's parameter split once (launch.plan asks for it); each layout change
+    it re-plans builds its setup quietly."""
+    cfg = presets.tiny()
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, name="muon"))
+    layout = make_layout(config_lib.MeshConfig(fsdp=4, cp=2), jax.devices()[:8])
+    make_train_setup(cfg, layout, verbose=False)
+    assert capsys.readouterr().out == ""
+    make_train_setup(cfg, layout)
+    assert capsys.readouterr().out.count("muon: ") == 1
+
+
 def test_the_layout_knobs_are_the_changes_that_apply_to_the_mesh():
     cfg = dataclasses.replace(presets.tiny(), mesh=config_lib.MeshConfig(replica=2, fsdp=2, cp=2))
     flags = [f for f, _ in training.layout_knobs(cfg, 8)]
