@@ -155,9 +155,8 @@ def kimi_k2_model() -> ModelConfig:
 def kimi_k2() -> ExperimentConfig:
     """Kimi K2's pre-training recipe at its shape: MuonClip (Muon for every matrix, with the
     update's RMS matched to AdamW's so both share one learning rate, and QK-clip at the report's
-    threshold of 100), peak 2e-4 after 500 warm-up steps decaying to 2e-5, weight decay 0.1.
-    (K2 held the peak for most of the run, warmup-stable-decay; the schedule here decays by
-    cosine over all of it.)"""
+    threshold of 100), peak 2e-4 after 500 warm-up steps, held (K2: 10T of its 15.5T tokens),
+    then a cosine decay to 2e-5 over the last 35% of the steps; weight decay 0.1."""
     return ExperimentConfig(
         model=kimi_k2_model(),
         optim=OptimizerConfig(
@@ -166,6 +165,8 @@ def kimi_k2() -> ExperimentConfig:
             muon_learning_rate=2e-4,
             muon_scaling="rms",
             warmup_steps=500,
+            schedule="wsd",
+            decay_fraction=0.35,
             min_lr_ratio=0.1,
             weight_decay=0.1,
             qk_clip_threshold=100.0,
@@ -191,13 +192,16 @@ def kimi_k2() -> ExperimentConfig:
 def deepseek_v3() -> ExperimentConfig:
     """Continued pretraining of DeepSeek-V3 with kimi_k2's phases and mesh (64 divides its 256
     experts as it does Kimi-K2's 384) and DeepSeek-V3's own optimizer: AdamW (0.9, 0.95), weight
-    decay 0.1, peak 2.2e-4 after 2,000 warm-up steps decaying to 2.2e-5, gradients clipped at 1,
-    and its sequence-wise balance loss at 1e-4."""
+    decay 0.1, peak 2.2e-4 after 2,000 warm-up steps, held (DeepSeek-V3: 10T of 14.8T tokens),
+    then a cosine decay to 2.2e-5 over the last 30% of the steps, gradients clipped at 1, and its
+    sequence-wise balance loss at 1e-4."""
     model = dataclasses.replace(deepseek_v3_model(), balance_loss_alpha=1e-4)
     optim = OptimizerConfig(
         name="adamw",
         learning_rate=2.2e-4,
         warmup_steps=2000,
+        schedule="wsd",
+        decay_fraction=0.3,
         min_lr_ratio=0.1,
         b1=0.9,
         b2=0.95,

@@ -48,6 +48,7 @@ from composer_jax.config.rl import (
     validate_rl_objective,
 )
 from composer_jax.config.training import (
+    LR_SCHEDULES,
     DataConfig,
     LogConfig,
     OptimizerConfig,
@@ -65,6 +66,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "KL_PLACEMENTS",
     "LONG_CONTEXT_ATTENTION_BLOCK",
+    "LR_SCHEDULES",
     "PLANNED_EXPERT_CAPACITY",
     "RESUME_POLICIES",
     "RL_BACKENDS",

@@ -14,7 +14,13 @@ from composer_jax.config.model import (
     validate_model,
 )
 from composer_jax.config.rl import RLConfig, validate_rl
-from composer_jax.config.training import DataConfig, LogConfig, OptimizerConfig, TrainConfig
+from composer_jax.config.training import (
+    LR_SCHEDULES,
+    DataConfig,
+    LogConfig,
+    OptimizerConfig,
+    TrainConfig,
+)
 
 SFT_STYLES = ("first_turn", "episode")
 
@@ -75,6 +81,12 @@ def _check_optim(o: OptimizerConfig) -> None:
     _check(o.muon_ns_steps > 0, "optim.muon_ns_steps", "must be positive")
     _check(o.learning_rate > 0, "optim.learning_rate", "must be positive")
     _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must lie in [0, 1]")
+    _check(
+        o.schedule in LR_SCHEDULES,
+        "optim.schedule",
+        f"must be one of {', '.join(LR_SCHEDULES)}, got {o.schedule!r}",
+    )
+    _check(0 < o.decay_fraction <= 1, "optim.decay_fraction", "must lie in (0, 1]")
     _check(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
     _check(o.clip_norm > 0, "optim.clip_norm", "must be positive")
     _check(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+LR_SCHEDULES = ("cosine", "wsd")
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
@@ -13,6 +15,11 @@ class OptimizerConfig:
     learning_rate: float = 3e-3
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
+    # After the warm-up: "cosine" decays from the peak to min_lr_ratio x peak over the rest of the
+    # run; "wsd" (warmup-stable-decay, as DeepSeek-V3 and Kimi K2) holds the peak, then decays by
+    # cosine over the run's last `decay_fraction` of the steps after the warm-up.
+    schedule: str = "cosine"
+    decay_fraction: float = 0.2
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8

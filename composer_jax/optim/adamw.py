@@ -1,4 +1,5 @@
-"""Schedules (warmup, cosine, per-phase scales) and the optimizer factory: AdamW or Muon + AdamW."""
+"""Schedules (warm-up, cosine or warmup-stable-decay, per-phase scales) and the optimizer factory:
+AdamW or Muon + AdamW."""
 
 from __future__ import annotations
 
@@ -18,23 +19,30 @@ def learning_rate_schedule(
     phase_lengths: Sequence[int] = (),
     phase_scales: Sequence[float] = (),
 ) -> optax.Schedule:
-    """Warmup, then cosine to min_lr_ratio * peak over the whole run, times the phase's scale."""
-    decay = max(total_steps - cfg.warmup_steps, 1)
-    cosine = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=cfg.learning_rate,
-        warmup_steps=cfg.warmup_steps,
-        decay_steps=cfg.warmup_steps + decay,
-        end_value=cfg.learning_rate * cfg.min_lr_ratio,
+    """Linear warm-up, then cfg.schedule's decay to min_lr_ratio * peak by the end of the run
+    ("cosine" over all of it, "wsd" over its last decay_fraction), times the phase's scale."""
+    after_warmup = max(total_steps - cfg.warmup_steps, 1)
+    decay = after_warmup
+    if cfg.schedule == "wsd":
+        decay = max(round(cfg.decay_fraction * after_warmup), 1)
+    elif cfg.schedule != "cosine":
+        raise ValueError(f"optim.schedule: unknown schedule {cfg.schedule!r}")
+    base = optax.join_schedules(
+        [
+            optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps),
+            optax.constant_schedule(cfg.learning_rate),
+            optax.cosine_decay_schedule(cfg.learning_rate, decay, alpha=cfg.min_lr_ratio),
+        ],
+        [cfg.warmup_steps, cfg.warmup_steps + after_warmup - decay],
     )
     if not phase_lengths:
-        return cosine
+        return base
     ends = jnp.cumsum(jnp.asarray(phase_lengths, jnp.int32))
     scales = jnp.asarray(phase_scales, jnp.float32)
 
     def schedule(count):
         phase = jnp.minimum(jnp.searchsorted(ends, count, side="right"), len(phase_scales) - 1)
-        return cosine(count) * scales[phase]
+        return base(count) * scales[phase]
 
     return schedule
 
