@@ -1,6 +1,7 @@
 """Sharded Muon on 8 simulated devices: the update equals the single-device one on every layout."""
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -66,6 +67,25 @@ def test_all_gather_baseline_and_two_sharded_matrix_dims():
         for relayout in ("all_to_all", "all_gather"):
             out = jax.jit(lambda t, r=relayout, s=sh: orthogonalize(t, axes, s, relayout=r))(x)
             assert rel_err(out["w"], ref["w"]) < 1e-5, (spec, relayout)
+
+
+def test_matrices_sharded_alike_share_one_all_to_all_each_way():
+    """Three shapes of matrix sharded alike (rows over fsdp x cp) take one all-to-all into the
+    whole-matrix layout and one back, not two per shape, and still equal one device."""
+    mesh = make_layout(MeshConfig(1, 4, 2)).mesh
+    rng = np.random.default_rng(5)
+    shapes = {"a": (3, 16, 8), "b": (5, 8, 6), "c": (2, 24, 4)}
+    tree = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    axes = {k: ("layers", "embed", "mlp") for k in tree}
+    sh = {k: NamedSharding(mesh, P(None, ("fsdp", "cp"), None)) for k in tree}
+    sharded = jax.jit(lambda t: orthogonalize(t, axes, sh))
+    x = jax.device_put(tree, sh)
+    hlo = sharded.lower(x).compile().as_text()
+    assert len(re.findall(r" all-to-all\(", hlo)) == 2, hlo
+    ref = jax.jit(lambda t: orthogonalize(t, axes))(tree)
+    out = sharded(x)
+    for k in tree:
+        assert rel_err(out[k], ref[k]) < 1e-5, k
 
 
 def test_optimizer_state_shardings_follow_the_parameters():
