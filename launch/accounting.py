@@ -28,14 +28,45 @@ def main(argv):
     print(f"  output head         {c.output_head / 1e9:12.2f} B")
     print(f"  routed experts      {c.routed_experts / 1e9:12.2f} B")
     print(f"  MTP heads           {c.mtp / 1e9:12.2f} B")
-    # fp32 master weights + two fp32 Adam moments; bf16 copies for compute are transient.
-    print(f"train state (fp32 weights + Adam)  {c.total * 12 / 2**40:8.2f} TiB")
+    params, opt_state = _train_state_bytes(cfg)
+    print(
+        f"train state           {_bytes(params + opt_state):>15}  (weights {_bytes(params)}, "
+        f"{cfg.optim.name} state {_bytes(opt_state)}; bf16 copies for compute are transient)"
+    )
     for phase in cfg.train.phases:
         flops = accounting.train_flops_per_token(cfg.model, phase.seq_len)
         print(
             f"phase {phase.name:<14} seq {phase.seq_len:>7}: {flops / 1e9:10.1f} GFLOP/token "
             f"(training), {flops * phase.seq_len * phase.batch_size / 1e15:10.1f} PFLOP/step"
         )
+
+
+def _bytes(n: int) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _train_state_bytes(cfg) -> tuple[int, int]:
+    """(weights, optimizer state) bytes of cfg's train state from shapes alone: what
+    `optim.make_optimizer`'s init allocates (Muon keeps one moment per matrix, AdamW two)."""
+    import jax
+    import optax
+    from flax import nnx
+
+    from composer_jax import optim
+    from composer_jax.model import Transformer
+    from composer_jax.model.layers import logical_axes_of
+    from composer_jax.train.step import split_model
+
+    _, params, _ = split_model(nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0))))
+    tx = optim.make_optimizer(
+        cfg.optim, optax.constant_schedule(0.0), logical_axes_of(params), verbose=False
+    )
+    state = jax.eval_shape(tx.init, params)
+    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
+    return nbytes(params), nbytes(state)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,19 @@ def test_presets_by_name_and_config_files_work_from_any_folder(tmp_path):
     assert by_name.stdout == by_file.stdout and "total" in by_name.stdout
 
 
+def test_accounting_prices_the_train_state_by_the_optimizer(tmp_path):
+    """kimi_k2's MuonClip keeps one float32 moment per Muon matrix and two per AdamW parameter
+    (embeddings, head and norms: 2.35B of 1,026B); AdamW everywhere keeps two per parameter."""
+    muon, adamw = 1_024_058_392_576, 2_349_816_832
+    tib = lambda n: f"{n / 2**40:.2f} TiB"  # noqa: E731
+    weights = tib(4 * (muon + adamw))
+    done = launch("accounting", "--config=kimi_k2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"weights {weights}, muon state {tib(4 * muon + 8 * adamw)}" in done.stdout
+    done = launch("accounting", "--config=kimi_k2", "--config.optim.name=adamw", cwd=tmp_path)
+    assert f"weights {weights}, adamw state {tib(8 * (muon + adamw))}" in done.stdout
+
+
 @pytest.mark.parametrize(
     "args,needles",
     [
