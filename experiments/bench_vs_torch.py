@@ -49,17 +49,25 @@ _COMPILE = flags.DEFINE_bool("compile", False, "Also time the peer under torch.c
 _BREAKDOWN = flags.DEFINE_bool(
     "breakdown", False, "Also time the train step's forward and forward + backward alone."
 )
-_VARIANTS = flags.DEFINE_bool(
-    "variants", False, "Also time our forward and forward + backward on variants of the model."
-)
-# Variants of the benchmarked model that locate our backward's cost (`--variants`).
+# Variants of the benchmarked model that locate our backward's cost (`--variants`): flag name ->
+# (the report's label, model fields changed).
 VARIANTS = {
-    "as benchmarked": {},
-    "every layer dense (no MoE)": {"first_k_dense": 4},  # all of model_config()'s 4 layers
-    "layers unrolled instead of scanned": {"scan_layers": False},
-    "2 layers instead of 4": {"num_layers": 2},
-    "every layer dense, MLP 16 wide": {"first_k_dense": 4, "intermediate_size": 16},
+    "benchmarked": ("as benchmarked", {}),
+    "dense": ("every layer dense (no MoE)", {"first_k_dense": 4}),  # model_config()'s 4 layers
+    "unrolled": ("layers unrolled instead of scanned", {"scan_layers": False}),
+    "2_layers": ("2 layers instead of 4", {"num_layers": 2}),
+    "dense_narrow": (
+        "every layer dense, MLP 16 wide",
+        {"first_k_dense": 4, "intermediate_size": 16},
+    ),
 }
+_VARIANTS = flags.DEFINE_multi_enum(
+    "variants",
+    [],
+    [*VARIANTS, "all"],
+    "Also time our forward and forward + backward on these variants of the model (repeatable; "
+    "'all': every one).",
+)
 _PROFILE = flags.DEFINE_bool(
     "profile", False, "Also print each side's slowest ops in forward + backward (op_profile)."
 )
@@ -348,9 +356,9 @@ def peers(folder: str, tokens, prompts, repeats: int) -> tuple[dict, dict]:
     return _time_peers(chosen, folder, tokens, prompts, repeats, quick=False), screened
 
 
-def variant_seconds(tokens, repeats: int) -> dict[str, tuple[float, float]]:
-    """(forward, forward + backward) seconds of our loss on each VARIANTS model (random weights,
-    --dtype), on the train step's batch: where the backward's time goes."""
+def variant_seconds(tokens, names: list[str], repeats: int) -> dict[str, tuple[float, float]]:
+    """Label -> (forward, forward + backward) seconds of our loss on each named VARIANTS model
+    (random weights, --dtype), on the train step's batch: where the backward's time goes."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -366,7 +374,8 @@ def variant_seconds(tokens, repeats: int) -> dict[str, tuple[float, float]]:
         "positions": jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (rows, length)),
     }
     out = {}
-    for name, fields in VARIANTS.items():
+    for name in names:
+        label, fields = VARIANTS[name]
         cfg = dataclasses.replace(
             model_config(), dtype=_DTYPE.value, param_dtype=_DTYPE.value, **fields
         )
@@ -376,7 +385,7 @@ def variant_seconds(tokens, repeats: int) -> dict[str, tuple[float, float]]:
             merged = nnx.merge(graphdef, p, buffers)
             return step_lib.pretrain_loss(merged, batch, config_lib.TrainConfig())[0]
 
-        out[name] = tuple(
+        out[label] = tuple(
             _median_seconds(lambda f=f: jax.block_until_ready(f(params)), repeats)
             for f in (jax.jit(loss), jax.jit(jax.grad(loss)))
         )
@@ -404,10 +413,11 @@ def main(argv):
     check_parity(reference, here, screened | others)
     report(here, others, prompts)
     if _VARIANTS.value:
+        names = list(VARIANTS) if "all" in _VARIANTS.value else _VARIANTS.value
         print(
             "our loss on variants of the model (s): forward; forward + backward; backward / forward"
         )
-        for name, (forward, both) in variant_seconds(tokens, _REPEATS.value).items():
+        for name, (forward, both) in variant_seconds(tokens, names, _REPEATS.value).items():
             print(f"| {name} | {forward:.3f} | {both:.3f} | {(both - forward) / forward:.1f} |")
 
 
