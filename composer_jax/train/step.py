@@ -46,7 +46,27 @@ def split_model(m: Transformer) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
 
 def init_train_state(m: Transformer, optimizer: optax.GradientTransformation) -> TrainState:
     _, params, buffers = split_model(m)
-    return TrainState(jnp.zeros((), jnp.int32), params, buffers, optimizer.init(params))
+    state = TrainState(jnp.zeros((), jnp.int32), params, buffers, optimizer.init(params))
+    return _committed_alike(state)
+
+
+def _committed_alike(state: TrainState) -> TrainState:
+    """The state with every leaf committed where some leaves are committed to one device (a
+    loaded checkpoint's weights are; the new step counter and optimizer counters are not). jit
+    keys its cache on committedness and commits every output once an input is committed, so a
+    mixed state compiles a step without explicit shardings twice: again on its own output.
+    Traced states and states across devices (given explicit shardings by their callers) are
+    returned as they are."""
+    devices = {
+        device
+        for leaf in jax.tree.leaves(state)
+        if not isinstance(leaf, jax.core.Tracer) and leaf.committed
+        for device in leaf.devices()
+    }
+    if len(devices) != 1:
+        return state
+    (device,) = devices
+    return jax.tree.map(lambda leaf: jax.device_put(leaf, device), state)
 
 
 def shift_targets(

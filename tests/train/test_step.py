@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from composer_jax import config as config_lib
 from composer_jax import optim, presets
@@ -129,6 +130,32 @@ def _run_steps(cfg, layout, batches, microbatches=1, qk_clip=None, metrics_out=N
         if metrics_out is not None:
             metrics_out.append(jax.device_get(metrics))
     return losses, state
+
+
+def test_a_state_of_committed_weights_compiles_the_step_once():
+    """Weights committed to a device (a loaded checkpoint's) with new step and optimizer counters:
+    without committing those too, jit traces the step again on its own (committed) output."""
+    cfg = _model_cfg()
+    m = init_model(cfg, seed=0)
+    nnx.update(m, jax.device_put(nnx.state(m), jax.devices()[0]))
+    opt_cfg = config_lib.OptimizerConfig(warmup_steps=1)
+    schedule = optim.learning_rate_schedule(opt_cfg, 10)
+    optimizer = optim.make_optimizer(opt_cfg, schedule)
+    graphdef, _, _ = S.split_model(m)
+    traces = []
+
+    def step(state, batch):
+        traces.append(1)
+        return S.train_step(graphdef, optimizer, cfg, config_lib.TrainConfig(), schedule, None,
+                            state, batch)  # fmt: skip
+
+    state = S.init_train_state(m, optimizer)
+    assert all(leaf.committed for leaf in jax.tree.leaves(state))
+    jitted = jax.jit(step)
+    batch = jax.tree.map(jnp.asarray, _packed_batch(np.random.default_rng(0), B=2, T=8))
+    for _ in range(3):
+        state, _ = jitted(state, batch)
+    assert len(traces) == 1
 
 
 def test_expert_bias_moves_towards_balance():
