@@ -127,7 +127,7 @@ def model_config():
 
 
 def _median_seconds(fn, repeats: int) -> float:
-    for _ in range(2):  # warm-up: compilation (a jitted step retraces once on its own output)
+    for _ in range(2):  # warm-up: compilation and first-call costs
         fn()
     times = []
     for _ in range(repeats):
