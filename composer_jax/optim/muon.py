@@ -288,6 +288,30 @@ def _orthogonalize_local(
     return [x[:n] for x, n in zip(xs, counts)]
 
 
+def _group_matrices(leaves, axes_list, sh_list) -> tuple[dict, dict[int, jax.Array]]:
+    """({(rows, cols, row mesh axes, col mesh axes): members}, {leaf index: the leaf with its
+    matrix axes last}) over the unmasked leaves."""
+    groups: dict[tuple, list[_Member]] = {}
+    inputs: dict[int, jax.Array] = {}
+    for i, (x, axes, sh) in enumerate(zip(leaves, axes_list, sh_list)):
+        if _is_masked(x):
+            continue
+        layout = matrix_layout(axes, x.shape)
+        if layout is None:
+            raise ValueError(f"parameter with axes {axes} and shape {x.shape} is not a matrix")
+        xt = jnp.transpose(x, layout.perm)
+        spec = None
+        if sh is not None:
+            full = tuple(sh.spec) + (None,) * (x.ndim - len(sh.spec))
+            spec = P(*(full[d] for d in layout.perm))
+        row_axes = _mesh_axes(spec[-2]) if spec is not None else ()
+        col_axes = _mesh_axes(spec[-1]) if spec is not None else ()
+        key = (xt.shape[-2], xt.shape[-1], row_axes, col_axes)
+        groups.setdefault(key, []).append(_Member(i, layout, spec))
+        inputs[i] = xt
+    return groups, inputs
+
+
 def orthogonalize(
     tree,
     logical_axes,
@@ -308,25 +332,7 @@ def orthogonalize(
     leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_masked)
     axes_list = _per_leaf(logical_axes, tree, _is_axes)
     sh_list = [None] * len(leaves) if shardings is None else _per_leaf(shardings, tree, _is_sh)
-    groups: dict[tuple, list[_Member]] = {}
-    inputs: dict[int, jax.Array] = {}
-    for i, (x, axes, sh) in enumerate(zip(leaves, axes_list, sh_list)):
-        if _is_masked(x):
-            continue
-        layout = matrix_layout(axes, x.shape)
-        if layout is None:
-            raise ValueError(f"parameter with axes {axes} and shape {x.shape} is not a matrix")
-        xt = jnp.transpose(x, layout.perm)
-        spec = None
-        if sh is not None:
-            full = tuple(sh.spec) + (None,) * (x.ndim - len(sh.spec))
-            spec = P(*(full[d] for d in layout.perm))
-        row_axes = _mesh_axes(spec[-2]) if spec is not None else ()
-        col_axes = _mesh_axes(spec[-1]) if spec is not None else ()
-        key = (xt.shape[-2], xt.shape[-1], row_axes, col_axes)
-        groups.setdefault(key, []).append(_Member(i, layout, spec))
-        inputs[i] = xt
-
+    groups, inputs = _group_matrices(leaves, axes_list, sh_list)
     order = [m for members in groups.values() for m in members]
     if not order:
         return tree
