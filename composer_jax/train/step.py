@@ -60,7 +60,7 @@ def _committed_alike(state: TrainState) -> TrainState:
     devices = {
         device
         for leaf in jax.tree.leaves(state)
-        if not isinstance(leaf, jax.core.Tracer) and leaf.committed
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.committed
         for device in leaf.devices()
     }
     if len(devices) != 1:
