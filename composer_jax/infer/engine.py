@@ -39,6 +39,7 @@ from composer_jax.infer.decode import REASONS, DecodeChunk, DecodeInputs, decode
 from composer_jax.infer.forward import forward_chunk
 from composer_jax.infer.sampling import Sampled, SamplingParams
 from composer_jax.model.transformer import Transformer
+from composer_jax.parallel.mesh import committed_alike
 from composer_jax.trace import NULL_TRACER
 
 # The shortest cache length a decode call attends over by default; shorter spans save little
@@ -162,12 +163,12 @@ class InferenceEngine:
         self.mesh, self._param_shardings = mesh, param_shardings
         self._trace_context = trace_context or contextlib.nullcontext
         self.graphdef, state = nnx.split(model)
-        self.state = self._place_params(state)
         cache = init_cache(self.cfg, self.cfg.num_layers, num_slots, max_len)
         if mesh is not None:
             slots_spec = NamedSharding(mesh, P(None, tuple(mesh.axis_names)))
             cache = jax.device_put(cache, slots_spec)
-        self.cache = cache
+        # Committed alike, or a loaded checkpoint's weights compile the first prefill twice.
+        self.state, self.cache = committed_alike((self._place_params(state), cache))
         self.version = version
         self.completions: dict[int, Completion] = {}
         self._queue: collections.deque[_Slot] = collections.deque()
@@ -256,7 +257,7 @@ class InferenceEngine:
         new policy produces from that prefix); without it, old-policy latents are reused.
         """
         state = nnx.split(params)[1] if isinstance(params, nnx.Module) else params
-        self.state = self._place_params(state)
+        self.state, self.cache = committed_alike((self._place_params(state), self.cache))
         self.version = version
         for slot in self._slots:  # cached latents of the old weights are shared no more
             if slot is not None:

@@ -124,6 +124,30 @@ def with_shardings(shardings, shapes):
     )
 
 
+def committed_alike(tree):
+    """`tree` with its uncommitted arrays committed to the one device its committed arrays are on
+    (weights loaded onto a device are committed; counters and caches made by jnp are not). jit
+    keys its cache on whether each argument is committed and commits every output once an input
+    is, so a function fed such a mix compiles again when fed its own outputs. Trees with no
+    committed array, or with committed arrays on several devices (whose callers give explicit
+    shardings), are left as they are, and so are committed arrays and traced values."""
+
+    def concrete(leaf) -> bool:
+        return isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
+
+    leaves = [leaf for leaf in jax.tree.leaves(tree) if concrete(leaf)]
+    devices = {device for leaf in leaves if leaf.committed for device in leaf.devices()}
+    if len(devices) != 1:
+        return tree
+    (device,) = devices
+    return jax.tree.map(
+        lambda leaf: (
+            jax.device_put(leaf, device) if concrete(leaf) and not leaf.committed else leaf
+        ),
+        tree,
+    )
+
+
 def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     """Mesh over all (or the given) devices with axes (replica, fsdp, cp).
 

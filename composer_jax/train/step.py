@@ -27,7 +27,7 @@ from composer_jax.config import ModelConfig, TrainConfig
 from composer_jax.model.moe import ExpertBias, update_expert_bias
 from composer_jax.model.transformer import ATTENTION_MAX_LOGITS, Transformer, drop_metrics, forward
 from composer_jax.optim import QKClip
-from composer_jax.parallel.mesh import Layout, constrain, use_layout
+from composer_jax.parallel.mesh import Layout, committed_alike, constrain, use_layout
 
 Batch = dict[str, jax.Array]
 
@@ -46,27 +46,10 @@ def split_model(m: Transformer) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
 
 def init_train_state(m: Transformer, optimizer: optax.GradientTransformation) -> TrainState:
     _, params, buffers = split_model(m)
-    state = TrainState(jnp.zeros((), jnp.int32), params, buffers, optimizer.init(params))
-    return _committed_alike(state)
-
-
-def _committed_alike(state: TrainState) -> TrainState:
-    """The state with every leaf committed where some leaves are committed to one device (a
-    loaded checkpoint's weights are; the new step counter and optimizer counters are not). jit
-    keys its cache on committedness and commits every output once an input is committed, so a
-    mixed state compiles a step without explicit shardings twice: again on its own output.
-    Traced states and states across devices (given explicit shardings by their callers) are
-    returned as they are."""
-    devices = {
-        device
-        for leaf in jax.tree.leaves(state)
-        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.committed
-        for device in leaf.devices()
-    }
-    if len(devices) != 1:
-        return state
-    (device,) = devices
-    return jax.tree.map(lambda leaf: jax.device_put(leaf, device), state)
+    # Committed alike: a state of loaded weights would otherwise compile its step twice.
+    return committed_alike(
+        TrainState(jnp.zeros((), jnp.int32), params, buffers, optimizer.init(params))
+    )
 
 
 def shift_targets(

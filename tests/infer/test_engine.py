@@ -67,6 +67,20 @@ def test_continuous_batching_matches_one_at_a_time(tiny_model):
     assert _generate_step._cache_size() == compiled  # bucketed shapes: no compile per request
 
 
+def test_weights_committed_to_a_device_compile_each_step_once(tiny_model):
+    """Weights committed to a device (a loaded checkpoint's) with the engine's new cache: the
+    cache is committed alike, so the second request's prefill is not traced again."""
+    model = init_model(tiny_model.cfg, seed=1)
+    nnx.update(model, jax.device_put(nnx.state(model), jax.devices()[0]))
+    engine = _engine(model)
+    assert all(leaf.committed for leaf in jax.tree.leaves((engine.state, engine.cache)))
+    _generate_step.clear_cache()
+    engine.generate([_prompt(model, 3, seed=0)], GREEDY)
+    compiled = _generate_step._cache_size()
+    engine.generate([_prompt(model, 4, seed=1)], GREEDY)
+    assert _generate_step._cache_size() == compiled
+
+
 def test_stop_sequence_ends_generation(tiny_model):
     prompt = _prompt(tiny_model, 5, seed=3)
     engine = _engine(tiny_model)

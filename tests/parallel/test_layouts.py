@@ -12,6 +12,7 @@ from composer_jax.model import init_model
 from composer_jax.model.layers import compute_weight, logical_axes_of
 from composer_jax.model.transformer import forward
 from composer_jax.parallel import make_layout, report, use_layout
+from composer_jax.parallel import mesh as mesh_lib
 from composer_jax.train import loop
 from composer_jax.train import step as S
 from tests.train.helpers import small_model_config
@@ -214,3 +215,21 @@ def test_a_weight_is_cast_where_it_is_stored():
     np.testing.assert_array_equal(np.asarray(out), value.astype(out.dtype))
     plain = cast(value, under_layout=False)
     np.testing.assert_array_equal(np.asarray(plain), value.astype(jax.numpy.bfloat16))
+
+
+def test_committed_alike_commits_the_rest_only_where_the_committed_share_one_device():
+    zeros = jax.numpy.zeros(())
+    assert not zeros.committed
+    on_one = mesh_lib.committed_alike(
+        {"w": jax.device_put(np.ones(3), jax.devices()[1]), "n": zeros}
+    )
+    assert on_one["n"].committed and on_one["n"].devices() == {jax.devices()[1]}
+    spread = {
+        "w": jax.device_put(np.ones(3), jax.devices()[0]),
+        "v": jax.device_put(np.ones(3), jax.devices()[1]),
+        "n": zeros,
+    }
+    assert mesh_lib.committed_alike(spread)["n"] is zeros
+    assert mesh_lib.committed_alike({"n": zeros})["n"] is zeros
+    traced = jax.jit(lambda w: mesh_lib.committed_alike({"w": w, "n": jax.numpy.zeros(())}))
+    assert traced(on_one["w"])["n"].committed  # jit's own rule: a committed input commits all
