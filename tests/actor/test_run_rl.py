@@ -92,6 +92,7 @@ def _check_finished_run(workdir, allow_dropped: bool = False):
 # default run through tests/actor/test_coordinator.py.
 @pytest.mark.slow
 @pytest.mark.slow_sample  # CI's interrupted RL run
+@pytest.mark.timeout(900)  # two runs: about 2 minutes on a fast machine, 5 on a slow loaded one
 def test_kill_9_mid_run_resumes_without_losing_or_repeating_groups(tmp_path):
     workdir = str(tmp_path / "run")
     process = subprocess.Popen(
