@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from composer_jax import envs
+from composer_jax import config, envs
 from composer_jax.data import ByteTokenizer
 from composer_jax.eval.tasks import TaskEvalConfig, evaluate_tasks
 from composer_jax.model import init_model
@@ -43,7 +43,10 @@ def test_evaluate_tasks_plays_every_sample_and_groups_by_metadata():
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("evaluate")
-    cfg = tiny_experiment(str(root / "run"), make_corpus(str(root / "corpus")), steps=2)
+    # One phase: a run to evaluate, not the phases' switch (a second train step to compile).
+    one_phase = (config.PhaseConfig("main", 1.0, seq_len=32, batch_size=8),)
+    corpus = make_corpus(str(root / "corpus"))
+    cfg = tiny_experiment(str(root / "run"), corpus, steps=2, phases=one_phase)
     run_pretraining(cfg, progress=False)
     return str(root / "run")
 
