@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from composer_jax import config, envs
+from composer_jax import envs
 from composer_jax.data import ByteTokenizer
 from composer_jax.eval.tasks import TaskEvalConfig, evaluate_tasks
 from composer_jax.model import init_model
 from composer_jax.train import run_pretraining
-from tests.train.helpers import make_corpus, small_model_config, tiny_experiment
+from tests.train.helpers import ONE_PHASE, make_corpus, small_model_config, tiny_experiment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -43,10 +43,8 @@ def test_evaluate_tasks_plays_every_sample_and_groups_by_metadata():
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("evaluate")
-    # One phase: a run to evaluate, not the phases' switch (a second train step to compile).
-    one_phase = (config.PhaseConfig("main", 1.0, seq_len=32, batch_size=8),)
     corpus = make_corpus(str(root / "corpus"))
-    cfg = tiny_experiment(str(root / "run"), corpus, steps=2, phases=one_phase)
+    cfg = tiny_experiment(str(root / "run"), corpus, steps=2, phases=ONE_PHASE)
     run_pretraining(cfg, progress=False)
     return str(root / "run")
 

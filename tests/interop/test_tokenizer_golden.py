@@ -21,7 +21,7 @@ from composer_jax.data.chat import chat_format_for  # noqa: E402
 from composer_jax.infer import InferenceEngine, SamplingParams  # noqa: E402
 from composer_jax.train import load_run, run_pretraining  # noqa: E402
 from tests.data.helpers import TRICKY_TEXTS, make_hf_folder  # noqa: E402
-from tests.train.helpers import make_corpus, tiny_experiment  # noqa: E402
+from tests.train.helpers import ONE_PHASE, make_corpus, tiny_experiment  # noqa: E402
 
 VOCAB = 416
 NEW_TOKENS = 24
@@ -194,9 +194,9 @@ AGENT_TASK = "Make the failing test in tests/test_f.py pass."
 
 
 def _trained_run(tmp_path, tokenizer_kind: str):
-    """A tiny run trained 4 steps with the byte tokenizer, the shipped BPE or an imported one."""
+    """A tiny run trained 4 steps (one phase) with the byte tokenizer, the shipped BPE or an imported one."""
     corpus = make_corpus(str(tmp_path / "corpus"))
-    cfg = tiny_experiment(str(tmp_path / "run"), corpus, steps=4)
+    cfg = tiny_experiment(str(tmp_path / "run"), corpus, steps=4, phases=ONE_PHASE)
     spec = {"byte": "byte", "shipped": "code_bpe_2k", "imported": str(tmp_path / "tok")}
     if tokenizer_kind == "imported":
         make_hf_folder(tmp_path / "tok", vocab_size=400)

@@ -41,6 +41,11 @@ def small_model_config(**overrides) -> config_lib.ModelConfig:
     return tiny_model_config(**{"dtype": presets.tiny().model.dtype, **fields, **overrides})
 
 
+# For runs whose phases do not matter to the test: tiny_experiment's two phases of different
+# lengths compile two train steps.
+ONE_PHASE = (config_lib.PhaseConfig("main", 1.0, seq_len=32, batch_size=8),)
+
+
 def tiny_experiment(
     workdir: str, corpus: str, steps: int = 8, **train_overrides
 ) -> config_lib.ExperimentConfig:
