@@ -20,13 +20,15 @@ from composer_jax.train.trackers import (
     register_tracker,
     start_trackers,
 )
-from tests.train.helpers import make_corpus, tiny_experiment
+from tests.train.helpers import ONE_PHASE, make_corpus, tiny_experiment
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _pretrain(workdir, steps: int, corpus: str, **overrides):
-    cfg = tiny_experiment(str(workdir), corpus, steps=steps, log_every=1, eval_every=2)
+    cfg = tiny_experiment(
+        str(workdir), corpus, steps=steps, log_every=1, eval_every=2, phases=ONE_PHASE
+    )
     log = config_lib.LogConfig(trackers=("wandb", "mlflow"))
     return run_pretraining(dataclasses.replace(cfg, log=log, **overrides), progress=False)
 
@@ -179,7 +181,9 @@ def test_runs_logged_to_mlflow_compare_like_their_workdirs(tmp_path, monkeypatch
     store = tmp_path / "mlruns"
     log = config_lib.LogConfig(trackers=("mlflow",), mlflow_uri=str(store))
     for seed in (0, 1):
-        cfg = tiny_experiment(str(tmp_path / f"seed{seed}"), corpus, steps=2, eval_every=2)
+        cfg = tiny_experiment(
+            str(tmp_path / f"seed{seed}"), corpus, steps=2, eval_every=2, phases=ONE_PHASE
+        )
         run_pretraining(dataclasses.replace(cfg, seed=seed, log=log), progress=False)
     from_mlflow = compare.compare_runs(
         [f"mlflow:{store}#composer-jax"], metrics=["loss", "eval_nll"]
