@@ -23,11 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from composer_jax.infer import sampling
 from composer_jax.infer.cache import LatentCache
 from composer_jax.infer.forward import forward_chunk
 from composer_jax.infer.sampling import SamplingParams
+from composer_jax.parallel.mesh import pinned
 
 # Finish reasons by the code a chunk returns per row (0: still running).
 REASONS = (None, "stop", "length", "max_len")
@@ -97,7 +99,7 @@ def stop_tables(
     return stops, history
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6), donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7), donate_argnums=(2,))
 def decode_chunk(
     graphdef,
     state,
@@ -106,9 +108,11 @@ def decode_chunk(
     steps: int,
     absorbed: bool,
     span: int,
+    cache_sharding: NamedSharding | None = None,
 ) -> tuple[DecodeChunk, LatentCache]:
     """`steps` decode steps over all slots (row b is cache slot b), attending over cache positions
-    [0, span): it must exceed every live row's position + steps - 1. See the module docstring."""
+    [0, span): it must exceed every live row's position + steps - 1; the cache comes back laid
+    out by `cache_sharding` (None: as the compiler chooses). See the module docstring."""
     m = nnx.merge(graphdef, state)
 
     def step(carry, _):
@@ -164,7 +168,7 @@ def decode_chunk(
         jnp.zeros_like(inputs.tokens),
     )
     records, carry = _until_a_row_ends(step, carry, steps)
-    return DecodeChunk(*records, carry[-1]), carry[0]
+    return DecodeChunk(*records, carry[-1]), pinned(carry[0], cache_sharding)
 
 
 def _ended(stops, history_BL, tokens_left_B, context_left_B) -> jax.Array:

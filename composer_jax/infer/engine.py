@@ -39,7 +39,7 @@ from composer_jax.infer.decode import REASONS, DecodeChunk, DecodeInputs, decode
 from composer_jax.infer.forward import forward_chunk
 from composer_jax.infer.sampling import Sampled, SamplingParams
 from composer_jax.model.transformer import Transformer
-from composer_jax.parallel.mesh import committed_alike
+from composer_jax.parallel.mesh import committed_alike, committed_mesh, pinned
 from composer_jax.trace import NULL_TRACER
 
 # The shortest cache length a decode call attends over by default; shorter spans save little
@@ -65,7 +65,7 @@ class _Slot:
     last_prompt_in_decode: bool = False
 
 
-@functools.partial(jax.jit, static_argnums=(0, 11), donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnums=(0, 11, 12), donate_argnums=(2,))
 def _generate_step(
     graphdef,
     state,
@@ -79,27 +79,41 @@ def _generate_step(
     top_p_B,
     seeds_B,
     absorbed: bool,
+    cache_sharding: NamedSharding | None,
 ) -> tuple[Sampled, jax.Array, LatentCache]:
     """A chunk through the cached model, then one token sampled from each row's last valid
-    position. Returns (sample, routed experts [L_moe, B, T, k], cache)."""
+    position. Returns (sample, routed experts [L_moe, B, T, k], cache laid out by
+    `cache_sharding`)."""
     m = nnx.merge(graphdef, state)
     out = forward_chunk(m, cache, tokens_BT, positions_BT, valid_BT, slot_ids_B, absorbed)
     rows = jnp.arange(tokens_BT.shape[0])
     logits_BV = m.logits(out.hidden_BTD[rows, last_B])
     keys = sampling.token_keys(seeds_B, positions_BT[rows, last_B] + 1)
-    return sampling.sample(logits_BV, temperature_B, top_p_B, keys), out.experts_LBTK, out.cache
+    sample = sampling.sample(logits_BV, temperature_B, top_p_B, keys)
+    return sample, out.experts_LBTK, pinned(out.cache, cache_sharding)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _copy_slot(cache: LatentCache, source, target) -> LatentCache:
+@functools.partial(jax.jit, static_argnums=(3,), donate_argnums=(0,))
+def _copy_slot(cache: LatentCache, source, target, sharding: NamedSharding | None) -> LatentCache:
     """Slot `source`'s cache row written over slot `target`'s (entries past the length the
-    target then claims are never read)."""
+    target then claims are never read), laid out by `sharding`."""
 
     def copy(a):  # [layers, slots, max_len, features]
         row = jax.lax.dynamic_index_in_dim(a, source, axis=1, keepdims=True)
         return jax.lax.dynamic_update_index_in_dim(a, row, target, axis=1)
 
-    return LatentCache(*map(copy, cache))
+    return pinned(LatentCache(*map(copy, cache)), sharding)
+
+
+def _cache_sharding(mesh: Mesh | None, state: nnx.State) -> NamedSharding | None:
+    """Where the engine keeps its cache: slots split over `mesh`'s axes; without a mesh, for
+    weights committed across several devices (a trainer's), replicated over their mesh; else
+    None (one device: committed with the weights). Every call returning the cache keeps this
+    layout, so no shape compiles twice (once for the new cache, once for a call's output)."""
+    if mesh is not None:
+        return NamedSharding(mesh, P(None, tuple(mesh.axis_names)))
+    weights_mesh = committed_mesh(state)
+    return None if weights_mesh is None else NamedSharding(weights_mesh, P())
 
 
 class InferenceEngine:
@@ -163,12 +177,13 @@ class InferenceEngine:
         self.mesh, self._param_shardings = mesh, param_shardings
         self._trace_context = trace_context or contextlib.nullcontext
         self.graphdef, state = nnx.split(model)
+        state = self._place_params(state)
         cache = init_cache(self.cfg, self.cfg.num_layers, num_slots, max_len)
-        if mesh is not None:
-            slots_spec = NamedSharding(mesh, P(None, tuple(mesh.axis_names)))
-            cache = jax.device_put(cache, slots_spec)
+        self._cache_sharding = _cache_sharding(mesh, state)
+        if self._cache_sharding is not None:
+            cache = jax.device_put(cache, self._cache_sharding)
         # Committed alike, or a loaded checkpoint's weights compile the first prefill twice.
-        self.state, self.cache = committed_alike((self._place_params(state), cache))
+        self.state, self.cache = committed_alike((state, cache))
         self.version = version
         self.completions: dict[int, Completion] = {}
         self._queue: collections.deque[_Slot] = collections.deque()
@@ -281,7 +296,7 @@ class InferenceEngine:
         for span in self.decode_spans:
             self._run_decode([None] * self.num_slots, span)
         if self.share_prefixes:
-            self.cache = _copy_slot(self.cache, 0, 0)
+            self.cache = _copy_slot(self.cache, 0, 0, self._cache_sharding)
 
     @property
     def has_work(self) -> bool:
@@ -373,7 +388,12 @@ class InferenceEngine:
         args = (tokens_BT, positions_BT, valid_BT, slot_ids_B, last_B, temperature, top_p, seeds)
         with self._trace_context():
             drawn, experts, self.cache = _generate_step(
-                self.graphdef, self.state, self.cache, *map(jnp.asarray, args), self.absorbed
+                self.graphdef,
+                self.state,
+                self.cache,
+                *map(jnp.asarray, args),
+                self.absorbed,
+                self._cache_sharding,
             )
         return jax.device_get(drawn), np.asarray(experts)
 
@@ -408,7 +428,7 @@ class InferenceEngine:
             donor = self._holder_of(prompt, index)
             if donor is not None:
                 with self.tracer.span("prefix_copy", "copy prefix"):
-                    self.cache = _copy_slot(self.cache, donor, index)
+                    self.cache = _copy_slot(self.cache, donor, index, self._cache_sharding)
                 experts = self.completions[slot.request_id].prompt_experts
                 experts.extend(self._slots[donor].prefix_experts[:n])
                 slot.prefix_experts = experts
@@ -528,6 +548,7 @@ class InferenceEngine:
                 self.decode_chunk,
                 self.absorbed,
                 span,
+                self._cache_sharding,
             )
         return jax.device_get(chunk)
 

@@ -148,6 +148,31 @@ def committed_alike(tree):
     )
 
 
+def committed_mesh(tree) -> Mesh | None:
+    """The one mesh that the committed arrays of `tree` laid out over several devices share
+    (weights sharded by a trainer), or None: nothing committed across devices, or several meshes.
+    A state that a function derives from such weights (an inference cache) is placed over it so
+    that its sharding is fixed before the first call, not chosen by that call's compilation."""
+    meshes = {
+        leaf.sharding.mesh
+        for leaf in jax.tree.leaves(tree)
+        if isinstance(leaf, jax.Array)
+        and not isinstance(leaf, jax.core.Tracer)
+        and leaf.committed
+        and isinstance(leaf.sharding, NamedSharding)
+        and len(leaf.sharding.device_set) > 1
+    }
+    return meshes.pop() if len(meshes) == 1 else None
+
+
+def pinned(tree, sharding: NamedSharding | None):
+    """`tree` constrained to `sharding` inside a jitted function (None: left to the compiler).
+    For state a function returns to be fed back in (a donated cache): jit keys its compilations
+    on each argument's sharding, so an output laid out unlike its input compiles every shape
+    again on the next call."""
+    return tree if sharding is None else jax.lax.with_sharding_constraint(tree, sharding)
+
+
 def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     """Mesh over all (or the given) devices with axes (replica, fsdp, cp).
 

@@ -11,7 +11,8 @@ from flax import nnx
 
 from composer_jax.config import MeshConfig
 from composer_jax.infer import InferenceEngine, SamplingParams, recompute_generate
-from composer_jax.infer.engine import _generate_step
+from composer_jax.infer.decode import decode_chunk
+from composer_jax.infer.engine import _copy_slot, _generate_step
 from composer_jax.model.layers import logical_axes_of
 from composer_jax.model.transformer import init_model
 from composer_jax.parallel import mesh as mesh_lib
@@ -79,6 +80,30 @@ def test_weights_committed_to_a_device_compile_each_step_once(tiny_model):
     compiled = _generate_step._cache_size()
     engine.generate([_prompt(model, 4, seed=1)], GREEDY)
     assert _generate_step._cache_size() == compiled
+
+
+def test_weights_sharded_across_devices_compile_each_step_once(tiny_model):
+    """Weights a trainer sharded over 8 devices, an engine without a mesh (the held-out check's
+    and the RL sampler's): the cache is placed over the weights' mesh and every call returns it
+    so, so no prefill or decode shape compiles a second time for a cache whose layout the first
+    call chose; the samples are the one-device engine's."""
+    model = init_model(tiny_model.cfg, seed=1)
+    layout = mesh_lib.make_layout(MeshConfig(), jax.devices()[:8])
+    state = nnx.state(model)
+    nnx.update(model, jax.device_put(state, layout.tree_shardings(logical_axes_of(state), state)))
+    engine = _engine(model)
+    prompts = [[_prompt(model, n, seed=n)] * 2 for n in (3, 4, 5)]  # the second copies the first
+    _generate_step.clear_cache()
+    got = [engine.generate(p, GREEDY) for p in prompts[:1]]
+    compiled = (_generate_step._cache_size(), decode_chunk._cache_size(), _copy_slot._cache_size())
+    got += [engine.generate(p, GREEDY) for p in prompts[1:]]
+    assert (
+        _generate_step._cache_size(),
+        decode_chunk._cache_size(),
+        _copy_slot._cache_size(),
+    ) == compiled
+    want = [_engine(init_model(tiny_model.cfg, seed=1)).generate(p, GREEDY) for p in prompts]
+    assert [[c.tokens for c in g] for g in got] == [[c.tokens for c in w] for w in want]
 
 
 def test_stop_sequence_ends_generation(tiny_model):

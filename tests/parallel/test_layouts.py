@@ -6,8 +6,11 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from composer_jax import config as config_lib
+from composer_jax.config import MeshConfig
 from composer_jax.model import init_model
 from composer_jax.model.layers import compute_weight, logical_axes_of
 from composer_jax.model.transformer import forward
@@ -233,3 +236,35 @@ def test_committed_alike_commits_the_rest_only_where_the_committed_share_one_dev
     assert mesh_lib.committed_alike({"n": zeros})["n"] is zeros
     traced = jax.jit(lambda w: mesh_lib.committed_alike({"w": w, "n": jax.numpy.zeros(())}))
     assert traced(on_one["w"])["n"].committed  # jit's own rule: a committed input commits all
+
+
+def test_committed_mesh_is_the_one_mesh_of_the_weights_committed_across_devices():
+    eight = mesh_lib.make_mesh(MeshConfig(), jax.devices()[:8])
+    four = mesh_lib.make_mesh(MeshConfig(), jax.devices()[:4])
+    sharded = jax.device_put(np.ones(8), NamedSharding(eight, P("fsdp")))
+    uncommitted = jax.numpy.zeros(())
+    one_device = jax.device_put(np.ones(3), jax.devices()[0])
+    assert mesh_lib.committed_mesh({"w": sharded, "n": uncommitted, "d": one_device}) == eight
+    assert mesh_lib.committed_mesh({"n": uncommitted, "d": one_device}) is None
+    elsewhere = jax.device_put(np.ones(4), NamedSharding(four, P()))
+    assert mesh_lib.committed_mesh({"w": sharded, "v": elsewhere}) is None
+
+
+def test_a_pinned_output_keeps_its_inputs_layout_and_compiles_once():
+    """A donated state fed back in: unpinned, the output takes the weights' layout and the
+    second call compiles again; pinned to the input's, it does not."""
+    mesh = mesh_lib.make_mesh(MeshConfig(), jax.devices()[:8])
+    replicated = NamedSharding(mesh, P())
+    weights = jax.device_put(np.ones((8, 8), np.float32), NamedSharding(mesh, P(None, "fsdp")))
+
+    def step(weights, state, sharding):
+        return mesh_lib.pinned(state + weights, sharding)
+
+    jitted = jax.jit(step, static_argnums=2, donate_argnums=1)
+    for sharding, compiles in ((None, 2), (replicated, 1)):
+        before = jitted._cache_size()
+        state = jax.device_put(np.zeros((8, 8), np.float32), replicated)
+        for _ in range(3):
+            state = jitted(weights, state, sharding)
+        assert jitted._cache_size() - before == compiles
+        np.testing.assert_array_equal(np.asarray(state), 3.0)
