@@ -12,10 +12,13 @@ All ratios compare configurations measured in the same run on the same machine:
    as others finish (a slot freed mid-chunk idles until the chunk ends);
 6. two ops of a decode step written two ways, at the RL sampler's shapes (`--tables=forms`, not
    in the default set): the absorbed attention's weighted sum as the einsum it was against the
-   batched matmul it is, and drawing a token with the nucleus sort against without it (top_p 1).
+   batched matmul it is, and drawing a token with the nucleus sort against without it (top_p 1);
+7. a fresh prompt's prefill chunk at the RL main job's shapes reading no cached positions (what
+   the engine does) against reading the whole empty cache (what it did), `--tables=prefill`.
 
   python experiments/bench_decode.py [--contexts=256,1024] [--decode_steps=32] [--requests=32]
-      [--tables=cache,decode,batching,speculative,chunks,forms] [--chunks=1,4,8,16]
+      [--tables=cache,decode,batching,speculative,chunks,forms,prefill] [--chunks=1,4,8,16]
+      [--prefill_rows=1,8]
 """
 
 import dataclasses
@@ -33,6 +36,7 @@ _TABLES = flags.DEFINE_list(
 )
 _CHUNKS = flags.DEFINE_list("chunks", ["1", "4", "8", "16"], "decode_chunk values, baseline first.")
 _FORM_CALLS = flags.DEFINE_integer("form_calls", 50, "Calls per timed repeat in the forms table.")
+_PREFILL_ROWS = flags.DEFINE_list("prefill_rows", ["1", "8"], "Rows of the prefill table's chunks.")
 
 
 def _best_seconds(run) -> float:
@@ -313,6 +317,38 @@ def forms_table() -> None:
     )
 
 
+def prefill_table(rows: list[int]) -> None:
+    """`rl_tiny`'s sampler (its cache length, longest prefill bucket, bf16 model): one prefill
+    chunk of padding rows (the same shapes and work as prompts; they write nothing) attending
+    over cache span 0 against span max_len, compiled first, the best of `--repeats` each."""
+    from composer_jax import presets
+    from composer_jax.infer import InferenceEngine
+    from composer_jax.model import init_model
+
+    preset = presets.rl_tiny()
+    max_len, bucket = preset.rl.rollout.context_len, max(preset.rl.rollout.prefill_buckets)
+    model = init_model(preset.model, seed=0)
+    print(
+        f"\n== A fresh prompt's prefill chunk ({bucket} tokens, cache of {max_len}, "
+        f"{preset.model.dtype}; ms per call, best of {_REPEATS.value}) =="
+    )
+    print("| rows | whole cache read (before) | no cache read (now) | before / now |")
+    print("| ---: | ---: | ---: | ---: |")
+    for count in rows:
+        engine = InferenceEngine(
+            model,
+            num_slots=count,
+            max_len=max_len,
+            prefill_buckets=(bucket,),
+            prefill_batch_sizes=(count,),
+        )
+        ms = {}
+        for span in (max_len, 0):
+            engine._run_padding(count, bucket, span)  # compiles
+            ms[span] = 1e3 * _best_seconds(lambda: engine._run_padding(count, bucket, span))
+        print(f"| {count} | {ms[max_len]:.1f} | {ms[0]:.1f} | {ms[max_len] / ms[0]:.2f}x |")
+
+
 def main(argv):
     del argv
     from composer_jax.model import init_model
@@ -331,6 +367,8 @@ def main(argv):
         chunk_table(model, _REQUESTS.value, _SLOTS.value, [int(c) for c in _CHUNKS.value])
     if "forms" in tables:
         forms_table()
+    if "prefill" in tables:
+        prefill_table([int(r) for r in _PREFILL_ROWS.value])
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ Shapes seen by the compiler: decode is `decode_chunk` steps of [num_slots, 1] at
 of `decode_spans` cache lengths (the shortest covering every running slot: a step's cost grows
 with the length it attends over, not the cache's size), with a stop-sequence table of one size
 unless a request has many or long stop sequences; prefill chunks are [batch bucket (power of two
-<= num_slots), length bucket], so nothing recompiles per request.
+<= num_slots), length bucket] attending over no cached positions (fresh prompts) or over all,
+so nothing recompiles per request.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class _Slot:
     last_prompt_in_decode: bool = False
 
 
-@functools.partial(jax.jit, static_argnums=(0, 11, 12), donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnums=(0, 11, 12, 13), donate_argnums=(2,))
 def _generate_step(
     graphdef,
     state,
@@ -80,12 +81,13 @@ def _generate_step(
     seeds_B,
     absorbed: bool,
     cache_sharding: NamedSharding | None,
+    span: int,
 ) -> tuple[Sampled, jax.Array, LatentCache]:
-    """A chunk through the cached model, then one token sampled from each row's last valid
-    position. Returns (sample, routed experts [L_moe, B, T, k], cache laid out by
-    `cache_sharding`)."""
+    """A chunk through the cached model attending over cache positions [0, span) and its own
+    tokens, then one token sampled from each row's last valid position. Returns (sample, routed
+    experts [L_moe, B, T, k], cache laid out by `cache_sharding`)."""
     m = nnx.merge(graphdef, state)
-    out = forward_chunk(m, cache, tokens_BT, positions_BT, valid_BT, slot_ids_B, absorbed)
+    out = forward_chunk(m, cache, tokens_BT, positions_BT, valid_BT, slot_ids_B, absorbed, span)
     rows = jnp.arange(tokens_BT.shape[0])
     logits_BV = m.logits(out.hidden_BTD[rows, last_B])
     keys = sampling.token_keys(seeds_B, positions_BT[rows, last_B] + 1)
@@ -125,7 +127,8 @@ class InferenceEngine:
     `trace_context`: entered around every jitted call, e.g. `lambda: use_layout(layout)` so the
     model's MoE takes its expert-parallel path while the step is traced.
     `prefill_buckets` / `prefill_batch_sizes`: the chunk lengths and row counts prefill pads to
-    (default row counts: powers of two up to num_slots); each pair compiles once.
+    (default row counts: powers of two up to num_slots); each pair compiles once for fresh
+    prompts and once for chunks that read the cache.
     `absorbed`: decode and prefill in latent space (`absorbed_attend`) instead of expanding K/V.
     `tokenizer`: decodes turns for `SamplingParams.stop_strings` (else the params name one).
     `tracer`: records prefill chunks, decode calls and the host work after them
@@ -292,7 +295,8 @@ class InferenceEngine:
         which write nothing."""
         for bucket in self.buckets:
             for rows in self.batch_sizes:
-                self._run_padding(rows, bucket)
+                for span in (0, self.max_len):
+                    self._run_padding(rows, bucket, span)
         for span in self.decode_spans:
             self._run_decode([None] * self.num_slots, span)
         if self.share_prefixes:
@@ -362,10 +366,10 @@ class InferenceEngine:
             shardings = jax.tree.map(lambda _: NamedSharding(self.mesh, P()), state)
         return jax.device_put(state, shardings)
 
-    def _run_padding(self, rows: int, length: int) -> None:
+    def _run_padding(self, rows: int, length: int, span: int) -> None:
         zeros = np.zeros((rows, length), np.int32)
         slot_ids = np.full((rows,), self.num_slots, np.int32)
-        self._run(zeros, zeros, zeros.astype(bool), slot_ids, zeros[:, 0], [None] * rows)
+        self._run(zeros, zeros, zeros.astype(bool), slot_ids, zeros[:, 0], [None] * rows, span)
 
     def _admit(self) -> None:
         for index in range(self.num_slots):
@@ -374,8 +378,9 @@ class InferenceEngine:
             if self._slots[index] is None:
                 self._slots[index] = self._queue.popleft()
 
-    def _run(self, tokens_BT, positions_BT, valid_BT, slot_ids_B, last_B, row_slots):
-        """One `_generate_step` call; `row_slots` gives each row's slot (None: padding row)."""
+    def _run(self, tokens_BT, positions_BT, valid_BT, slot_ids_B, last_B, row_slots, span):
+        """One `_generate_step` call over cache positions [0, span); `row_slots` gives each
+        row's slot (None: padding row)."""
         B = len(row_slots)
         temperature = np.zeros((B,), np.float32)
         top_p = np.ones((B,), np.float32)
@@ -394,6 +399,7 @@ class InferenceEngine:
                 *map(jnp.asarray, args),
                 self.absorbed,
                 self._cache_sharding,
+                span,
             )
         return jax.device_get(drawn), np.asarray(experts)
 
@@ -467,8 +473,9 @@ class InferenceEngine:
             positions[row] = slot.length + np.arange(bucket)
             valid[row, : len(piece)] = True
             slot_ids[row], last[row] = index, len(piece) - 1
-        with self.tracer.span("prefill", f"prefill {B}x{bucket}", rows=len(group)):
-            drawn, experts = self._run(tokens, positions, valid, slot_ids, last, row_slots)
+        span = self._prefill_span(max(self._slots[index].length for index in group))
+        with self.tracer.span("prefill", f"prefill {B}x{bucket}", rows=len(group), span=span):
+            drawn, experts = self._run(tokens, positions, valid, slot_ids, last, row_slots, span)
         with self.tracer.span("emit", "after prefill"):
             for row, index in enumerate(group):
                 slot = self._slots[index]
@@ -498,6 +505,14 @@ class InferenceEngine:
             for index, slot in enumerate(running):
                 if slot is not None:
                     self._take_chunk(index, chunk)
+
+    def _prefill_span(self, cached: int) -> int:
+        """Cache positions a prefill chunk whose rows hold at most `cached` positions reads:
+        none for fresh prompts (attention over their own tokens alone, not over an empty cache
+        of max_len positions too), else all. Two spans, not the decode spans, so prefill shapes
+        (and `compile_all`) only double: a prompt's later chunks and the next turns are the
+        rarer chunks, and they read the cache once a chunk, not once a token."""
+        return 0 if cached == 0 else self.max_len
 
     def _decode_span(self, running: list[_Slot | None]) -> int:
         """The shortest decode span holding every running slot's cached positions and the ones

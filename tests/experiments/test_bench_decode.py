@@ -1,4 +1,5 @@
-"""bench_decode's forms table end to end: both spellings of each op timed; the engine's accurate."""
+"""bench_decode's forms table end to end: both spellings of each op timed; the engine's accurate.
+Its prefill table: both spans timed."""
 
 from __future__ import annotations
 
@@ -7,10 +8,15 @@ import re
 from tests.experiments.bench_runner import run_bench
 
 
-def test_forms_table_times_both_spellings_and_the_engines_is_accurate():
+def test_forms_and_prefill_tables_time_both_forms_and_the_engines_is_accurate():
     stdout = run_bench(
-        "experiments.bench_decode", "--tables=forms", "--repeats=1", "--form_calls=2"
+        "experiments.bench_decode",
+        "--tables=forms,prefill",
+        "--repeats=1",
+        "--form_calls=2",
+        "--prefill_rows=1",
     )
+    assert re.search(r"\| 1 \| [\d.]+ \| [\d.]+ \| [\d.]+x \|", stdout), stdout
     for label in (
         "| weighted sum: einsum bhts,bsr->bthr |",
         "| weighted sum: [B, H*T, S] @ [B, S, R] |",

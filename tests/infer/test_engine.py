@@ -16,6 +16,7 @@ from composer_jax.infer.engine import _copy_slot, _generate_step
 from composer_jax.model.layers import logical_axes_of
 from composer_jax.model.transformer import init_model
 from composer_jax.parallel import mesh as mesh_lib
+from composer_jax.trace import Tracer
 
 MAX_LEN = 48
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)
@@ -139,6 +140,28 @@ def test_multi_turn_continuation_reuses_cache(tiny_model):
     fresh = engine.generate([prompt + turn1.tokens + tool_output], GREEDY)[0]
     assert turn2.tokens == fresh.tokens
     np.testing.assert_allclose(turn2.raw_logprobs, fresh.raw_logprobs, atol=1e-4)
+
+
+def test_a_fresh_prompts_prefill_reads_no_cache(tiny_model):
+    """A fresh prompt's first chunk attends over its own tokens alone, its later chunks and a
+    second turn over the cache too; every turn equals recomputing the conversation."""
+    tracer = Tracer()
+    engine = _engine(tiny_model, tracer=tracer)
+    prompt, tool_output = _prompt(tiny_model, 19, seed=8), [7, 8, 9]  # chunks of 8, 8 and 3
+    first = engine.submit(prompt, dataclasses.replace(GREEDY, keep_cache=True))
+    engine.run()
+    turn1 = engine.completions[first]
+    second = engine.continue_request(first, tool_output, GREEDY)
+    engine.run()
+    spans = [event["args"]["span"] for event in tracer.events() if event.get("cat") == "prefill"]
+    assert spans == [0, MAX_LEN, MAX_LEN, MAX_LEN]
+    want, _, raw = recompute_generate(tiny_model, prompt, GREEDY, MAX_LEN)
+    assert turn1.tokens == want
+    np.testing.assert_allclose(turn1.raw_logprobs, raw, atol=1e-4)
+    conversation = prompt + turn1.tokens + tool_output
+    want, _, raw = recompute_generate(tiny_model, conversation, GREEDY, MAX_LEN)
+    assert engine.completions[second].tokens == want
+    np.testing.assert_allclose(engine.completions[second].raw_logprobs, raw, atol=1e-4)
 
 
 def test_in_flight_weight_swap(tiny_model):
