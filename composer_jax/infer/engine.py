@@ -107,15 +107,28 @@ def _copy_slot(cache: LatentCache, source, target, sharding: NamedSharding | Non
     return pinned(LatentCache(*map(copy, cache)), sharding)
 
 
-def _cache_sharding(mesh: Mesh | None, state: nnx.State) -> NamedSharding | None:
-    """Where the engine keeps its cache: slots split over `mesh`'s axes; without a mesh, for
-    weights committed across several devices (a trainer's), replicated over their mesh; else
-    None (one device: committed with the weights). Every call returning the cache keeps this
-    layout, so no shape compiles twice (once for the new cache, once for a call's output)."""
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _new_cache(cfg, num_slots: int, max_len: int, sharding: NamedSharding) -> LatentCache:
+    """An empty cache made where `sharding` lays it out (never whole on one device), spelled as
+    every call that returns it spells it (jit drops mesh axes of size 1): a cache spelled
+    otherwise would key its first call's compilations apart from the next call's."""
+    return pinned(init_cache(cfg, cfg.num_layers, num_slots, max_len), sharding)
+
+
+def _cache_sharding(mesh: Mesh | None, state: nnx.State, num_slots: int) -> NamedSharding | None:
+    """Where the engine keeps its cache: slots split over `mesh`'s axes; without a mesh, over
+    the mesh of weights committed across several devices (a trainer's) the same way, or
+    replicated where the slots do not divide over it; else None (one device: committed with the
+    weights). Every call returning the cache keeps this layout, so no shape compiles twice (once
+    for the new cache, once for the layout a call's output came back in)."""
     if mesh is not None:
         return NamedSharding(mesh, P(None, tuple(mesh.axis_names)))
     weights_mesh = committed_mesh(state)
-    return None if weights_mesh is None else NamedSharding(weights_mesh, P())
+    if weights_mesh is None:
+        return None
+    if num_slots % weights_mesh.size:
+        return NamedSharding(weights_mesh, P())
+    return NamedSharding(weights_mesh, P(None, tuple(weights_mesh.axis_names)))
 
 
 class InferenceEngine:
@@ -181,10 +194,11 @@ class InferenceEngine:
         self._trace_context = trace_context or contextlib.nullcontext
         self.graphdef, state = nnx.split(model)
         state = self._place_params(state)
-        cache = init_cache(self.cfg, self.cfg.num_layers, num_slots, max_len)
-        self._cache_sharding = _cache_sharding(mesh, state)
-        if self._cache_sharding is not None:
-            cache = jax.device_put(cache, self._cache_sharding)
+        self._cache_sharding = _cache_sharding(mesh, state, num_slots)
+        if self._cache_sharding is None:
+            cache = init_cache(self.cfg, self.cfg.num_layers, num_slots, max_len)
+        else:
+            cache = _new_cache(self.cfg, num_slots, max_len, self._cache_sharding)
         # Committed alike, or a loaded checkpoint's weights compile the first prefill twice.
         self.state, self.cache = committed_alike((state, cache))
         self.version = version

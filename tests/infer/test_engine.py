@@ -83,16 +83,20 @@ def test_weights_committed_to_a_device_compile_each_step_once(tiny_model):
     assert _generate_step._cache_size() == compiled
 
 
-def test_weights_sharded_across_devices_compile_each_step_once(tiny_model):
-    """Weights a trainer sharded over 8 devices, an engine without a mesh (the held-out check's
-    and the RL sampler's): the cache is placed over the weights' mesh and every call returns it
-    so, so no prefill or decode shape compiles a second time for a cache whose layout the first
-    call chose; the samples are the one-device engine's."""
+@pytest.mark.parametrize("num_slots, engine_mesh", [(2, False), (8, False), (8, True)])
+def test_a_cache_across_devices_compiles_each_step_once(tiny_model, num_slots, engine_mesh):
+    """Weights a trainer sharded over 8 devices and an engine without a mesh (the held-out
+    check's, the RL sampler's: its cache goes on the weights' mesh, slots split where 8 divides
+    them, else replicated), or an engine given a mesh: every call returns the cache laid out and
+    spelled as it was made, so no prefill or decode shape compiles a second time (for the new
+    cache, then for the first call's output); the samples are the one-device engine's."""
     model = init_model(tiny_model.cfg, seed=1)
     layout = mesh_lib.make_layout(MeshConfig(), jax.devices()[:8])
     state = nnx.state(model)
     nnx.update(model, jax.device_put(state, layout.tree_shardings(logical_axes_of(state), state)))
-    engine = _engine(model)
+    engine = _engine(model, num_slots=num_slots, mesh=layout.mesh if engine_mesh else None)
+    spec = engine.cache.c_kv_LNSR.sharding.spec
+    assert (len(spec) > 1 and spec[1] is not None) == (num_slots == 8)  # slots split or not
     prompts = [[_prompt(model, n, seed=n)] * 2 for n in (3, 4, 5)]  # the second copies the first
     _generate_step.clear_cache()
     got = [engine.generate(p, GREEDY) for p in prompts[:1]]
@@ -103,7 +107,8 @@ def test_weights_sharded_across_devices_compile_each_step_once(tiny_model):
         decode_chunk._cache_size(),
         _copy_slot._cache_size(),
     ) == compiled
-    want = [_engine(init_model(tiny_model.cfg, seed=1)).generate(p, GREEDY) for p in prompts]
+    one_device = _engine(init_model(tiny_model.cfg, seed=1), num_slots=num_slots)
+    want = [one_device.generate(p, GREEDY) for p in prompts]
     assert [[c.tokens for c in g] for g in got] == [[c.tokens for c in w] for w in want]
 
 
