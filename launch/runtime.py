@@ -128,8 +128,8 @@ def ray_runtime_env() -> dict:
 
 def initialize_ray() -> None:
     """Joins the Ray cluster named by RAY_ADDRESS (e.g. `ray start --head` on the head host), or
-    starts a local one, with the project as the job's runtime_env; rollout workers then spread
-    over its hosts."""
+    starts a local one (not joining another cluster that runs on this machine), with the project
+    as the job's runtime_env; rollout workers then spread over its hosts."""
     try:
         import ray
     except ImportError:
@@ -138,7 +138,7 @@ def initialize_ray() -> None:
         )
     if not ray.is_initialized():
         ray.init(
-            address=os.environ.get("RAY_ADDRESS") or None,
+            address=os.environ.get("RAY_ADDRESS") or "local",
             include_dashboard=False,
             log_to_driver=True,
             runtime_env=ray_runtime_env(),
