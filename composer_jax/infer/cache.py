@@ -11,16 +11,20 @@ by a valid query.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from composer_jax.config import ModelConfig
 from composer_jax.model import rope
 from composer_jax.model.attention import MLA, attention_probs
 from composer_jax.model.layers import dtype_of
+from composer_jax.parallel.mesh import committed_mesh, pinned
 
 
 class LatentCache(NamedTuple):
@@ -34,6 +38,42 @@ def init_cache(cfg: ModelConfig, layers: int, slots: int, max_len: int) -> Laten
         jnp.zeros((layers, slots, max_len, cfg.kv_lora_rank), dt),
         jnp.zeros((layers, slots, max_len, cfg.qk_rope_head_dim), dt),
     )
+
+
+@functools.partial(jax.jit, static_argnums=(3,), donate_argnums=(0,))
+def copy_slot(cache: LatentCache, source, target, sharding: NamedSharding | None) -> LatentCache:
+    """Slot `source`'s cache row written over slot `target`'s (entries past the length the
+    target then claims are never read), laid out by `sharding`."""
+
+    def copy(a):  # [layers, slots, max_len, features]
+        row = jax.lax.dynamic_index_in_dim(a, source, axis=1, keepdims=True)
+        return jax.lax.dynamic_update_index_in_dim(a, row, target, axis=1)
+
+    return pinned(LatentCache(*map(copy, cache)), sharding)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def new_cache(cfg, num_slots: int, max_len: int, sharding: NamedSharding) -> LatentCache:
+    """An empty cache made where `sharding` lays it out (never whole on one device), spelled as
+    every call that returns it spells it (jit drops mesh axes of size 1): a cache spelled
+    otherwise would key its first call's compilations apart from the next call's."""
+    return pinned(init_cache(cfg, cfg.num_layers, num_slots, max_len), sharding)
+
+
+def cache_sharding(mesh: Mesh | None, weights, num_slots: int) -> NamedSharding | None:
+    """Where an engine keeps its cache: slots split over `mesh`'s axes; without a mesh, over
+    the mesh of `weights` committed across several devices (a trainer's) the same way, or
+    replicated where the slots do not divide over it; else None (one device: committed with the
+    weights). Every call returning the cache keeps this layout, so no shape compiles twice (once
+    for the new cache, once for the layout a call's output came back in)."""
+    if mesh is not None:
+        return NamedSharding(mesh, P(None, tuple(mesh.axis_names)))
+    weights_mesh = committed_mesh(weights)
+    if weights_mesh is None:
+        return None
+    if num_slots % weights_mesh.size:
+        return NamedSharding(weights_mesh, P())
+    return NamedSharding(weights_mesh, P(None, tuple(weights_mesh.axis_names)))
 
 
 def cache_bytes_per_token(cfg: ModelConfig, layers: int | None = None) -> int:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import functools
 import time
 from typing import Callable, ContextManager
 
@@ -33,14 +32,18 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from composer_jax.data.tokenizer import Tokenizer, cached_tokenizer
-from composer_jax.infer import sampling
-from composer_jax.infer.cache import LatentCache, init_cache
+from composer_jax.infer.cache import (
+    cache_sharding,
+    copy_slot,
+    init_cache,
+    new_cache,
+)
 from composer_jax.infer.completion import Completion, ends_with_stop_string, finish_reason
 from composer_jax.infer.decode import REASONS, DecodeChunk, DecodeInputs, decode_chunk, stop_tables
-from composer_jax.infer.forward import forward_chunk
+from composer_jax.infer.forward import prefill_chunk
 from composer_jax.infer.sampling import Sampled, SamplingParams
 from composer_jax.model.transformer import Transformer
-from composer_jax.parallel.mesh import committed_alike, committed_mesh, pinned
+from composer_jax.parallel.mesh import committed_alike
 from composer_jax.trace import NULL_TRACER
 
 # The shortest cache length a decode call attends over by default; shorter spans save little
@@ -64,71 +67,6 @@ class _Slot:
     # The first decode step feeds the prompt's last token (the rest was copied from a slot
     # holding the same prompt); its experts complete prompt_experts.
     last_prompt_in_decode: bool = False
-
-
-@functools.partial(jax.jit, static_argnums=(0, 11, 12, 13), donate_argnums=(2,))
-def _generate_step(
-    graphdef,
-    state,
-    cache: LatentCache,
-    tokens_BT,
-    positions_BT,
-    valid_BT,
-    slot_ids_B,
-    last_B,
-    temperature_B,
-    top_p_B,
-    seeds_B,
-    absorbed: bool,
-    cache_sharding: NamedSharding | None,
-    span: int,
-) -> tuple[Sampled, jax.Array, LatentCache]:
-    """A chunk through the cached model attending over cache positions [0, span) and its own
-    tokens, then one token sampled from each row's last valid position. Returns (sample, routed
-    experts [L_moe, B, T, k], cache laid out by `cache_sharding`)."""
-    m = nnx.merge(graphdef, state)
-    out = forward_chunk(m, cache, tokens_BT, positions_BT, valid_BT, slot_ids_B, absorbed, span)
-    rows = jnp.arange(tokens_BT.shape[0])
-    logits_BV = m.logits(out.hidden_BTD[rows, last_B])
-    keys = sampling.token_keys(seeds_B, positions_BT[rows, last_B] + 1)
-    sample = sampling.sample(logits_BV, temperature_B, top_p_B, keys)
-    return sample, out.experts_LBTK, pinned(out.cache, cache_sharding)
-
-
-@functools.partial(jax.jit, static_argnums=(3,), donate_argnums=(0,))
-def _copy_slot(cache: LatentCache, source, target, sharding: NamedSharding | None) -> LatentCache:
-    """Slot `source`'s cache row written over slot `target`'s (entries past the length the
-    target then claims are never read), laid out by `sharding`."""
-
-    def copy(a):  # [layers, slots, max_len, features]
-        row = jax.lax.dynamic_index_in_dim(a, source, axis=1, keepdims=True)
-        return jax.lax.dynamic_update_index_in_dim(a, row, target, axis=1)
-
-    return pinned(LatentCache(*map(copy, cache)), sharding)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _new_cache(cfg, num_slots: int, max_len: int, sharding: NamedSharding) -> LatentCache:
-    """An empty cache made where `sharding` lays it out (never whole on one device), spelled as
-    every call that returns it spells it (jit drops mesh axes of size 1): a cache spelled
-    otherwise would key its first call's compilations apart from the next call's."""
-    return pinned(init_cache(cfg, cfg.num_layers, num_slots, max_len), sharding)
-
-
-def _cache_sharding(mesh: Mesh | None, state: nnx.State, num_slots: int) -> NamedSharding | None:
-    """Where the engine keeps its cache: slots split over `mesh`'s axes; without a mesh, over
-    the mesh of weights committed across several devices (a trainer's) the same way, or
-    replicated where the slots do not divide over it; else None (one device: committed with the
-    weights). Every call returning the cache keeps this layout, so no shape compiles twice (once
-    for the new cache, once for the layout a call's output came back in)."""
-    if mesh is not None:
-        return NamedSharding(mesh, P(None, tuple(mesh.axis_names)))
-    weights_mesh = committed_mesh(state)
-    if weights_mesh is None:
-        return None
-    if num_slots % weights_mesh.size:
-        return NamedSharding(weights_mesh, P())
-    return NamedSharding(weights_mesh, P(None, tuple(weights_mesh.axis_names)))
 
 
 class InferenceEngine:
@@ -194,11 +132,11 @@ class InferenceEngine:
         self._trace_context = trace_context or contextlib.nullcontext
         self.graphdef, state = nnx.split(model)
         state = self._place_params(state)
-        self._cache_sharding = _cache_sharding(mesh, state, num_slots)
+        self._cache_sharding = cache_sharding(mesh, state, num_slots)
         if self._cache_sharding is None:
             cache = init_cache(self.cfg, self.cfg.num_layers, num_slots, max_len)
         else:
-            cache = _new_cache(self.cfg, num_slots, max_len, self._cache_sharding)
+            cache = new_cache(self.cfg, num_slots, max_len, self._cache_sharding)
         # Committed alike, or a loaded checkpoint's weights compile the first prefill twice.
         self.state, self.cache = committed_alike((state, cache))
         self.version = version
@@ -314,7 +252,7 @@ class InferenceEngine:
         for span in self.decode_spans:
             self._run_decode([None] * self.num_slots, span)
         if self.share_prefixes:
-            self.cache = _copy_slot(self.cache, 0, 0, self._cache_sharding)
+            self.cache = copy_slot(self.cache, 0, 0, self._cache_sharding)
 
     @property
     def has_work(self) -> bool:
@@ -393,7 +331,7 @@ class InferenceEngine:
                 self._slots[index] = self._queue.popleft()
 
     def _run(self, tokens_BT, positions_BT, valid_BT, slot_ids_B, last_B, row_slots, span):
-        """One `_generate_step` call over cache positions [0, span); `row_slots` gives each
+        """One `prefill_chunk` call over cache positions [0, span); `row_slots` gives each
         row's slot (None: padding row)."""
         B = len(row_slots)
         temperature = np.zeros((B,), np.float32)
@@ -406,7 +344,7 @@ class InferenceEngine:
                 seeds[row] = slot.params.seed
         args = (tokens_BT, positions_BT, valid_BT, slot_ids_B, last_B, temperature, top_p, seeds)
         with self._trace_context():
-            drawn, experts, self.cache = _generate_step(
+            drawn, experts, self.cache = prefill_chunk(
                 self.graphdef,
                 self.state,
                 self.cache,
@@ -448,7 +386,7 @@ class InferenceEngine:
             donor = self._holder_of(prompt, index)
             if donor is not None:
                 with self.tracer.span("prefix_copy", "copy prefix"):
-                    self.cache = _copy_slot(self.cache, donor, index, self._cache_sharding)
+                    self.cache = copy_slot(self.cache, donor, index, self._cache_sharding)
                 experts = self.completions[slot.request_id].prompt_experts
                 experts.extend(self._slots[donor].prefix_experts[:n])
                 slot.prefix_experts = experts

@@ -8,14 +8,19 @@ are the model's modules, called as they are in training.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
 
+from composer_jax.infer import sampling
 from composer_jax.infer.cache import LatentCache, cached_attention, chunk_masks
+from composer_jax.infer.sampling import Sampled
 from composer_jax.model.transformer import Block, Transformer
+from composer_jax.parallel.mesh import pinned
 
 
 class ChunkOutput(NamedTuple):
@@ -122,6 +127,35 @@ def forward_chunk(
             experts = indices
         first += count
     return ChunkOutput(x, experts, cache)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 11, 12, 13), donate_argnums=(2,))
+def prefill_chunk(
+    graphdef,
+    state,
+    cache: LatentCache,
+    tokens_BT,
+    positions_BT,
+    valid_BT,
+    slot_ids_B,
+    last_B,
+    temperature_B,
+    top_p_B,
+    seeds_B,
+    absorbed: bool,
+    cache_sharding: NamedSharding | None,
+    span: int,
+) -> tuple[Sampled, jax.Array, LatentCache]:
+    """A chunk through the cached model attending over cache positions [0, span) and its own
+    tokens, then one token sampled from each row's last valid position. Returns (sample, routed
+    experts [L_moe, B, T, k], cache laid out by `cache_sharding`)."""
+    m = nnx.merge(graphdef, state)
+    out = forward_chunk(m, cache, tokens_BT, positions_BT, valid_BT, slot_ids_B, absorbed, span)
+    rows = jnp.arange(tokens_BT.shape[0])
+    logits_BV = m.logits(out.hidden_BTD[rows, last_B])
+    keys = sampling.token_keys(seeds_B, positions_BT[rows, last_B] + 1)
+    sample = sampling.sample(logits_BV, temperature_B, top_p_B, keys)
+    return sample, out.experts_LBTK, pinned(out.cache, cache_sharding)
 
 
 def mtp_chunk(

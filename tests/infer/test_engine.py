@@ -11,8 +11,9 @@ from flax import nnx
 
 from composer_jax.config import MeshConfig
 from composer_jax.infer import InferenceEngine, SamplingParams, recompute_generate
+from composer_jax.infer.cache import copy_slot
 from composer_jax.infer.decode import decode_chunk
-from composer_jax.infer.engine import _copy_slot, _generate_step
+from composer_jax.infer.forward import prefill_chunk
 from composer_jax.model.layers import logical_axes_of
 from composer_jax.model.transformer import init_model
 from composer_jax.parallel import mesh as mesh_lib
@@ -50,7 +51,7 @@ def test_continuous_batching_matches_one_at_a_time(tiny_model):
     batched = _engine(tiny_model)
     ids = [batched.submit(p, s) for p, s in requests]
     batched.run()
-    compiled = _generate_step._cache_size()
+    compiled = prefill_chunk._cache_size()
     alone = _engine(tiny_model)
     cfg = tiny_model.cfg
     for rid, (prompt, params) in zip(ids, requests):
@@ -66,7 +67,7 @@ def test_continuous_batching_matches_one_at_a_time(tiny_model):
         np.testing.assert_array_equal(experts, np.stack(want.experts))
         assert np.stack(got.prompt_experts).shape[0] == len(prompt)
         np.testing.assert_array_equal(got.prompt_experts[-1], got.experts[0])
-    assert _generate_step._cache_size() == compiled  # bucketed shapes: no compile per request
+    assert prefill_chunk._cache_size() == compiled  # bucketed shapes: no compile per request
 
 
 def test_weights_committed_to_a_device_compile_each_step_once(tiny_model):
@@ -76,11 +77,11 @@ def test_weights_committed_to_a_device_compile_each_step_once(tiny_model):
     nnx.update(model, jax.device_put(nnx.state(model), jax.devices()[0]))
     engine = _engine(model)
     assert all(leaf.committed for leaf in jax.tree.leaves((engine.state, engine.cache)))
-    _generate_step.clear_cache()
+    prefill_chunk.clear_cache()
     engine.generate([_prompt(model, 3, seed=0)], GREEDY)
-    compiled = _generate_step._cache_size()
+    compiled = prefill_chunk._cache_size()
     engine.generate([_prompt(model, 4, seed=1)], GREEDY)
-    assert _generate_step._cache_size() == compiled
+    assert prefill_chunk._cache_size() == compiled
 
 
 @pytest.mark.parametrize("num_slots, engine_mesh", [(2, False), (8, False), (8, True)])
@@ -98,14 +99,14 @@ def test_a_cache_across_devices_compiles_each_step_once(tiny_model, num_slots, e
     spec = engine.cache.c_kv_LNSR.sharding.spec
     assert (len(spec) > 1 and spec[1] is not None) == (num_slots == 8)  # slots split or not
     prompts = [[_prompt(model, n, seed=n)] * 2 for n in (3, 4, 5)]  # the second copies the first
-    _generate_step.clear_cache()
+    prefill_chunk.clear_cache()
     got = [engine.generate(p, GREEDY) for p in prompts[:1]]
-    compiled = (_generate_step._cache_size(), decode_chunk._cache_size(), _copy_slot._cache_size())
+    compiled = (prefill_chunk._cache_size(), decode_chunk._cache_size(), copy_slot._cache_size())
     got += [engine.generate(p, GREEDY) for p in prompts[1:]]
     assert (
-        _generate_step._cache_size(),
+        prefill_chunk._cache_size(),
         decode_chunk._cache_size(),
-        _copy_slot._cache_size(),
+        copy_slot._cache_size(),
     ) == compiled
     one_device = _engine(init_model(tiny_model.cfg, seed=1), num_slots=num_slots)
     want = [one_device.generate(p, GREEDY) for p in prompts]
@@ -181,10 +182,10 @@ def test_in_flight_weight_swap(tiny_model):
         engine.step()
     before = [len(engine.completions[i].tokens) for i in ids]
     assert all(0 < n < params.max_new_tokens for n in before)
-    compiled = _generate_step._cache_size()
+    compiled = prefill_chunk._cache_size()
     engine.update_weights(nnx.split(new_model)[1], version=1)
     engine.run()
-    assert _generate_step._cache_size() == compiled  # the swap does not recompile
+    assert prefill_chunk._cache_size() == compiled  # the swap does not recompile
     for rid, prompt, n in zip(ids, prompts, before):
         got = engine.completions[rid]
         assert got.versions == [0] * n + [1] * (params.max_new_tokens - n)
