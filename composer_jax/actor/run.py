@@ -8,7 +8,8 @@ Everything a run writes lives in `cfg.workdir`:
   weights/attempt-N/ the compressed-delta weight store of the N-th start of this run (in a
                      bucket: attempt-<unix time>)
   metrics.jsonl      one line per step (reward, pass rate, staleness, tokens/s, KL, length
-                     penalty, health counters), plus `heldout_reward` before RL and at the end
+                     penalty, each reward part's share of the advantage `advantage_rms/<part>`,
+                     health counters), plus `heldout_reward` before RL and at the end
   heldout.json       the held-out evaluations; rl_curves.png the curves
 Starting again with the same workdir resumes: the train state from the last checkpoint, finished
 groups from the ledger (too-stale ones are dropped and their prompts sampled again), and the groups

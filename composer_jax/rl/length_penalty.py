@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from composer_jax.rl.advantages import per_sample_sum
+from composer_jax.rl.advantages import group_advantages, per_sample_sum
 from composer_jax.rl.batch import SegmentKind, TrajectoryBatch
 from composer_jax.rl.config import RLObjectiveConfig
 
@@ -76,7 +76,8 @@ def length_weights(cfg: RLObjectiveConfig) -> jax.Array:
 def sample_rewards(
     batch: TrajectoryBatch, cfg: RLObjectiveConfig
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Total reward per sample (sum of components - coef * C(x)) and each part's mean, logged."""
+    """Total reward per sample (sum of components - coef * C(x)) and each part's mean, logged,
+    with each part's `advantage_rms/<part>` (`advantage_rms_metric`)."""
     valid = batch.group_id_N >= 0
     count = jnp.maximum(valid.sum(), 1)
 
@@ -89,8 +90,20 @@ def sample_rewards(
     )
     total_N = -penalty_N
     metrics = {"length_x": mean(x_N), "length_penalty": mean(penalty_N)}
+    metrics["advantage_rms/length_penalty"] = advantage_rms_metric(penalty_N, batch.group_id_N)
     for name, value in batch.rewards_N.items():
         total_N = total_N + value
         metrics[f"reward/{name}"] = mean(value)
+        metrics[f"advantage_rms/{name}"] = advantage_rms_metric(value, batch.group_id_N)
     metrics["reward_total"] = mean(total_N)
     return jnp.where(valid, total_N, 0.0), metrics
+
+
+def advantage_rms_metric(part_N: jax.Array, group_id_N: jax.Array) -> jax.Array:
+    """Root mean square over samples of one reward part minus its group mean: how much of the
+    (Dr. GRPO) advantage that part carries. A part equal across a group (a task every sample
+    passes) carries none however large it is; the advantage is the sum of the parts' centred
+    values, so a part whose rms dwarfs the task reward's is what the policy gradient follows."""
+    centred_N = group_advantages(part_N, group_id_N, "mean")
+    valid = group_id_N >= 0
+    return jnp.sqrt(jnp.sum(jnp.where(valid, centred_N**2, 0.0)) / jnp.maximum(valid.sum(), 1))

@@ -17,7 +17,7 @@ from composer_jax.rl.advantages import group_advantages, per_sample_sum, to_toke
 from composer_jax.rl.batch import TrajectoryBatch
 from composer_jax.rl.config import RLObjectiveConfig
 from composer_jax.rl.kl import exact_kl, kl_estimate
-from composer_jax.rl.length_penalty import sample_rewards
+from composer_jax.rl.length_penalty import advantage_rms_metric, sample_rewards
 
 Metrics = dict[str, jax.Array]
 
@@ -138,11 +138,13 @@ def policy_objective(
         if cfg.kl_placement == "in_reward":
             kl_N = per_sample_sum(jax.lax.stop_gradient(kl_sum), batch.sample_index_BT, N)
             rewards_N = rewards_N - cfg.kl_coef * kl_N
+            metrics["advantage_rms/kl"] = advantage_rms_metric(cfg.kl_coef * kl_N, batch.group_id_N)
         else:
             kl_loss = cfg.kl_coef * jnp.sum(kl_sum) / normalizer
             metrics["kl_loss"] = kl_loss
             loss = loss + kl_loss
 
+    metrics["advantage_rms/total"] = advantage_rms_metric(rewards_N, batch.group_id_N)
     advantages_N = group_advantages(
         rewards_N, batch.group_id_N, cfg.advantage_mode, cfg.advantage_std_eps
     )

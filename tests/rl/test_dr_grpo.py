@@ -11,6 +11,7 @@ from composer_jax.rl import (
     group_advantages,
     pack_trajectories,
     policy_objective,
+    sample_rewards,
 )
 from tests.rl import toy
 
@@ -97,3 +98,26 @@ def test_advantages_stay_small_for_groups_with_tiny_spread():
     # The std-normalised ablation turns the same noise into unit-sized advantages.
     adv = np.asarray(group_advantages(jnp.asarray(rewards), jnp.asarray(groups), "mean_std", 1e-6))
     assert np.abs(adv).max() > 0.1
+
+
+def test_the_logged_advantage_rms_is_the_advantages_and_each_parts():
+    # Total and per-part rms as logged by the objective, against the advantages it trains on
+    # (mode "mean", no sample weights) and a numpy reference of the length penalty's share.
+    rng = np.random.default_rng()
+    groups = [0, 0, 0, 1, 1, 1]
+    rewards = rng.uniform(-1, 1, 6)
+    batch = _batch(list(rng.integers(1, 12, 6)), groups, rewards, seq_len=128)
+    cfg = toy.config(advantage_mode="mean", length_penalty_coef=0.05, max_generation_len=16)
+    logits = jnp.asarray(rng.normal(size=(*batch.tokens_BT.shape, V)), jnp.float32)
+    _, metrics = policy_objective(logits, batch, cfg)
+    totals, _ = sample_rewards(batch, cfg)
+    advantages = np.asarray(group_advantages(totals, batch.group_id_N))[:6]
+    assert float(metrics["advantage_rms/total"]) == pytest.approx(
+        np.sqrt(np.mean(advantages**2)), rel=1e-5
+    )
+    penalty = np.asarray(totals)[:6] - rewards
+    centred = penalty - np.repeat([penalty[:3].mean(), penalty[3:].mean()], 3)
+    assert float(metrics["advantage_rms/length_penalty"]) == pytest.approx(
+        np.sqrt(np.mean(centred**2)), rel=1e-4
+    )
+    assert float(metrics["advantage_rms/length_penalty"]) > 0

@@ -72,3 +72,41 @@ def test_rl_presets_ship_the_reports_defaults(preset):
     weights = reward_weights(cfg.rl.agent.behaviour_rewards)
     assert set(weights) >= {"style", "tool_misuse", "answered", "harm"}
     assert all(w > 0 for w in weights.values())
+
+
+def test_each_rewards_share_of_the_advantage_is_its_spread_within_groups():
+    # Two groups of three: the task reward is uniform in the first group (it
+    # carries no advantage there), the style reward random; the metric is the root mean square
+    # of each part minus its group's mean over valid samples, checked against numpy.
+    rng = np.random.default_rng()
+    style = -rng.uniform(0, 1, 6)
+    task = np.array([1.0, 1.0, 1.0, *rng.uniform(0, 1, 3)])
+    calls = rng.integers(0, 20, 6)  # the length penalty's spread
+    groups = [
+        make_group(
+            f"g{g}",
+            f"t{g}",
+            [
+                dataclasses.replace(
+                    _sample(rng, task[3 * g + i], style=style[3 * g + i]),
+                    num_tool_calls=int(calls[3 * g + i]),
+                )
+                for i in range(3)
+            ],
+        )
+        for g in range(2)
+    ]
+    batch = groups_to_batch(groups, 64, reward_weights={"style": 0.1})
+    totals, metrics = sample_rewards(batch, RLObjectiveConfig())
+    group_of = np.repeat([0, 1], 3)
+
+    def reference(part):
+        means = np.array([part[group_of == g].mean() for g in (0, 1)])
+        return np.sqrt(np.mean((part - means[group_of]) ** 2))
+
+    assert float(metrics["advantage_rms/task"]) == pytest.approx(reference(task), rel=1e-5)
+    assert float(metrics["advantage_rms/style"]) == pytest.approx(reference(0.1 * style), rel=1e-5)
+    penalty = np.asarray(totals)[:6] - task - 0.1 * style
+    assert float(metrics["advantage_rms/length_penalty"]) == pytest.approx(
+        reference(penalty), rel=1e-4, abs=1e-7
+    )
