@@ -186,16 +186,21 @@ def groups_to_batch(
     return balance_rows(batch, row_multiple)
 
 
-def total_rewards(group: Group, rl: RLConfig) -> np.ndarray:
-    """Each sample's total reward before the KL term (task reward, weighted behaviour rewards,
-    minus the length penalty), exactly as the trainer computes it (`rl.sample_rewards` on the
-    group packed alone). Rows are padded to a power of two (padding adds nothing), so the eager
-    ops compile for a few lengths instead of every group's longest sequence."""
+def group_alone(group: Group, rl: RLConfig) -> TrajectoryBatch:
+    """The group packed alone, with the run's behaviour reward weights, as the trainer would
+    reward it. Rows are padded to a power of two (padding adds nothing), so eager ops on it
+    compile for a few lengths instead of every group's longest sequence."""
     longest = int(np.max(group.arrays["sequence_lengths"]))
     seq_len = 1 << (longest - 1).bit_length()
     weights = reward_weights(rl.agent.behaviour_rewards)
-    batch = groups_to_batch([group], seq_len=seq_len, reward_weights=weights)
-    totals, _ = sample_rewards(batch, rl.objective)
+    return groups_to_batch([group], seq_len=seq_len, reward_weights=weights)
+
+
+def total_rewards(group: Group, rl: RLConfig) -> np.ndarray:
+    """Each sample's total reward before the KL term (task reward, weighted behaviour rewards,
+    minus the length penalty), exactly as the trainer computes it (`rl.sample_rewards` on the
+    group packed alone)."""
+    totals, _ = sample_rewards(group_alone(group, rl), rl.objective)
     return np.asarray(totals)[: len(group.rewards)]
 
 

@@ -1,0 +1,65 @@
+"""experiments/advantage_shares.py on a hand-made run folder: the pooled share of the advantage
+of each reward part, over the trained groups only, against numpy."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from composer_jax import config as config_lib
+from composer_jax import presets
+from composer_jax.actor.ledger import GroupLedger
+from composer_jax.actor.samples import make_group
+from composer_jax.agent import EpisodeOutcome
+from composer_jax.rl.batch import SegmentKind, Sequence
+from experiments import advantage_shares
+
+
+def _episode(rng, reward, style):
+    n = int(rng.integers(8, 30))
+    policy = np.arange(n) >= 4
+    seq = Sequence(
+        sample_index=0,
+        tokens=rng.integers(3, 200, n).astype(np.int32),
+        kinds=np.where(policy, SegmentKind.THINKING, SegmentKind.PROMPT).astype(np.int32),
+        policy_mask=policy,
+        sampler_logprobs=np.where(policy, -0.5, 0.0).astype(np.float32),
+        policy_versions=np.zeros(n, np.int32),
+        router_indices=np.zeros((1, n, 2), np.int32),
+    )
+    turns = int(rng.integers(1, 6))
+    return EpisodeOutcome(
+        [seq], reward=reward, num_turns=turns, num_tool_calls=turns, behaviour={"style": style}
+    )
+
+
+def test_shares_pool_the_trained_groups_and_match_numpy(tmp_path):
+    rng = np.random.default_rng()
+    cfg = presets.PRESETS["rl_tiny"]()
+    cfg = dataclasses.replace(
+        cfg,
+        rl=dataclasses.replace(
+            cfg.rl, agent=dataclasses.replace(cfg.rl.agent, behaviour_rewards=("style=0.1",))
+        ),
+    )
+    (tmp_path / "config.json").write_text(json.dumps(config_lib.to_dict(cfg)))
+    ledger = GroupLedger(str(tmp_path / "ledger"))
+    task = [[1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 0.0, 0.5], [1.0, 0.0, 0.0, 0.0]]
+    style = -rng.uniform(0, 1, (3, 4))
+    for g in range(3):
+        episodes = [_episode(rng, task[g][i], style[g, i]) for i in range(4)]
+        ledger.add(make_group(f"g{g}", f"p{g}", episodes))
+    ledger.mark_trained(["g0", "g1"], 1)  # g2 was never trained: not counted
+
+    shares = advantage_shares.run_shares(str(tmp_path))
+
+    def pooled(parts):
+        centred = [p - np.mean(p) for p in parts]
+        return np.sqrt(np.mean(np.concatenate(centred) ** 2))
+
+    assert shares["groups"] == 2 and shares["task_signal"] == pytest.approx(0.5)
+    rms = shares["advantage_rms"]
+    assert rms["task"] == pytest.approx(pooled([np.array(t) for t in task[:2]]), rel=1e-5)
+    assert rms["style"] == pytest.approx(pooled([0.1 * style[0], 0.1 * style[1]]), rel=1e-5)
+    assert rms["length_penalty"] > 0
