@@ -12,7 +12,8 @@ A sweep file's `get_sweep()` returns a dict:
   fixed    {field: value} overrides of every run
   product  {field: [values]}: every combination
   zip      {field: [values]} of equal lengths, taken together (one axis of the product)
-  seeds    [seed, ...] (each run of the grid once per seed; default: the base's seed)
+  seeds    [seed, ...] (each run of the grid once per seed; default: the base's seed, or a
+           `seed` field in fixed, product or zip, e.g. zipped with each seed's warm start)
   compare  optional keyword arguments of `composer_jax.eval.compare.compare_runs`
   slurm    optional {"time": "04:00:00", "gres": "gpu:1", ...} `#SBATCH` options
 Fields are config paths as on the command line ("optim.learning_rate", "train.phases[0].seq_len").
@@ -121,11 +122,13 @@ def check_spec(spec: dict, folder: str = ".") -> dict:
     if not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
         raise SweepError(f"seeds: expected a list of integers, got {seeds!r}")
     fields = [*spec["fixed"], *spec["product"], *spec["zip"]]
-    repeated = {f for f in fields if fields.count(f) > 1}
-    if repeated or {"seed", "workdir"} & set(fields):
+    # Without `seeds` a seed may vary like any field (zipped with its own warm start, say).
+    owned = {"workdir", "seed"} if seeds else {"workdir"}
+    twice = {f for f in fields if fields.count(f) > 1} | (owned & set(fields))
+    if twice:
         raise SweepError(
-            f"fields {sorted(repeated | ({'seed', 'workdir'} & set(fields)))}: given twice "
-            "(seed comes from `seeds`, workdir from --root)"
+            f"fields {sorted(twice)}: given twice (seed comes from `seeds` when it is given, "
+            "workdir from --root)"
         )
     return spec
 

@@ -42,7 +42,8 @@ def test_grid_is_product_times_zip_times_seeds_and_names_the_varying_values():
         ({"base": "nope"}, "neither a preset"),
         ({"base": "tiny", "entry": "train"}, "entry"),
         ({"base": "tiny", "zip": {"a": [1], "b": [1, 2]}}, "differ in length"),
-        ({"base": "tiny", "fixed": {"seed": 1}}, "seed comes from"),
+        ({"base": "tiny", "fixed": {"seed": 1}, "seeds": [0]}, "seed comes from"),
+        ({"base": "tiny", "fixed": {"workdir": "x"}}, "given twice"),
         ({"base": "tiny", "product": {"steps": []}}, "non-empty"),
         ({"base": "tiny", "grid": {}}, "unknown sweep keys"),
     ],
@@ -50,6 +51,14 @@ def test_grid_is_product_times_zip_times_seeds_and_names_the_varying_values():
 def test_bad_sweeps_are_named(bad, needle):
     with pytest.raises(sweep.SweepError, match=needle):
         sweep.check_spec(bad)
+
+
+def test_a_seed_zipped_with_its_own_value_varies_without_seeds(tmp_path):
+    s = spec(zip={"seed": [0, 1], "rl.warm_start": ["w/seed=0", "w/seed=1"]})
+    runs = sweep.plan(s, str(tmp_path))
+    assert [r.name for r in runs] == ["seed=0,warm_start=w_seed=0", "seed=1,warm_start=w_seed=1"]
+    assert "--config.seed=1" in runs[1].command
+    assert "--config.rl.warm_start=w/seed=1" in runs[1].command
 
 
 def test_plan_resolves_each_run_as_its_entry_point_does(tmp_path):
