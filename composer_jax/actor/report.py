@@ -20,6 +20,9 @@ from composer_jax.train.metrics import read_metrics
 
 log = logging.getLogger(__name__)
 
+# The trainer's per-part metrics (`rl.length_penalty.advantage_rms_metric`).
+ADVANTAGE_RMS = "advantage_rms/"
+
 
 def heldout_once(cfg, evaluator, model, path, key, progress) -> HeldoutResult:
     """The held-out evaluation under `key` ("before", "after-<step>"): read from `path` when a
@@ -131,8 +134,9 @@ def group_metrics(groups, version: int, cfg) -> dict[str, float]:
 
 
 def plot_curves(metrics_path: str, out_path: str) -> None:
-    """Reward, pass rate, KL, length penalty and staleness against the step, as one PNG (drawn
-    in memory: matplotlib writes local files only)."""
+    """Reward, pass rate, KL, length penalty, staleness, sampling speed and each reward part's
+    share of the advantage against the step, as one PNG (drawn in memory: matplotlib writes
+    local files only)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -151,7 +155,8 @@ def plot_curves(metrics_path: str, out_path: str) -> None:
         ("staleness_mean", "staleness (versions)"),
         ("tokens_per_second", "sampled tokens / s"),
     )
-    fig, axes = plt.subplots(2, 3, figsize=(12, 6))
+    fig, axes = plt.subplots(2, 4, figsize=(16, 6))
+    _plot_advantage_parts(axes.flat[len(panels)], steps, lines)
     for ax, (key, title) in zip(axes.flat, panels):
         values = [m.get(key, np.nan) for m in lines]
         ax.plot(steps, values, lw=1.2)
@@ -172,6 +177,20 @@ def plot_curves(metrics_path: str, out_path: str) -> None:
     fig.savefig(image, format="png", dpi=100)
     plt.close(fig)
     epath.Path(out_path).write_bytes(image.getvalue())
+
+
+def _plot_advantage_parts(ax, steps: list[int], lines: list[dict]) -> None:
+    """One line per reward part (`advantage_rms/<part>`): which part the policy gradient follows."""
+    parts = sorted({k for m in lines for k in m if k.startswith(ADVANTAGE_RMS)})
+    for key in parts:
+        label = key[len(ADVANTAGE_RMS) :]
+        style = {"color": "k", "lw": 1.5} if label == "total" else {"lw": 1.0}
+        ax.plot(steps, [m.get(key, np.nan) for m in lines], label=label, **style)
+    if parts:
+        ax.legend(fontsize=7)
+    ax.set_title("advantage rms by reward part")
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
 
 
 @dataclasses.dataclass

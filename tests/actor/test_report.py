@@ -4,12 +4,16 @@ a plain verdict, and the warm start's numbers with why its corpus NLL rises."""
 import dataclasses
 import json
 
+import matplotlib
 import numpy as np
 import pytest
 
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+
 from composer_jax import presets
 from composer_jax.actor.evaluator import HeldoutResult, t_half_width
-from composer_jax.actor.report import closing_summary
+from composer_jax.actor.report import _plot_advantage_parts, closing_summary, plot_curves
 from composer_jax.train.loop import nll_summary
 
 # Two-sided 97.5% quantiles of Student's t (tables), n - 1 = 3 and 31 degrees of freedom.
@@ -62,3 +66,24 @@ def test_nll_line_explains_a_rise_only_when_the_corpus_was_not_trained():
     pretrain = presets.tiny()  # has corpus phases
     assert any(p.data == "corpus" for p in pretrain.train.phases)
     assert "it rises" not in nll_summary(pretrain, 6.0, 8.0)
+
+
+def test_the_curves_draw_one_line_per_reward_parts_advantage(tmp_path):
+    rng = np.random.default_rng()
+    parts = ["kl", "length_penalty", "task", "total"]
+    lines = [
+        {"step": s, "reward_mean": 0.1, **{f"advantage_rms/{p}": rng.uniform() for p in parts}}
+        for s in range(1, 6)
+    ]
+    lines.append({"step": 6, "reward_mean": 0.2})  # a step without the parts: a gap, no error
+    _, ax = plt.subplots()
+    _plot_advantage_parts(ax, [m["step"] for m in lines], lines)
+    drawn = {line.get_label(): line.get_ydata() for line in ax.get_lines()}
+    assert sorted(drawn) == parts
+    np.testing.assert_allclose(drawn["task"][:5], [m["advantage_rms/task"] for m in lines[:5]])
+    assert np.isnan(drawn["task"][5])
+    plt.close("all")
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(m) + "\n" for m in lines))
+    plot_curves(str(path), str(tmp_path / "curves.png"))
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
