@@ -131,21 +131,22 @@ def committed_alike(tree):
     is, so a function fed such a mix compiles again when fed its own outputs. Trees with no
     committed array, or with committed arrays on several devices (whose callers give explicit
     shardings), are left as they are, and so are committed arrays and traced values."""
-
-    def concrete(leaf) -> bool:
-        return isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
-
-    leaves = [leaf for leaf in jax.tree.leaves(tree) if concrete(leaf)]
+    leaves = [leaf for leaf in jax.tree.leaves(tree) if _concrete(leaf)]
     devices = {device for leaf in leaves if leaf.committed for device in leaf.devices()}
     if len(devices) != 1:
         return tree
     (device,) = devices
     return jax.tree.map(
         lambda leaf: (
-            jax.device_put(leaf, device) if concrete(leaf) and not leaf.committed else leaf
+            jax.device_put(leaf, device) if _concrete(leaf) and not leaf.committed else leaf
         ),
         tree,
     )
+
+
+def _concrete(leaf) -> bool:
+    """An array with a placement (not a value being traced)."""
+    return isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
 
 
 def committed_mesh(tree) -> Mesh | None:
@@ -156,8 +157,7 @@ def committed_mesh(tree) -> Mesh | None:
     meshes = {
         leaf.sharding.mesh
         for leaf in jax.tree.leaves(tree)
-        if isinstance(leaf, jax.Array)
-        and not isinstance(leaf, jax.core.Tracer)
+        if _concrete(leaf)
         and leaf.committed
         and isinstance(leaf.sharding, NamedSharding)
         and len(leaf.sharding.device_set) > 1
