@@ -21,6 +21,7 @@ import json
 import os
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -256,12 +257,18 @@ def grading_tree(pristine: dict[str, str], workspace: Path, grader: dict):
             for name in names:
                 full = Path(directory) / name
                 relative = str(full.relative_to(workspace))
-                if is_source_module(relative, source_roots) and not full.is_symlink():
+                # Regular files only: a symlink could name a host file, and reading a named
+                # pipe the agent left in the workspace would block the grader for good.
+                if is_source_module(relative, source_roots) and _regular_file(full):
                     files[relative] = full.read_bytes()
         try:
             yield root, _build(root, files, source_roots)
         finally:
             _remove(root)
+
+
+def _regular_file(path: Path) -> bool:
+    return stat.S_ISREG(path.lstat().st_mode)
 
 
 _trees: str | None = None

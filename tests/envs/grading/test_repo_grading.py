@@ -5,10 +5,12 @@ backend usable here, on tasks of two packages (pytest-style and unittest-style t
 
 import importlib.util
 import json
+import os
 import py_compile
 import random
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -433,3 +435,26 @@ def test_an_attack_on_the_verdict_scores_0_from_the_grading_alone(attack, packag
         task, _verdict_attack(task, attack), backend=backend, require_isolation=True
     )
     assert result.reward == 0.0, f"{attack}: the grading gave {result.reward}"
+
+
+def test_a_named_pipe_in_place_of_a_module_does_not_block_the_grader(tmp_path):
+    # Reading a FIFO blocks until a writer opens it: the agent's shell can leave one where a
+    # source module was, and a grader reading it would hang for good (a thread worker never
+    # comes back). It is skipped like a symlink; the module is then simply missing.
+    task = attack_task("toolz")
+    path = task.metadata["path"]
+    write_files(tmp_path, {p: c for p, c in task.files.items() if p != path})
+    os.mkfifo(tmp_path / path)
+    done = {}
+
+    def assemble():
+        with repo_grading.grading_tree(task.files, tmp_path, task.grader) as (root, candidates):
+            done["modules"] = [os.path.relpath(c, root) for c in candidates]
+
+    worker = threading.Thread(target=assemble, daemon=True)
+    worker.start()
+    worker.join(60)
+    if worker.is_alive():
+        os.open(tmp_path / path, os.O_WRONLY | os.O_NONBLOCK)  # frees the blocked reader
+        pytest.fail("the grader blocked on a named pipe in the workspace")
+    assert path not in done["modules"] and done["modules"], done
