@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import zipfile
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -83,20 +84,47 @@ def runner_source() -> str:
     return _RUNNER_SOURCE
 
 
-def installed_copies(import_names) -> tuple[str, ...]:
-    """Folders of the base interpreter's tree that hold a copy of one of these packages
-    (vendored ones included): masked in the sandbox, so the original cannot be read there."""
-    return _installed_copies(tuple(sorted(import_names)))
+def installed_copies(import_names, roots=None) -> tuple[str, ...]:
+    """Every copy of these packages the sandbox could read, to be masked there so the original
+    cannot be read: package folders (vendored ones included: setuptools and pip carry
+    more_itertools and idna, SDKs carry their own) and the archives holding one (wheels, zips,
+    eggs), anywhere under `roots` (default: the sandbox's read-only system view, all of it, not
+    only the interpreter's site-packages)."""
+    roots = tuple(isolation.system_roots() if roots is None else roots)
+    packages, archives = _python_trees(roots)
+    found = [path for name in import_names for path in packages.get(name, ())]
+    found += [path for path, names in archives.items() if names & set(import_names)]
+    return tuple(sorted(set(found)))
+
+
+ARCHIVE_SUFFIXES = (".whl", ".zip", ".egg", ".pyz")
 
 
 @functools.cache
-def _installed_copies(import_names: tuple[str, ...]) -> tuple[str, ...]:
-    found = []
-    prefix = Path(isolation.interpreter_prefix()) / "lib"
-    for site in prefix.glob("python3*/site-packages"):
-        for name in import_names:
-            found += [str(p.parent) for p in site.rglob(f"{name}/__init__.py")]
-    return tuple(sorted(set(found)))
+def _python_trees(roots: tuple[str, ...]) -> tuple[dict[str, list[str]], dict[str, set[str]]]:
+    """One walk of `roots` (cached: a few seconds over a whole /usr): every folder holding
+    Python files by its name, and every archive by the names of the package folders in it."""
+    packages: dict[str, list[str]] = {}
+    archives: dict[str, set[str]] = {}
+    for root in roots:
+        for directory, _, files in os.walk(root):
+            if any(name.endswith(".py") for name in files):
+                packages.setdefault(os.path.basename(directory), []).append(directory)
+            for name in files:
+                if name.endswith(ARCHIVE_SUFFIXES):
+                    path = os.path.join(directory, name)
+                    archives[path] = _archived_packages(path)
+    return packages, archives
+
+
+def _archived_packages(path: str) -> set[str]:
+    """Names of the folders holding .py members of a zip archive (none if it is not one)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = archive.namelist()
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return set()
+    return {m.rsplit("/", 2)[-2] for m in members if m.endswith(".py") and "/" in m}
 
 
 _site: str | None = None

@@ -134,6 +134,15 @@ def _synthetic_etc() -> str:
     return _synthetic_dir
 
 
+def system_roots() -> list[str]:
+    """The host folders of the sandbox's read-only system view (real paths, none inside
+    another): where a copy of something to hide could be."""
+    real = sorted(
+        {os.path.realpath(p) for p, link in _system_entries() if link is None and os.path.isdir(p)}
+    )
+    return [r for r in real if not any(r.startswith(o + os.sep) for o in real)]
+
+
 def visible(path: str) -> bool:
     """Whether a host path is inside the sandbox's system view (so hiding it means something)."""
     real = os.path.realpath(path)

@@ -3,6 +3,7 @@ tests make: the shipped sets hold (original 1.0, deletion 0), every attack on th
 scores 0 from the grading alone (and those a monitor can see are flagged), on each isolating
 backend usable here, on tasks of two packages (pytest-style and unittest-style tests)."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -11,14 +12,15 @@ import random
 import subprocess
 import tempfile
 import threading
+import zipfile
 from pathlib import Path
 
 import pytest
 
 from composer_jax.envs.grading import harness, repo_grading
 from composer_jax.envs.grading.monitors import RewardHackMonitor
-from composer_jax.envs.grading.task import grade_solution
-from composer_jax.envs.sandbox import isolation, write_files
+from composer_jax.envs.grading.task import GRADING_LIMITS, grade_solution
+from composer_jax.envs.sandbox import Sandbox, isolation, write_files
 from composer_jax.envs.tasks.repo_task_sets import read_task_set, shipped_sets
 
 
@@ -458,3 +460,74 @@ def test_a_named_pipe_in_place_of_a_module_does_not_block_the_grader(tmp_path):
         os.open(tmp_path / path, os.O_WRONLY | os.O_NONBLOCK)  # frees the blocked reader
         pytest.fail("the grader blocked on a named pipe in the workspace")
     assert path not in done["modules"] and done["modules"], done
+
+
+def test_copies_of_a_package_anywhere_in_the_system_view_are_found(tmp_path):
+    # Planted: a vendored copy (as setuptools carries more_itertools), a wheel holding one, and
+    # look-alikes that are not copies (a folder of that name without Python files, another
+    # package). Every copy is found, nothing else.
+    vendored = tmp_path / "lib/python3/dist-packages/setuptools/_vendor/more_itertools"
+    write_files(vendored, {"__init__.py": "", "recipes.py": "def powerset(): ...\n"})
+    write_files(tmp_path / "share/doc/more_itertools", {"README": "docs"})
+    write_files(tmp_path / "lib/other/toolz", {"__init__.py": ""})
+    (tmp_path / "share/python-wheels").mkdir()
+    wheel = tmp_path / "share/python-wheels/setuptools-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("setuptools/_vendor/more_itertools/recipes.py", "def powerset(): ...")
+    other = tmp_path / "share/python-wheels/pip-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(other, "w") as archive:
+        archive.writestr("pip/_vendor/idna/core.py", "")
+    (tmp_path / "share/broken.zip").write_bytes(b"not a zip")
+    found = repo_grading.installed_copies(["more_itertools"], roots=[str(tmp_path)])
+    assert found == tuple(sorted([str(vendored), str(wheel)]))
+
+
+_COPY_SEARCH = r"""
+import json, os, sys, zipfile
+
+found = []
+for top, dirs, files in os.walk("/"):
+    if top.startswith(("/proc", "/sys", "/dev")):
+        dirs[:] = []
+        continue
+    for name in files:
+        path = os.path.join(top, name)
+        try:
+            if name.endswith(".py"):
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    if NEEDLE in f.read():
+                        found.append(path)
+            elif name.endswith((".whl", ".zip", ".egg", ".pyz")):
+                with zipfile.ZipFile(path) as archive:
+                    for member in archive.namelist():
+                        text = archive.read(member).decode("utf-8", "replace")
+                        if member.endswith(".py") and NEEDLE in text:
+                            found.append(path + "!" + member)
+        except (OSError, zipfile.BadZipFile, ValueError, RuntimeError):
+            continue
+print("FOUND", json.dumps(found))
+"""
+
+
+@pytest.mark.parametrize("backend", ISOLATING)
+def test_no_copy_of_the_original_can_be_read_inside_the_sandbox(backend):
+    # The agent's shell searches every Python file and archive it can see for the removed body
+    # (a function that setuptools' vendored more_itertools has too, where one is installed);
+    # the control is a copy planted in the workspace, which it must find.
+    task = next(t for t in shipped_tasks("more_itertools") if t.task_id.endswith(":powerset"))
+    path = task.metadata["path"]
+    stub = set(task.files[path].splitlines())
+    body = "\n".join(line for line in task.oracle_files[path].splitlines() if line not in stub)
+    assert "chain.from_iterable" in body
+    files = {
+        **task.files,
+        "notes/search.py": f"NEEDLE = {body!r}\n" + _COPY_SEARCH,
+        "notes/planted.py": body + "\n",
+    }
+    limits = dataclasses.replace(GRADING_LIMITS, wall_seconds=300, cpu_seconds=300)
+    with Sandbox.from_files(files, backend=backend, hidden_paths=task.hidden_paths) as box:
+        result = box.run("python3 notes/search.py", limits=limits)
+    lines = [line for line in result.output.splitlines() if line.startswith("FOUND ")]
+    assert lines, result.output[-2000:]
+    found = json.loads(lines[-1].split(" ", 1)[1])
+    assert found == [f"{isolation.WORKSPACE_MOUNT}/notes/planted.py"], found
