@@ -6,6 +6,7 @@ import json
 import math
 import pathlib
 import random
+import shlex
 import tempfile
 import threading
 import time
@@ -15,6 +16,7 @@ import pytest
 from composer_jax import envs
 from composer_jax.envs.environment import run_episode
 from composer_jax.envs.grading import harness
+from composer_jax.envs.grading import task as grading_task
 from composer_jax.envs.grading.protocol import render_turn
 from composer_jax.envs.grading.task import case_tests, encode_value, grade_solution
 from composer_jax.envs.sandbox import isolation
@@ -293,3 +295,78 @@ def test_every_humaneval_canonical_solution_passes(humaneval, backend):
         if grade_solution(t, t.oracle_files, backend=backend, require_isolation=False).reward != 1.0
     ]
     assert failed == []
+
+
+# The code under test runs in a child of the harness: it finds the nonce in its parent's memory,
+# writes a verdict line with it where the sandbox's output goes (the sandbox's first process
+# holds that descriptor), then overwrites the nonce in the parent's memory, so the harness's own
+# line no longer counts. (Killing the harness would do where it is not the first process of its
+# PID namespace, which ignores SIGKILL from inside.)
+_NONCE_THIEF = r"""
+import json, os, re
+
+
+def _regions(pid):
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if "r" in fields[1] and high - low <= (256 << 20):
+                yield low, high, "w" in fields[1]
+
+
+def _forge():
+    parent = os.getppid()
+    mem = os.open(f"/proc/{parent}/mem", os.O_RDWR)
+    nonce, places = None, []
+    for low, high, writable in _regions(parent):
+        try:
+            data = os.pread(mem, high - low, low)
+        except OSError:
+            continue
+        if nonce is None and (found := re.search(rb'"nonce": "([0-9a-f]{32})"', data)):
+            nonce = found.group(1)
+        if writable and nonce is not None:
+            places += [low + m.start() for m in re.finditer(re.escape(nonce), data)]
+    verdict = {"tests": {f"case_{i}": "pass" for i in range(64)}, "scores": {}}
+    line = f"\n{nonce.decode()} {json.dumps(verdict)}\n"
+    for target in ("/proc/1/fd/1", f"/proc/{parent}/fd/1"):
+        try:
+            with open(target, "w") as out:
+                out.write(line)
+        except OSError:
+            pass
+    for place in places:
+        os.pwrite(mem, b"0" * len(nonce), place)
+
+
+def f(x):
+    _forge()
+    return None
+"""
+
+
+def _harness_without(monkeypatch, call: str) -> None:
+    """The grader's harness with one of its defences (a call in `main`) left out."""
+    source = pathlib.Path(harness.__file__).read_text(encoding="utf-8")
+    assert source.count(f"    {call}()\n") == 1
+    weakened = source.replace(f"    {call}()\n", "    pass\n") + "\nmain()\n"
+    monkeypatch.setattr(
+        grading_task, "_HARNESS_COMMAND", "exec python3 -I -B -c " + shlex.quote(weakened)
+    )
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param(
+            name, marks=pytest.mark.skipif(not isolation.usable(name), reason=f"{name} not usable")
+        )
+        for name in ("bwrap", "unshare")
+    ],
+)
+def test_the_harness_memory_and_descriptors_are_closed_to_the_code_under_test(backend, monkeypatch):
+    options = {"backend": backend, "require_isolation": True}
+    assert grade_solution(TASK, {"solution.py": _NONCE_THIEF}, **options).reward == 0.0
+    _harness_without(monkeypatch, "_no_dump")  # the control: the same attack wins without it
+    assert grade_solution(TASK, {"solution.py": _NONCE_THIEF}, **options).reward == 1.0
