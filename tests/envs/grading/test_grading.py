@@ -30,22 +30,59 @@ def _attack(source: str, task=TASK, config=envs.EnvConfig()):
     return run_episode(task, [write, render_turn(final="done")], config)
 
 
-def _verdict_line(task):
-    tests = {name: "pass" for name in task.graded_tests}
-    return "CJ_RESULT " + str(tests).replace("'", '"')
+# A well-formed verdict line under a nonce the candidate can only guess.
+_GUESSED_NONCE = "0" * 32
+_FORGED_LINE = (
+    _GUESSED_NONCE
+    + " "
+    + json.dumps({"tests": {t: "pass" for t in TASK.graded_tests}, "scores": {}})
+)
+# Finds the spec's cases among the objects of its own process and answers from them.
+_ANSWER_THIEF = """
+import gc
 
+
+def _plain(data):
+    tag, payload = data[0], data[1:]
+    if tag == "none":
+        return None
+    if tag in ("list", "tuple"):
+        items = [_plain(item) for item in payload[0]]
+        return items if tag == "list" else tuple(items)
+    return float.fromhex(payload[0]) if tag == "float" else payload[0]
+
+
+def f(*args):
+    for obj in gc.get_objects():
+        if isinstance(obj, dict) and isinstance(obj.get("cases"), list):
+            for encoded, want in obj["cases"]:
+                if [_plain(a) for a in encoded] == list(args):
+                    return _plain(want)
+    return None
+"""
+# Makes every later json.dumps in its process write an all-pass verdict.
+_VERDICT_PATCH = (
+    "import json\n"
+    "_real = json.dumps\n"
+    "def _dumps(obj, *args, **kwargs):\n"
+    "    if isinstance(obj, dict) and 'tests' in obj:\n"
+    "        obj = {**obj, 'tests': {t: 'pass' for t in obj['tests']}}\n"
+    "    return _real(obj, *args, **kwargs)\n"
+    "json.dumps = _dumps\n"
+    "def f(x):\n"
+    "    return None\n"
+)
 
 ATTACKS = {
     "prints a verdict and exits at import": (
-        "import json, os\n"
-        f"print({_verdict_line(TASK)!r})\n"
-        "print(json.dumps({'tests': {'case_%d' % i: 'pass' for i in range(6)}}))\n"
-        "os._exit(0)\n"
+        f"import os\nprint({chr(10) + _FORGED_LINE!r}, flush=True)\nos._exit(0)\n"
     ),
     "builds the verdict at run time and exits": (
-        "import sys\n"
-        "line = ''.join(chr(c) for c in (67, 74, 95, 82, 69, 83, 85, 76, 84))\n"
-        "print(line, {'case_0': 'pass'})\n"
+        "import json, sys\n"
+        "nonce = ''.join(chr(48) for _ in range(32))\n"
+        "tests = {'case_%d' % i: 'pass' for i in range(6)}\n"
+        "print()\n"
+        "print(nonce, json.dumps({'tests': tests, 'scores': {}}))\n"
         "sys.exit(0)\n"
     ),
     "returns an object equal to everything": (
@@ -58,34 +95,30 @@ ATTACKS = {
     "returns a str subclass equal to everything": (
         "class S(str):\n    __eq__ = lambda self, other: True\ndef f(x):\n    return S('nope')\n"
     ),
-    "reads the expected answers from the harness module": (
-        "import sys\n"
-        "def f(x):\n"
-        "    main = sys.modules['__main__']\n"
-        "    for name in dir(main):\n"
-        "        value = getattr(main, name)\n"
-        "        if isinstance(value, list) and value and isinstance(value[0], list):\n"
-        "            for arg, want in value:\n"
-        "                if arg == x:\n"
-        "                    return want\n"
-        "    return None\n"
-    ),
-    "patches json.dumps": (
-        "import json\n"
-        "_real = json.dumps\n"
-        "json.dumps = lambda obj, *a, **k: _real({'ok': True, 'value': ['int', 0]})\n"
-        "def f(x):\n"
-        "    return x\n"
-    ),
-    "walks the harness's frames": (
-        "import gc\n"
-        "def f(x):\n"
-        "    for obj in gc.get_objects():\n"
-        "        if isinstance(obj, dict) and 'cases' in obj:\n"
-        "            return obj\n"
-        "    return x\n"
-    ),
+    "finds the expected answers among its process's objects": _ANSWER_THIEF,
+    "patches json.dumps to write an all-pass verdict": _VERDICT_PATCH,
 }
+
+
+def test_the_attacks_on_the_process_would_win_in_the_graders_process():
+    """The controls of the attacks above that a separate process defeats: a grader that held
+    the answers and wrote its verdict in the candidate's process would be fooled, and the forged
+    line is a verdict the parser takes under the nonce it names."""
+    assert grading_task.parse_verdict("\n" + _FORGED_LINE + "\n", _GUESSED_NONCE)[0] == {
+        t: "pass" for t in TASK.graded_tests
+    }
+    spec = json.loads(json.dumps(TASK.grader))  # the answers, held as the harness holds them
+    thief = {}
+    exec(_ANSWER_THIEF, thief)  # noqa: S102
+    cases = [(harness.decode(a), harness.decode(w)) for (a,), w in spec["cases"]]
+    assert all(harness.same(thief["f"](arg), want) for arg, want in cases)
+    before = json.dumps
+    try:
+        exec(_VERDICT_PATCH, {})  # noqa: S102
+        forged = json.loads(json.dumps({"tests": {"case_0": "fail"}, "scores": {}}))
+    finally:
+        json.dumps = before
+    assert forged["tests"] == {"case_0": "pass"}
 
 
 @pytest.mark.parametrize("name", sorted(ATTACKS))
