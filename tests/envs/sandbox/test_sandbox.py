@@ -190,3 +190,25 @@ def test_a_process_leaves_no_temporary_folders_behind(backend, tmp_path):
     env = dict(os.environ, TMPDIR=str(tmp_path))  # the workspace goes there too (removed)
     subprocess.run([sys.executable, "-c", program, backend], env=env, check=True)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_file_cannot_grow_past_the_file_size_limit(sandbox):
+    # 4 MiB written to the workspace (whose own cap is far above) against a 1 MiB file limit.
+    limits = SandboxLimits(cpu_seconds=5, wall_seconds=10, file_bytes=1 << 20)
+    result = sandbox.run(
+        "python3 -c \"open('big', 'wb').write(b'0' * (4 << 20))\"; wc -c < big", limits=limits
+    )
+    assert int(result.output.split()[-1]) <= 1 << 20, result.output
+
+
+@pytest.mark.parametrize("backend", ISOLATING)
+def test_tmp_holds_at_most_its_size(backend):
+    # 16 MiB into /tmp against a 4 MiB /tmp (each file may be far larger): the write fails
+    # with no space left, and /tmp never holds more than its size.
+    limits = SandboxLimits(cpu_seconds=5, wall_seconds=10, tmp_bytes=4 << 20, file_bytes=64 << 20)
+    with make_sandbox(backend, limits=limits) as box:
+        result = box.run(
+            "python3 -c \"open('/tmp/big', 'wb').write(b'0' * (16 << 20))\"; wc -c < /tmp/big"
+        )
+    assert "No space left" in result.output, result.output
+    assert int(result.output.split()[-1]) <= 4 << 20, result.output
