@@ -195,13 +195,30 @@ def test_nvfp4_axis_and_2d_blocks():
 
 
 def test_nvfp4_stochastic_rounding_is_unbiased():
-    x = jnp.full((4096, 16), 6.0).at[:, 1].set(2.5)  # 2.5 sits halfway between 2 and 3
-    q = F.quantize_nvfp4(x, stochastic_key=jax.random.key(0))
-    column = np.asarray(q.values.astype(jnp.float32))[:, 1]
-    assert set(np.unique(column)) == {2.0, 3.0}
-    assert abs(column.mean() - 2.5) < 0.03
+    # Each column's value between two neighbours of the E2M1 grid (block scale 1: the block's
+    # largest magnitude is 6) rounds up with probability (value - lower) / (upper - lower):
+    # off the midpoint, and where the grid's step is 0.5, 1 and 2, so a fair coin or noise in
+    # value units instead of grid steps shows.
+    cases = {
+        2.5: (2.0, 3.0),
+        2.25: (2.0, 3.0),
+        0.6: (0.5, 1.0),
+        4.5: (4.0, 6.0),
+        -2.75: (-3.0, -2.0),
+    }
+    x = jnp.full((4096, 16), 6.0)
+    for column, value in enumerate(cases, start=1):
+        x = x.at[:, column].set(value)
+    key = jax.random.key(int(np.random.default_rng().integers(1 << 31)))
+    values = np.asarray(F.quantize_nvfp4(x, stochastic_key=key).values.astype(jnp.float32))
+    for column, (value, (lower, upper)) in enumerate(cases.items(), start=1):
+        got = values[:, column]
+        assert set(np.unique(got)) == {lower, upper}, value
+        p_up = (value - lower) / (upper - lower)
+        assert abs((got == upper).mean() - p_up) < 0.035, value  # 4.5 standard errors or more
+        assert abs(got.mean() - value) < 0.035 * (upper - lower), value
     nearest = F.quantize_nvfp4(x).values.astype(jnp.float32)[:, 1]
-    assert (np.asarray(nearest) == 2.0).all()
+    assert (np.asarray(nearest) == 2.0).all()  # round to nearest even at the midpoint
 
 
 def test_fp4_pack_roundtrip():
