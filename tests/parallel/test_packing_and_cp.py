@@ -48,7 +48,7 @@ def test_packing_beats_round_robin_on_heavy_tails():
 
 
 def test_equal_count_packing_and_row_order():
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng()
     lengths = rng.integers(1, 2000, 64)
     plan = packing.balance_sequences(lengths, num_ranks=8, equal_counts=True)
     assert [len(rank[0]) for rank in plan.ranks] == [8] * 8
@@ -61,9 +61,17 @@ def test_equal_count_packing_and_row_order():
         bounds = [0, *cuts, 64]
         for s, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
             segments[row, lo:hi] = s + 1
+    # Each row's attention work, from its documents' run lengths (not the module's helper),
+    # rows sorted heaviest first so that keeping their order is badly unbalanced.
+    work = np.array(
+        [np.sum(np.diff([0, *np.flatnonzero(np.diff(r)) + 1, 64]) ** 2) for r in segments]
+    )
+    segments, work = segments[np.argsort(-work)], np.sort(work)[::-1]
     order = packing.balanced_row_order(segments, num_ranks=4)
     assert sorted(order) == list(range(16))
-    work = packing.row_attention_lengths(segments) ** 2
     balanced = work[order].reshape(4, 4).sum(1)
     contiguous = work.reshape(4, 4).sum(1)
-    assert balanced.max() / balanced.mean() <= contiguous.max() / contiguous.mean()
+    # Bounds with margin over 500 draws (at most 0.46 and 0.80 there); keeping the order gives
+    # 1.0 on the second.
+    assert balanced.max() - balanced.mean() <= 0.55 * work.max()
+    assert balanced.max() / balanced.mean() <= 0.9 * (contiguous.max() / contiguous.mean())
