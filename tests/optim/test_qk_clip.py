@@ -148,15 +148,21 @@ def _check_clipped(params, clipped, max_logits, clip, q_name):
 
 
 def test_qk_clip_of_a_model_without_a_query_latent_scales_its_query_projection():
-    """Without q_lora the queries come from `q_proj` [embed, heads, dims]: QK-clip scales it."""
-    cfg = _model_cfg(q_lora_rank=None, num_mtp_layers=0)
-    batch = {k: jnp.asarray(v) for k, v in _packed_batch(np.random.default_rng(4)).items()}
+    """Without q_lora the queries come from `q_proj` [embed, heads, dims]: QK-clip scales it,
+    and the first layer's heads (whose inputs the clip leaves alone) then have their largest
+    logit at min(their maximum, the threshold)."""
+    cfg = _model_cfg(q_lora_rank=None, num_mtp_layers=0, first_k_dense=1, num_layers=2)
+    batch = {k: jnp.asarray(v) for k, v in _packed_batch(np.random.default_rng()).items()}
     graphdef, params, buffers = split_model(init_model(cfg, seed=6))
     before = _max_logits(graphdef, params, buffers, batch)
-    clip = QKClip(float(np.median(np.concatenate([np.ravel(v) for v in before.values()]))), 8)
+    clip = QKClip(float(np.median(before["dense_layers/attn"])), 8)  # half its heads clipped
     clipped, count = clip(jax.tree.map(jnp.array, params), before)
-    assert int(count) > 0
+    assert int(count) > 0 and (before["dense_layers/attn"] > clip.threshold).any()
     _check_clipped(params, clipped, before, clip, "q_proj")
+    first = _max_logits(graphdef, clipped, buffers, batch)["dense_layers/attn"]
+    np.testing.assert_allclose(
+        first, np.minimum(before["dense_layers/attn"], clip.threshold), rtol=1e-5
+    )
 
 
 def test_qk_clip_threshold_zero_is_off_and_a_negative_one_is_refused():
