@@ -62,6 +62,29 @@ def test_forward_backward_within_documented_bounds(precision):
     assert (np.asarray(drhs[1], np.float32) == 0).all()  # the empty expert
 
 
+_QUANTIZE = {"mxfp8": formats.quantize_mxfp8, "nvfp4_fwd_mxfp8_bwd": formats.quantize_nvfp4}
+
+
+@pytest.mark.parametrize("precision", list(REL_BOUND))
+def test_forward_is_the_exact_product_of_the_quantized_operands(precision):
+    """The forward equals a float64 grouped product of the dequantized operands (each quantized
+    along K, with its per-token or per-column factors) up to the bf16 output's rounding: a row
+    given another expert's factors or codes shows, where the error bound vs bf16 above would
+    not see a few rows."""
+    lhs, rhs, _ = _operands(int(np.random.default_rng().integers(1 << 31)))
+    out = np.asarray(_op(precision)(lhs, rhs), np.float64)
+    quantize = _QUANTIZE[precision]
+    lhs_q = np.asarray(formats.dequantize(quantize(lhs.astype(jnp.float32), axis=1)), np.float64)
+    rhs_q = np.asarray(formats.dequantize(quantize(rhs.astype(jnp.float32), axis=1)), np.float64)
+    want = np.zeros((M, N))
+    start = 0
+    for expert, size in enumerate(GROUPS):
+        want[start : start + size] = lhs_q[start : start + size] @ rhs_q[expert]
+        start += size
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(out, want, rtol=2**-8, atol=1e-4 * scale)
+
+
 def _mx(x, axis):
     """MXFP8 round trip along `axis`, zero-padded to a whole block (as the op pads)."""
     x = jnp.asarray(x, jnp.float32)
