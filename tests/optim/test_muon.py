@@ -134,6 +134,65 @@ def test_make_optimizer_muon_trains_a_least_squares_problem():
     assert float(loss(params)) < 0.5 * start
 
 
+def test_make_optimizer_muon_gives_each_setting_to_its_part():
+    """Every optimizer setting through make_optimizer, each set apart from the others (two
+    learning rates, momenta, decay), against optax's own parts on fresh gradients: global-norm
+    clipping of the whole tree, optax.contrib.muon on the matrix, AdamW on the rest (decaying
+    only the 2-D one). A swapped rate or momentum, or AdamW given Muon's rate, shows."""
+    cfg = dataclasses.replace(
+        OptimizerConfig(name="muon"),
+        learning_rate=0.01,
+        muon_learning_rate=0.2,
+        weight_decay=0.1,
+        b1=0.8,
+        b2=0.9,
+        eps=1e-6,
+        muon_momentum=0.7,
+        muon_nesterov=False,
+        clip_norm=0.5,
+    )
+    axes = {"w": ("embed", "mlp"), "embed": ("vocab", "embed"), "norm": ("embed",)}
+    rng = np.random.default_rng()
+    params = {
+        "w": jnp.asarray(rng.standard_normal((24, 40)), jnp.float32),
+        "embed": jnp.asarray(rng.standard_normal((30, 24)), jnp.float32),
+        "norm": jnp.asarray(rng.standard_normal(24), jnp.float32),
+    }
+    tx = make_optimizer(cfg, optax.constant_schedule(cfg.learning_rate), axes, verbose=False)
+    muon_ref = optax.contrib.muon(
+        cfg.muon_learning_rate,
+        beta=cfg.muon_momentum,
+        nesterov=cfg.muon_nesterov,
+        weight_decay=cfg.weight_decay,
+        consistent_rms=0.2,
+    )
+    adam_ref = optax.adamw(
+        cfg.learning_rate,
+        b1=cfg.b1,
+        b2=cfg.b2,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        mask={"embed": True, "norm": False},
+    )
+    rest = lambda tree: {k: tree[k] for k in ("embed", "norm")}  # noqa: E731
+    state, muon_state, adam_state = (
+        tx.init(params),
+        muon_ref.init(params["w"]),
+        adam_ref.init(rest(params)),
+    )
+    for _ in range(3):
+        grads = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), params)
+        norm = np.sqrt(sum(float(jnp.sum(g**2)) for g in grads.values()))
+        clipped = jax.tree.map(lambda g: g * min(1.0, cfg.clip_norm / norm), grads)
+        assert norm > cfg.clip_norm  # the clip acts
+        updates, state = tx.update(grads, state, params)
+        want_w, muon_state = muon_ref.update(clipped["w"], muon_state, params["w"])
+        want_rest, adam_state = adam_ref.update(rest(clipped), adam_state, rest(params))
+        for name, want in {"w": want_w, **want_rest}.items():
+            np.testing.assert_allclose(updates[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
+        params = optax.apply_updates(params, updates)
+
+
 def test_make_optimizer_rejects_muon_without_axes():
     with pytest.raises(ValueError, match="logical axes"):
         make_optimizer(OptimizerConfig(name="muon"), optax.constant_schedule(1e-3))
