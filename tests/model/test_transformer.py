@@ -16,7 +16,7 @@ from flax import nnx
 from composer_jax import presets
 from composer_jax.interop.hf import config_from_hf
 from composer_jax.model import accounting
-from composer_jax.model.transformer import Transformer, compute_logits
+from composer_jax.model.transformer import MTPLayer, Transformer, compute_logits
 from tests.model import reference as ref
 
 
@@ -183,6 +183,29 @@ def test_mtp_depth_sees_exactly_d_tokens_ahead(model_and_cfg):
         scale = np.asarray(layer.out_norm.scale[...], np.float64)
         rms = np.sqrt(np.mean((mtp[index] / scale) ** 2, -1))
         np.testing.assert_allclose(rms, 1.0, rtol=1e-3)
+
+
+def test_mtp_mix_is_both_norms_concatenated_and_projected():
+    """DeepSeek-V3's MTP input M [RMSNorm(h); RMSNorm(Emb(t + d))] against float64 numpy, each
+    norm with its own random scale and the two inputs of different magnitudes, so swapped norms
+    or a swapped concatenation show."""
+    cfg = dataclasses.replace(presets.tiny().model, dtype="float32", param_dtype="float32")
+    layer = MTPLayer(cfg, nnx.Rngs(int(np.random.default_rng().integers(1 << 31))))
+    rng = np.random.default_rng()
+    d = cfg.hidden_size
+    scales = rng.uniform(0.5, 2.0, (2, d))
+    layer.hidden_norm.scale[...] = jnp.asarray(scales[0], jnp.float32)
+    layer.embed_norm.scale[...] = jnp.asarray(scales[1], jnp.float32)
+    h = rng.standard_normal((2, 5, d)) * 3.0
+    e = rng.standard_normal((2, 5, d)) * 0.1 + 0.05
+    got = np.asarray(layer.mix(jnp.asarray(h, jnp.float32), jnp.asarray(e, jnp.float32)))
+
+    def rms_norm(x, scale):
+        return x / np.sqrt(np.mean(x**2, -1, keepdims=True) + cfg.rms_norm_eps) * scale
+
+    mixed = np.concatenate([rms_norm(h, scales[0]), rms_norm(e, scales[1])], -1)
+    want = mixed @ np.asarray(layer.proj[...], np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 
 
 def test_compute_logits_float32_and_matches_head(model_and_cfg):
