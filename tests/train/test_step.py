@@ -231,14 +231,19 @@ def test_microbatches_accumulate_the_whole_batchs_gradient(microbatches):
 
 def test_microbatched_step_on_8_devices_equals_one_pass_on_one():
     """A step of 2 micro-batches on fsdp=4 x cp=2 gives the one-device, one-pass step (the
-    balance loss on: its rows' sums span the cp shards)."""
+    balance loss on: its rows' sums span the cp shards). The gradient norm is compared too:
+    AdamW's update (and global-norm clipping) hides a gradient scaled by a constant, as a sum
+    over micro-batches instead of their mean would be."""
     cfg = small_model_config(dtype="float32", balance_loss_alpha=0.1)  # 8 experts, one a device
     batches = [_packed_batch(np.random.default_rng(s), B=8, T=32) for s in (11, 12)]
     one = make_layout(config_lib.MeshConfig(fsdp=1), devices=jax.devices()[:1])
     eight = make_layout(config_lib.MeshConfig(fsdp=4, cp=2), devices=jax.devices()[:8])
-    want_losses, want = _run_steps(cfg, one, batches)
-    got_losses, got = _run_steps(cfg, eight, batches, microbatches=2)
+    want_metrics, got_metrics = [], []
+    want_losses, want = _run_steps(cfg, one, batches, metrics_out=want_metrics)
+    got_losses, got = _run_steps(cfg, eight, batches, microbatches=2, metrics_out=got_metrics)
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+    for g, w in zip(got_metrics, want_metrics):
+        np.testing.assert_allclose(g["grad_norm"], w["grad_norm"], rtol=1e-4)
     for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
@@ -256,6 +261,7 @@ def test_a_qk_clipped_step_on_8_devices_equals_one_device():
     got_losses, got = _run_steps(cfg, eight, batches, 2, clip, got_metrics)
     assert all(m["qk_clipped_heads"] > 0 for m in want_metrics)
     for w, g in zip(want_metrics, got_metrics):
+        np.testing.assert_allclose(g["grad_norm"], w["grad_norm"], rtol=1e-4)
         assert g["qk_clipped_heads"] == w["qk_clipped_heads"]
         np.testing.assert_allclose(g["attention_max_logit"], w["attention_max_logit"], rtol=1e-5)
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
