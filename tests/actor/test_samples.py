@@ -1,5 +1,7 @@
 """Ledger round trip of finished groups and the packed, rank-balanced training batch."""
 
+import dataclasses
+
 import numpy as np
 
 from composer_jax.actor.ledger import GroupLedger
@@ -94,6 +96,35 @@ def test_groups_survive_the_ledger_and_pack_balanced(tmp_path):
     plain = (row_attention_lengths(np.asarray(unbalanced.segment_ids_BT)) ** 2).reshape(4, -1)
     assert per_rank.max() / per_rank.mean() <= plain.sum(axis=1).max() / plain.sum(axis=1).mean()
     assert per_rank.max() / per_rank.mean() < 1.1
+    # The reordering moves whole rows: every per-row field of the balanced batch is the same
+    # field of the unbalanced one under one row permutation (a field left out of the reorder
+    # would pair a row's tokens with another row's log-probs or versions).
+    per_row = {
+        f.name: (np.asarray(getattr(batch, f.name)), np.asarray(getattr(unbalanced, f.name)))
+        for f in dataclasses.fields(batch)
+        if f.name.endswith("_BT")
+        and getattr(batch, f.name) is not None
+        and not f.name.startswith("teacher_")  # the hinted rows: a row set of their own
+    }
+    per_row["teacher_index_BT"] = (  # indexes the hinted rows by value: moves with its row
+        np.asarray(batch.teacher_index_BT),
+        np.asarray(unbalanced.teacher_index_BT),
+    )
+    assert {"sampler_logprobs_BT", "policy_versions_BT", "kinds_BT"} <= set(per_row)
+    key = ("tokens_BT", "positions_BT", "segment_ids_BT", "sample_index_BT")
+    unused = list(range(rows))
+    order = []
+    for row in range(rows):
+        match = next(
+            j for j in unused if all((per_row[k][0][row] == per_row[k][1][j]).all() for k in key)
+        )
+        unused.remove(match)
+        order.append(match)
+    for name, (balanced_field, plain_field) in per_row.items():
+        np.testing.assert_array_equal(balanced_field, plain_field[order], err_msg=name)
+    np.testing.assert_array_equal(
+        batch.router_indices_LBTK, np.asarray(unbalanced.router_indices_LBTK)[:, order]
+    )
 
 
 def test_total_rewards_do_not_depend_on_the_padding_it_picks():
