@@ -68,11 +68,14 @@ def test_step_publishes_an_exact_delta_and_resumes(tmp_path):
     for got, want in zip(_bf16_words(rebuilt), _bf16_words(trainer.state.params)):
         np.testing.assert_array_equal(got, want)
 
+    # The whole train state comes back: step, weights, buffers and the optimizer's moments.
+    saved = _host(trainer.state)
     trainer.save({"step": trainer.version})
     trainer.close()
     resumed = RLTrainer(cfg, params, buffers, str(tmp_path / "weights-2"))
     assert resumed.restored_step == 1 and resumed.version == 1
-    for got, want in zip(_host(resumed.state.params), after):
+    assert len(_host(resumed.state)) == len(saved) > len(after)
+    for got, want in zip(_host(resumed.state), saved, strict=True):
         np.testing.assert_array_equal(got, want)
 
     # A non-finite step raises and leaves the policy as it was (its buffers were donated).
@@ -82,7 +85,7 @@ def test_step_publishes_an_exact_delta_and_resumes(tmp_path):
     with pytest.raises(NonFiniteRLLossError):
         resumed.step(poisoned)
     assert resumed.version == 1
-    for got, want in zip(_host(resumed.state.params), after):
+    for got, want in zip(_host(resumed.state), saved, strict=True):  # moments included
         np.testing.assert_array_equal(got, want)
     resumed.close()
 
