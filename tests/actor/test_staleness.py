@@ -114,18 +114,33 @@ def test_weights_scale_the_advantages_of_their_samples():
     from composer_jax.rl import RLObjectiveConfig, policy_objective
     from tests.rl.toy import one_step_batch
 
-    rng = np.random.default_rng(1)
-    samples = rng.integers(0, 4, 8)
-    batch = one_step_batch(samples, np.log(np.full(4, 0.25)), rng.random(4), group_size=4)
+    rng = np.random.default_rng()
+    samples = np.concatenate([rng.permutation(4), rng.permutation(4)])  # rewards differ in both
+    sampler_logp, reward = np.log(np.full(4, 0.25)), rng.random(4)
+    batch = one_step_batch(samples, sampler_logp, reward, group_size=4)
     logits = np.tile(rng.normal(size=(1, 1, 4)), (8, 2, 1)).astype(np.float32)
-    cfg = RLObjectiveConfig(kl_coef=0.0, length_penalty_coef=0.0, importance_weighting="none")
+    cfg = RLObjectiveConfig(
+        kl_coef=0.0, length_penalty_coef=0.0, importance_weighting="none", loss_normalizer=1.0
+    )
     _, plain = policy_objective(logits, batch, cfg)
     weighted = dataclasses.replace(batch, sample_weight_N=np.array([0.25] * 4 + [1.0] * 4))
     _, scaled = policy_objective(logits, weighted, cfg)
     half = dataclasses.replace(batch, sample_weight_N=np.array([0.25] * 8, np.float32))
     _, quarter = policy_objective(logits, half, cfg)
     np.testing.assert_allclose(float(quarter["pg_loss"]), 0.25 * float(plain["pg_loss"]), rtol=1e-6)
-    assert not np.isclose(float(scaled["pg_loss"]), float(plain["pg_loss"]))
+    # Each group's weight scales its own loss: each group alone, in a batch of its own (the
+    # loss normaliser fixed, so sums add up), weighted by hand.
+    alone = [
+        float(
+            policy_objective(
+                logits[:4], one_step_batch(samples[g * 4 : g * 4 + 4], sampler_logp, reward, 4), cfg
+            )[1]["pg_loss"]
+        )
+        for g in (0, 1)
+    ]
+    np.testing.assert_allclose(
+        float(scaled["pg_loss"]), 0.25 * alone[0] + alone[1], rtol=1e-5, atol=1e-7
+    )
 
 
 def test_a_damaged_pending_group_is_set_aside_and_its_prompt_redone(tmp_path):
