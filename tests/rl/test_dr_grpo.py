@@ -12,6 +12,7 @@ from composer_jax.rl import (
     pack_trajectories,
     policy_objective,
     sample_rewards,
+    token_logprobs,
 )
 from tests.rl import toy
 
@@ -101,23 +102,36 @@ def test_advantages_stay_small_for_groups_with_tiny_spread():
 
 
 def test_the_logged_advantage_rms_is_the_advantages_and_each_parts():
-    # Total and per-part rms as logged by the objective, against the advantages it trains on
-    # (mode "mean", no sample weights) and a numpy reference of the length penalty's share.
+    # Total and per-part rms as logged by the objective, the KL (k1, in the reward) included,
+    # against numpy: each part centred on its group's mean over the 6 samples, the KL summed
+    # over each sample's trainable tokens (policy tokens predicted inside their own sequence).
     rng = np.random.default_rng()
-    groups = [0, 0, 0, 1, 1, 1]
+    groups = np.array([0, 0, 0, 1, 1, 1])
     rewards = rng.uniform(-1, 1, 6)
     batch = _batch(list(rng.integers(1, 12, 6)), groups, rewards, seq_len=128)
-    cfg = toy.config(advantage_mode="mean", length_penalty_coef=0.05, max_generation_len=16)
+    cfg = toy.config(
+        advantage_mode="mean", length_penalty_coef=0.05, max_generation_len=16, kl_coef=0.02
+    )
     logits = jnp.asarray(rng.normal(size=(*batch.tokens_BT.shape, V)), jnp.float32)
-    _, metrics = policy_objective(logits, batch, cfg)
-    totals, _ = sample_rewards(batch, cfg)
-    advantages = np.asarray(group_advantages(totals, batch.group_id_N))[:6]
-    assert float(metrics["advantage_rms/total"]) == pytest.approx(
-        np.sqrt(np.mean(advantages**2)), rel=1e-5
-    )
-    penalty = np.asarray(totals)[:6] - rewards
-    centred = penalty - np.repeat([penalty[:3].mean(), penalty[3:].mean()], 3)
-    assert float(metrics["advantage_rms/length_penalty"]) == pytest.approx(
-        np.sqrt(np.mean(centred**2)), rel=1e-4
-    )
-    assert float(metrics["advantage_rms/length_penalty"]) > 0
+    ref = jnp.asarray(rng.normal(scale=0.5, size=batch.tokens_BT.shape) - 2.0, jnp.float32)
+    _, metrics = policy_objective(logits, batch, cfg, ref_logprobs_BT=ref)
+
+    logp = np.asarray(token_logprobs(logits, batch.tokens_BT), np.float64)
+    segments, sample = np.asarray(batch.segment_ids_BT), np.asarray(batch.sample_index_BT)
+    same = np.pad(segments[:, 1:] == segments[:, :-1], ((0, 0), (1, 0)))
+    mask = np.asarray(batch.policy_mask_BT) & same & (segments > 0) & (sample >= 0)
+    k1 = logp - np.asarray(ref, np.float64)
+    kl = np.array([k1[mask & (sample == i)].sum() for i in range(6)])
+    totals, _ = sample_rewards(batch, cfg)  # the rewards less the length penalty
+    penalty = rewards - np.asarray(totals)[:6]
+
+    def rms(part):
+        centred = part - np.array([part[groups == g].mean() for g in (0, 1)])[groups]
+        return np.sqrt(np.mean(centred**2))
+
+    np.testing.assert_allclose(metrics["kl_k1"], k1[mask].mean(), rtol=1e-5)
+    np.testing.assert_allclose(metrics["advantage_rms/kl"], rms(cfg.kl_coef * kl), rtol=1e-4)
+    np.testing.assert_allclose(metrics["advantage_rms/length_penalty"], rms(penalty), rtol=1e-4)
+    total = rewards - penalty - cfg.kl_coef * kl
+    np.testing.assert_allclose(metrics["advantage_rms/total"], rms(total), rtol=1e-4)
+    assert metrics["advantage_rms/kl"] > 0 and metrics["advantage_rms/length_penalty"] > 0

@@ -99,16 +99,25 @@ def test_token_loss_and_gradient_match_float64(weighting):
     want, want_grad = np.where(mask, want, 0), np.where(mask, want_grad, 0)
 
     def total(lp):
-        loss, _ = policy_gradient_token_loss(
+        loss, metrics = policy_gradient_token_loss(
             lp, jnp.asarray(sampler, jnp.float32), jnp.asarray(adv, jnp.float32), mask, cfg
         )
-        return loss.sum(), loss
+        return loss.sum(), (loss, metrics)
 
-    (_, loss), grad = jax.jit(jax.value_and_grad(total, has_aux=True))(
+    (_, (loss, metrics)), grad = jax.jit(jax.value_and_grad(total, has_aux=True))(
         jnp.asarray(logp, jnp.float32)
     )
     np.testing.assert_allclose(loss, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-6)
+    # The logged ratios are over the trained (masked) tokens only.
+    adjusted = {"none": np.zeros(shape, bool), "truncated": ratio > 1.5}.get(weighting)
+    if adjusted is None:
+        adjusted = use_clipped
+    np.testing.assert_allclose(metrics["importance_ratio_mean"], ratio[mask].mean(), rtol=1e-5)
+    np.testing.assert_allclose(metrics["importance_ratio_max"], ratio[mask].max(), rtol=1e-5)
+    np.testing.assert_allclose(
+        metrics["importance_adjusted_fraction"], adjusted[mask].mean(), rtol=1e-5
+    )
 
 
 def test_token_logprobs_match_float64():
