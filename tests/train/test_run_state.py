@@ -14,7 +14,7 @@ from composer_jax.config import ConfigError, LogConfig
 from composer_jax.train import CheckpointError, MetricsWriter, read_metrics, run_pretraining
 from composer_jax.train.checkpoint import CheckpointMismatch
 from composer_jax.train.workdir import prepare_workdir, write_config
-from tests.train.helpers import make_corpus, tiny_experiment
+from tests.train.helpers import ONE_PHASE, make_corpus, tiny_experiment
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,8 @@ def test_torn_metrics_tail_is_repaired_on_resume(tmp_path, tail):
 
 def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, corpus, caplog):
     workdir = tmp_path / "run"
-    cfg = tiny_experiment(str(workdir), corpus, steps=6)
+    # One phase: checkpoint 3 is mid-phase, so the redone steps need the data loader's position.
+    cfg = tiny_experiment(str(workdir), corpus, steps=6, phases=ONE_PHASE)
     run_pretraining(cfg, progress=False)
     first = _losses(workdir)
     checkpoints = workdir / "checkpoints"
@@ -65,7 +66,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, corpus, 
         f.write(b'{"step": 7, "lo')  # and tear the metrics for good measure
     resumed = run_pretraining(cfg, progress=False)
     assert resumed.final_step == 6
-    assert "checkpoints/6 is unreadable" in caplog.text or "restore" in caplog.text
+    assert "checkpoints/6 is unreadable" in caplog.text
     assert (checkpoints / "6.damaged").is_dir() and (checkpoints / "6").is_dir()
     got = _losses(workdir)
     assert got == first  # steps 4-6 redone bit for bit from checkpoint 3
