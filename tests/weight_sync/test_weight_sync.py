@@ -188,6 +188,33 @@ def test_corrupt_or_missing_files_are_named(tmp_path):
         WeightSubscriber(store).update(2)  # the chain 2 -> 1 -> 0 is broken at 1
 
 
+def test_a_delta_applied_to_another_base_is_refused(tmp_path):
+    # Two runs' stores; version 1 of the second (its delta and blobs, each blob's own checksum
+    # intact) copied over the first's: rebuilt on the first's version 0 it is neither run's
+    # weights, and only the rebuilt values' checksums can tell.
+    stores = []
+    for name, seed in (("a", 0), ("b", 1)):
+        rng = np.random.default_rng(seed)
+        store = LocalDirStore(str(tmp_path / name))
+        params = _params(rng)
+        with WeightPublisher(store, snapshot_every=10) as pub:
+            for v in range(2):
+                pub.publish(params, v)
+                params = _step(params, rng)
+        stores.append(store)
+    first, second = stores
+    sub = WeightSubscriber(first)
+    assert sub.update(0) == 0
+    for key in second.list("manifests/000000000001/") + second.list("blobs/000000000001/"):
+        target = os.path.join(first.root, key)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(os.path.join(second.root, key), "rb") as f, open(target, "wb") as out:
+            out.write(f.read())
+    with pytest.raises(CorruptShardError, match="does not match its checksum"):
+        sub.update(1)
+    assert sub.version == 0
+
+
 class _SlowStore(Store):
     """Delays every write; can fail manifests to simulate a publisher dying mid-version."""
 
