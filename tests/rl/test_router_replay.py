@@ -12,12 +12,13 @@ from flax import nnx
 
 from composer_jax import presets
 from composer_jax.model import init_model
-from composer_jax.model.transformer import _run_layers
+from composer_jax.model.transformer import _run_layers, forward
 from composer_jax.rl import (
     RLObjectiveConfig,
     SegmentKind,
     Sequence,
     pack_trajectories,
+    policy_objective,
     reference_logprobs,
     rl_loss,
     token_logprobs,
@@ -166,3 +167,34 @@ def test_rl_loss_jits_and_trains_the_router(setup):
     router_grad = np.asarray(grads["moe_layers"]["mlp"]["router"][...])
     assert np.all(np.abs(router_grad).max(axis=(1, 2)) > 0)  # every MoE layer's router
     assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_rl_loss_is_the_objective_of_the_replayed_and_the_hinted_forwards(setup, replay):
+    """rl_loss is policy_objective of the student's logits (with the sampler's experts forced
+    when replaying, its own routing otherwise) and the teacher's logits on the hinted rows, each
+    from a forward written out here; replay changes the loss (the router is perturbed)."""
+    _, sampler, _, batch = setup
+    trainer = _perturbed(sampler, scale=0.05)
+    ref = batch.sampler_logprobs_BT
+    rl_cfg = RLObjectiveConfig(
+        kl_coef=0.1, distill_coef=0.5, max_generation_len=T, router_replay=replay
+    )
+    loss, _ = jax.jit(lambda b: rl_loss(trainer, b, rl_cfg, ref))(batch)
+
+    def logits(tokens, positions, segments, forced=None):
+        out = forward(
+            trainer, tokens, positions, segments, forced_indices_LBTK=forced, with_mtp=False
+        )
+        return trainer.logits(out.hidden_BTD)
+
+    forced = batch.router_indices_LBTK if replay else None
+    student = logits(batch.tokens_BT, batch.positions_BT, batch.segment_ids_BT, forced)
+    teacher = logits(
+        batch.teacher_tokens_BT, batch.teacher_positions_BT, batch.teacher_segment_ids_BT
+    )
+    want, _ = policy_objective(student, batch, rl_cfg, ref, teacher_logits_BTV=teacher)
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+    other = dataclasses.replace(rl_cfg, router_replay=not replay)
+    flipped, _ = jax.jit(lambda b: rl_loss(trainer, b, other, ref))(batch)
+    assert not np.isclose(float(flipped), float(loss), rtol=1e-4)
