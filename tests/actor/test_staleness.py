@@ -10,7 +10,7 @@ from composer_jax.actor.samples import make_group
 from composer_jax.actor.scheduler import next_groups
 from composer_jax.agent import EpisodeOutcome
 from composer_jax.config import RLConfig, RolloutConfig
-from composer_jax.rl.batch import SegmentKind, Sequence
+from tests.helpers import policy_sequence
 
 
 class _Coordinator:
@@ -34,18 +34,9 @@ def _sample(version, reward, length=20, rng=None):
     `version` (the first) and later versions."""
     rng = rng or np.random.default_rng(0)
     n = 4 + length
-    policy = np.arange(n) >= 4
-    versions = np.where(policy, version + rng.integers(0, 2, n), 0).astype(np.int32)
+    versions = np.where(np.arange(n) >= 4, version + rng.integers(0, 2, n), 0).astype(np.int32)
     versions[4] = version
-    seq = Sequence(
-        sample_index=0,
-        tokens=rng.integers(3, 259, n).astype(np.int32),
-        kinds=np.where(policy, SegmentKind.THINKING, SegmentKind.PROMPT).astype(np.int32),
-        policy_mask=policy,
-        sampler_logprobs=np.where(policy, -0.5, 0.0).astype(np.float32),
-        policy_versions=versions,
-        router_indices=np.zeros((1, n, 2), np.int32),
-    )
+    seq = policy_sequence(rng, 4, length, versions)
     return EpisodeOutcome([seq], reward=float(reward), num_turns=1, behaviour={"answered": 0.0})
 
 

@@ -12,25 +12,18 @@ from composer_jax import presets
 from composer_jax.actor.ledger import GroupLedger
 from composer_jax.actor.samples import make_group
 from composer_jax.agent import EpisodeOutcome
-from composer_jax.rl.batch import SegmentKind, Sequence
 from experiments import advantage_shares
+from tests.helpers import policy_sequence
 
 
 def _episode(rng, reward, style):
-    n = int(rng.integers(8, 30))
-    policy = np.arange(n) >= 4
-    seq = Sequence(
-        sample_index=0,
-        tokens=rng.integers(3, 200, n).astype(np.int32),
-        kinds=np.where(policy, SegmentKind.THINKING, SegmentKind.PROMPT).astype(np.int32),
-        policy_mask=policy,
-        sampler_logprobs=np.where(policy, -0.5, 0.0).astype(np.float32),
-        policy_versions=np.zeros(n, np.int32),
-        router_indices=np.zeros((1, n, 2), np.int32),
-    )
     turns = int(rng.integers(1, 6))
     return EpisodeOutcome(
-        [seq], reward=reward, num_turns=turns, num_tool_calls=turns, behaviour={"style": style}
+        [policy_sequence(rng, 4, int(rng.integers(4, 26)))],
+        reward=reward,
+        num_turns=turns,
+        num_tool_calls=turns,
+        behaviour={"style": style},
     )
 
 

@@ -12,23 +12,18 @@ from composer_jax import presets
 from composer_jax.actor.samples import groups_to_batch, make_group
 from composer_jax.agent import EpisodeOutcome, reward_weights
 from composer_jax.rl import RLObjectiveConfig, length_features, sample_rewards
-from composer_jax.rl.batch import SegmentKind, Sequence
 from composer_jax.rl.length_penalty import length_weights
+from tests.helpers import policy_sequence
 
 
 def _sample(rng, reward, **behaviour):
-    n = 30
-    policy = np.arange(n) >= 6
-    seq = Sequence(
-        sample_index=0,
-        tokens=rng.integers(3, 259, n).astype(np.int32),
-        kinds=np.where(policy, SegmentKind.THINKING, SegmentKind.PROMPT).astype(np.int32),
-        policy_mask=policy,
-        sampler_logprobs=np.where(policy, -0.3, 0.0).astype(np.float32),
-        policy_versions=np.zeros(n, np.int32),
-        router_indices=np.zeros((1, n, 2), np.int32),
+    return EpisodeOutcome(
+        [policy_sequence(rng, 6, 24)],
+        reward=reward,
+        num_turns=2,
+        num_tool_calls=1,
+        behaviour=behaviour,
     )
-    return EpisodeOutcome([seq], reward=reward, num_turns=2, num_tool_calls=1, behaviour=behaviour)
 
 
 def test_weighted_components_enter_the_total_and_the_metrics():
