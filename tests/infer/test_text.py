@@ -69,8 +69,24 @@ def test_generate_is_the_reference_decoding(bpe, bpe_model):
     engine = _engine(bpe_model, tokenizer=bpe)
     cut = infer.generate(engine, bpe, prompts, max_new_tokens=12, stop=(stop,))
     assert cut[0] == got[0][: got[0].index(stop)]
-    sampled = infer.generate(bpe_model, bpe, prompts, 12, temperature=1.0, seed=3)
-    assert sampled == infer.generate(bpe_model, bpe, prompts, 12, temperature=1.0, seed=3)
+    # Sampled: prompt i draws with seed + i at the given temperature and top-p, as the reference
+    # decoding draws; another seed gives other text.
+    sampled = infer.generate(bpe_model, bpe, prompts, 12, temperature=0.8, top_p=0.9, seed=3)
+    for i, (prompt, text) in enumerate(zip(prompts, sampled)):
+        params = SamplingParams(
+            temperature=0.8,
+            top_p=0.9,
+            seed=3 + i,
+            max_new_tokens=12,
+            stop_sequences=((bpe.eos_id,),),
+        )
+        want, _, _ = recompute_generate(
+            bpe_model, bpe.encode(prompt, add_bos=True), params, MAX_LEN
+        )
+        assert text == bpe.decode(want), i
+    assert sampled != infer.generate(
+        bpe_model, bpe, prompts, 12, temperature=0.8, top_p=0.9, seed=4
+    )
 
 
 def test_generate_with_the_chat_template(bpe, bpe_model):
@@ -82,9 +98,10 @@ def test_generate_with_the_chat_template(bpe, bpe_model):
         max_new_tokens=10,
         stop_sequences=tuple((i,) for i in chat.stop_token_ids),
     )
-    want, _, _ = recompute_generate(bpe_model, chat.prompt("hi"), params, MAX_LEN)
     got = infer.generate(bpe_model, bpe, ["hi", "ho", "ha"], 10, chat=True)
-    assert got[0] == bpe.decode(want)
+    for message, text in zip(["hi", "ho", "ha"], got, strict=True):
+        want, _, _ = recompute_generate(bpe_model, chat.prompt(message), params, MAX_LEN)
+        assert text == bpe.decode(want), message
 
 
 def test_vocab_mismatch_is_a_clear_error(bpe):
