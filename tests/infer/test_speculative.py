@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from composer_jax.infer import InferenceEngine, SamplingParams, recompute_generate
 from composer_jax.infer.speculative import speculative_generate
@@ -15,6 +16,7 @@ from tests.infer.conftest import (
     chi_square_p_value,
     joint_probs,
     model_config,
+    nucleus,
 )
 
 
@@ -37,24 +39,29 @@ def test_greedy_speculative_equals_plain_decoding(tiny_model):
     assert stats.drafted > 0 and stats.steps < 3 * 12
 
 
-def test_speculative_sampling_keeps_the_distribution(small_vocab_model):
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8)])
+def test_speculative_sampling_keeps_the_distribution(small_vocab_model, temperature, top_p):
     """Chi-square on the joint of tokens 1-2 (token 2 is an accepted draft or a residual draw)
-    and on the marginal of token 3 (a bonus token or the next step's), at temperature 1."""
-    params = [SamplingParams(temperature=1.0, max_new_tokens=3, seed=s) for s in range(DRAWS)]
+    and on the marginal of token 3 (a bonus token or the next step's), against the main
+    model's distribution at the temperature and top-p asked (the draft's and the target's
+    both tempered and truncated)."""
+    params = [
+        SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=3, seed=s)
+        for s in range(DRAWS)
+    ]
     spec, stats = speculative_generate(
         small_vocab_model, [PROMPT] * DRAWS, params, max_len=16, prompt_bucket=8
     )
     print(f"sampling acceptance rate (untrained MTP, V={VOCAB}): {stats.acceptance_rate:.3f}")
     assert 0.05 < stats.acceptance_rate < 0.95  # both branches are exercised
     tokens = np.asarray([c.tokens for c in spec])
-    probs = joint_probs(small_vocab_model, 1.0, 1.0)
+    probs = joint_probs(small_vocab_model, temperature, top_p)
     counts = np.zeros((VOCAB, VOCAB))
     np.add.at(counts, (tokens[:, 0], tokens[:, 1]), 1)
     assert chi_square_p_value(counts.ravel(), probs.ravel()) > 1e-3
     prefixes = np.asarray([PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)], np.int32)
-    logits = np.asarray(compute_logits(small_vocab_model, prefixes))[:, -1].astype(np.float64)
-    third = np.exp(logits - logits.max(-1, keepdims=True))
-    third /= third.sum(-1, keepdims=True)
+    logits = np.asarray(compute_logits(small_vocab_model, prefixes))[:, -1]
+    third = np.stack([nucleus(row, temperature, top_p) for row in logits])
     marginal = probs.ravel() @ third
     assert chi_square_p_value(np.bincount(tokens[:, 2], minlength=VOCAB), marginal) > 1e-3
     expected = np.log(probs[tokens[:, 0], tokens[:, 1]])
