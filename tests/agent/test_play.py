@@ -112,6 +112,12 @@ def test_collect_batch_trains(model):
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     assert np.isfinite(float(loss))
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+    # The sampler's policy is the trainer's (same weights, temperature 1, experts replayed):
+    # every trained token's log-prob lines up with the one it was sampled with, and the KL to
+    # the policy itself is zero (a token or log-prob shifted by one position would not be).
+    np.testing.assert_allclose(metrics["importance_ratio_max"], 1.0, atol=1e-3)
+    np.testing.assert_allclose(metrics["importance_ratio_mean"], 1.0, atol=1e-3)
+    np.testing.assert_allclose(metrics["kl_k1"], 0.0, atol=1e-5)
 
 
 def test_slots_refill_on_a_schedule_that_environment_timing_does_not_change(model):
