@@ -5,14 +5,19 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 from composer_jax import envs
+from composer_jax.config import ModelConfig
 from composer_jax.data import ByteTokenizer
+from composer_jax.envs.grading.protocol import render_turn
+from composer_jax.eval import tasks as eval_tasks
 from composer_jax.eval.tasks import TaskEvalConfig, evaluate_tasks
 from composer_jax.model import init_model
 from composer_jax.train import run_pretraining
+from tests.actor.scripted import BYTES, ScriptedEngine
 from tests.train.helpers import ONE_PHASE, make_corpus, small_model_config, tiny_experiment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -94,3 +99,35 @@ def test_launch_evaluate_runs_on_a_shipped_repository_set(run_dir, tmp_path):
     assert all(task.startswith("toolz/") for task in report["per_task"])
     assert report["stages"]["unknown"] == 0  # the deleted function is each task's target
     assert report["setup"]["split"] == "held_out"
+
+
+def test_pass_at_k_counts_the_episodes_that_solve(monkeypatch):
+    """A scripted policy behind the engine solves exactly one of each task's two episodes (the
+    first to start writes the original, the second a wrong body): the report's pass@1 is 0.5,
+    pass@2 and best-of-2 are 1, per task and overall, read through the real environments."""
+    tasks = [envs.make_task(i) for i in (11, 12)]
+    started = {}
+
+    def script(prompt, turn):
+        task = next(t for t in tasks if t.prompt in prompt)
+        if turn == 0:
+            started[task.task_id] = started.get(task.task_id, 0) + 1
+            first = started[task.task_id] == 1
+            body = task.oracle_files["solution.py"] if first else "def f(x):\n    return None\n"
+            return render_turn(calls=(("write_file", {"path": "solution.py", "content": body}),))
+        return render_turn(final="done")
+
+    monkeypatch.setattr(
+        eval_tasks,
+        "InferenceEngine",
+        lambda model, num_slots, **_: ScriptedEngine(script, BYTES, num_slots),
+    )
+    cfg = TaskEvalConfig(samples=2, ks=(1, 2), max_turns=2, max_new_tokens=512, context_len=2048)
+    report = evaluate_tasks(SimpleNamespace(cfg=ModelConfig()), BYTES, tasks, cfg, progress=False)
+    assert started == {t.task_id: 2 for t in tasks}
+    summary = report["summary"]
+    assert summary["episodes"] == 4
+    assert summary["pass@1"] == pytest.approx(0.5) and summary["pass@2"] == pytest.approx(1.0)
+    assert summary["best_of_2"] == pytest.approx(1.0)
+    for entry in report["per_task"].values():
+        assert entry["samples"] == 2 and entry["pass@1"] == pytest.approx(0.5)
