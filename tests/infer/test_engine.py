@@ -198,14 +198,31 @@ def test_in_flight_weight_swap(tiny_model):
 
 
 def test_weight_swap_keeping_stale_cache(tiny_model):
-    """Without recomputing the cache the swap is free; versions still switch at the swap."""
+    """Without recomputing the cache the swap is free (nothing is prefilled again); versions
+    switch at the swap, and the tokens after it are the new weights' reading the old weights'
+    cache: their log-probs are neither the old model's nor the new model's on a fresh cache."""
+    new_model = init_model(tiny_model.cfg, seed=2)
     engine = _engine(tiny_model)
-    rid = engine.submit(_prompt(tiny_model, 5, seed=7), GREEDY)
+    prompt = _prompt(tiny_model, 5, seed=7)
+    prefills = []
+    prefill_batch = engine._prefill_batch
+    engine._prefill_batch = lambda bucket, group: (
+        prefills.append(len(group)) or prefill_batch(bucket, group)
+    )
+    rid = engine.submit(prompt, GREEDY)
     engine.step()
     n = len(engine.completions[rid].tokens)
-    engine.update_weights(init_model(tiny_model.cfg, seed=2), version=7, recompute_cache=False)
+    before = len(prefills)
+    engine.update_weights(new_model, version=7, recompute_cache=False)
     engine.run()
-    assert engine.completions[rid].versions == [0] * n + [7] * (GREEDY.max_new_tokens - n)
+    got = engine.completions[rid]
+    assert got.versions == [0] * n + [7] * (GREEDY.max_new_tokens - n)
+    assert len(prefills) == before  # the swap prefilled nothing
+    rest = dataclasses.replace(GREEDY, max_new_tokens=GREEDY.max_new_tokens - n)
+    _, _, fresh = recompute_generate(new_model, prompt + got.tokens[:n], rest, MAX_LEN)
+    _, _, old = recompute_generate(tiny_model, prompt + got.tokens[:n], rest, MAX_LEN)
+    first = got.raw_logprobs[n]
+    assert abs(first - fresh[0]) > 1e-4 and abs(first - old[0]) > 1e-4
 
 
 @pytest.mark.slow  # the expert-parallel test below covers slot-sharded caches in the fast suite
