@@ -59,6 +59,17 @@ def test_bad_calls_return_errors(tools, tool, args, message):
 def test_symlink_escape_is_refused(tools):
     tools.call("run_shell", {"command": "ln -s /etc/passwd link"})
     assert "outside the workspace" in tools.call("read_file", {"path": "link"})[0]
+    # search_code reads files on the host: a link to a host file is neither searched in a walk
+    # of the workspace nor opened when named.
+    assert "root" not in tools.call("search_code", {"query": "root"})[0]
+    assert "root:" not in tools.call("search_code", {"query": "root", "path": "link"})[0]
+
+
+def test_an_ambiguous_edit_is_refused_and_changes_nothing(tools):
+    tools.call("write_file", {"path": "twice.py", "content": "x = 1\nx = 1\n"})
+    text, record = tools.call("edit_file", {"path": "twice.py", "old": "x = 1", "new": "x = 2"})
+    assert not record.ok and "exactly once" in text and "found 2" in text
+    assert tools.call("read_file", {"path": "twice.py"})[0] == "x = 1\nx = 1\n"
 
 
 def test_lenient_mode_tolerates_what_strict_rejects():
