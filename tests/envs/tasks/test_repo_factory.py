@@ -86,7 +86,7 @@ def test_a_new_package_becomes_verified_tasks_through_the_command(tmp_path):
     out = tmp_path / "tiny.jsonl.gz"
     result = subprocess.run(
         [sys.executable, "-m", "launch.make_tasks", f"--path={package}", f"--out={out}"]
-        + ["--held_out=0.5", "--backend=auto"],
+        + ["--held_out=0.6", "--backend=auto"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -104,8 +104,12 @@ def test_a_new_package_becomes_verified_tasks_through_the_command(tmp_path):
         assert task.grader["replay"]["calls"] and task.metadata["replay"]["replayed"] >= 1
         assert grade_solution(task, task.oracle_files).reward == 1.0
         assert grade_solution(task, {}).reward == 0.0
+    # Held out: the ids whose hash falls under the fraction (add_all's is 0.54, reverse_words'
+    # 0.78), so one task lands in each split.
+    splits = {t.task_id.rsplit(":", 1)[1]: t.split for t in tasks}
+    assert splits == {"add_all": "held_out", "reverse_words": "train"}
     source = load_task_source(f"repositories:{out}")
-    assert source.size("train") + source.size("held_out") == 2
+    assert source.size("train") == source.size("held_out") == 1
 
 
 def test_a_set_made_without_replay_gets_it_with_the_same_ids_and_splits(tmp_path):
