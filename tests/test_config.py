@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 
@@ -39,6 +40,63 @@ def test_bad_model_values_name_the_field(field, value, message):
     model = dataclasses.replace(presets.tiny().model, **{field: value})
     with pytest.raises(C.ConfigError, match=message.replace(".", r"\.")):
         C.validate(dataclasses.replace(presets.tiny(), model=model))
+
+
+# Every check of the experiment's own sections (the model's and RL's have their own tests):
+# (path, a value that must be refused). The error names the path first.
+BAD_EXPERIMENT_VALUES = [
+    ("steps", 0),
+    ("resume", "sometimes"),
+    ("optim.name", "sgd"),
+    ("optim.muon_scaling", "frobenius"),
+    ("optim.muon_ns_steps", 0),
+    ("optim.learning_rate", 0.0),
+    ("optim.min_lr_ratio", 1.5),
+    ("optim.schedule", "linear"),
+    ("optim.decay_fraction", 0.0),
+    ("optim.warmup_steps", -1),
+    ("optim.clip_norm", 0.0),
+    ("optim.qk_clip_threshold", -1.0),
+    ("train.phases[0].seq_len", 1),
+    ("train.phases[0].batch_size", 0),
+    ("train.phases[0].microbatches", 0),
+    ("train.phases[0].data", "web"),
+    ("train.mtp_loss", "mse"),
+    ("train.log_every", 0),
+    ("train.eval_every", 0),
+    ("train.checkpoint_every", 0),
+    ("train.keep_checkpoints", 0),
+    ("train.eval_batches", 0),
+    ("data.eval_fraction", 1.0),
+    ("data.tasks", " "),
+    ("data.sft_style", "prose"),
+    ("data.sft_tasks", 0),
+    ("data.text_field", ""),
+    ("mesh.ep", ("fsdp", "fsdp")),
+    ("mesh.ep_quantize", "fp4"),
+    ("mesh.ep_dispatch", "broadcast"),
+    ("log.trackers", ("jsonl", "jsonl")),
+]
+
+
+def _with(tree: dict, path: str, value):
+    """`tree` (a config as plain data) with the field at `path` ("a.b[0].c") set to `value`."""
+    *parents, last = path.replace("[", ".").replace("]", "").split(".")
+    node = tree
+    for key in parents:
+        node = node[int(key)] if key.isdigit() else node[key]
+    node[last] = list(value) if isinstance(value, tuple) else value
+    return tree
+
+
+@pytest.mark.parametrize(
+    "path, value", BAD_EXPERIMENT_VALUES, ids=[p for p, _ in BAD_EXPERIMENT_VALUES]
+)
+def test_every_bad_experiment_value_names_its_field(path, value):
+    good = C.to_dict(presets.tiny())
+    cfg = C.from_dict(C.ExperimentConfig, _with(good, path, value))
+    with pytest.raises(C.ConfigError, match="^" + re.escape(path) + ":"):
+        C.validate(cfg)
 
 
 def test_group_limited_topk_must_be_reachable():
