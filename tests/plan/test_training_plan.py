@@ -108,6 +108,45 @@ def _gathers(x, layers: int, unrolled: bool):
     return hlo.analyze(jax.jit(fn).lower(sharded).compile().as_text())
 
 
+def test_the_counter_on_programs_counted_by_hand():
+    """hlo.analyze against numbers written out, not against itself: 2 * m * k * n FLOPs a dot
+    (batched or not), and an all-gather of 8 float32 per device over 8 devices produces 256
+    bytes on each."""
+    a, b = jnp.ones((16, 32)), jnp.ones((32, 8))
+    dot = hlo.analyze(jax.jit(lambda x, y: x @ y).lower(a, b).compile().as_text())
+    assert dot.dot_flops == 2 * 16 * 32 * 8
+    x, y = jnp.ones((4, 16, 32)), jnp.ones((4, 32, 8))
+    batched = jax.jit(lambda p, q: jnp.einsum("bij,bjk->bik", p, q)).lower(x, y).compile()
+    assert hlo.analyze(batched.as_text()).dot_flops == 2 * 4 * 16 * 32 * 8
+    one = _gathers(jnp.arange(64.0), 1, unrolled=True)
+    assert one.bytes_by_kind()["all-gather"] == 64 * 4
+
+
+def test_communication_time_prices_each_collective_on_its_link():
+    """An all-reduce of 1 GB inside an 8-GPU NVLink domain moves 2 * 7/8 GB at half the NVLink
+    figure (one direction); an all-gather producing 1 GB over 16 GPUs (spanning two domains)
+    moves 15/16 GB over the scale-out network; each twice per step. Written out by hand."""
+    device = devices.DeviceSpec(
+        "made-up", 1e15, 2e15, None, 4e12, 900e9, 141e9, 132, nvlink_domain=8,
+        scale_out_bytes_per_s=50e9,
+    )  # fmt: skip
+    collectives = [
+        hlo.Collective("all-reduce", 1e9, 2, group_size=8, group_span=8),
+        hlo.Collective("all-gather", 1e9, 2, group_size=16, group_span=16),
+    ]
+    step = costs.CompiledCosts(
+        devices=16, mesh={"fsdp": 16}, argument_bytes=0, output_bytes=0, alias_bytes=0,
+        temp_bytes=0, flops=1e15, collective_bytes={}, collective_count={}, bytes_by_axes={},
+        unknown_trip_loops=0, compile_seconds=0.0, collectives=collectives,
+    )  # fmt: skip
+    inside = 2 * 2 * (7 / 8) * 1e9 / (900e9 / 2)
+    across = 2 * (15 / 16) * 1e9 / 50e9
+    t = costs.estimate(step, device)
+    assert t["communication_s"] == pytest.approx(inside + across)
+    assert t["compute_s"] == pytest.approx(1.0)
+    assert t["step_s_overlapped"] == pytest.approx(max(1.0, inside + across))
+
+
 def test_a_capacity_bound_shrinks_the_planned_exchange_and_says_so(tiny_8):
     """At capacity 1 over a group of 8 the step exchanges 8x fewer bytes and holds fewer
     temporaries than the dropless (worst-case) one, and the table names the bound."""
