@@ -43,7 +43,7 @@ from composer_jax.train.runs import run_tokenizer, save_run_tokenizer
 from composer_jax.train.workdir import check_run_folder, prepare_workdir
 from tests.actor.test_ledger import make_group
 from tests.actor.test_run_rl import GROUPS_PER_STEP, STEPS, _check_finished_run
-from tests.train.helpers import make_corpus, tiny_experiment
+from tests.train.helpers import ONE_PHASE, make_corpus, tiny_experiment
 
 
 @pytest.fixture
@@ -99,9 +99,10 @@ def _computed(path):
 
 def test_pretraining_resumes_in_a_bucket(bucket, tmp_path):
     """A 6-step run whose latest checkpoint is then damaged resumes from step 3 and redoes steps
-    4-6 bit for bit: restore, set-aside, metrics truncation and launches all on gs://."""
+    4-6 bit for bit: restore (the data loader's position too: one phase, so step 3 is
+    mid-phase), set-aside, metrics truncation and launches all on gs://."""
     corpus = make_corpus(str(tmp_path / "corpus"))
-    cfg = tiny_experiment("gs://runs/tiny", corpus, steps=6)
+    cfg = tiny_experiment("gs://runs/tiny", corpus, steps=6, phases=ONE_PHASE)
     assert run_pretraining(cfg, progress=False).final_step == 6
     first = _computed("gs://runs/tiny/metrics.jsonl")
     run = bucket / "runs" / "tiny"
