@@ -3,7 +3,7 @@ r"""Which reward part drives an RL run's policy gradient, read back from its led
   python experiments/advantage_shares.py runs/claims/agent128/seed=0 [RUN ...] [--json=PATH]
 
 For each run, every group its trainer consumed (`ledger/`) is packed alone and rewarded as the
-trainer rewards it (`actor.samples.group_alone`, `rl.sample_rewards`); each part's
+trainer rewards it (`actor.samples.group_alone`, `rl.length_penalty.parts_advantage_rms`); each part's
 `advantage_rms` (the rms over samples of the part minus its group's mean: the share of the
 Dr. GRPO advantage it carries) is pooled over the run, with the fraction of groups whose task
 rewards differ (the only ones where the task reward carries any advantage). Runs since the
@@ -21,7 +21,7 @@ from absl import app, flags
 
 from composer_jax.actor.ledger import GroupLedger
 from composer_jax.actor.samples import group_alone
-from composer_jax.rl import sample_rewards
+from composer_jax.rl.length_penalty import parts_advantage_rms
 from composer_jax.train.workdir import read_run_config
 
 _JSON = flags.DEFINE_string("json", "", "Also write the table as JSON to this path.")
@@ -39,7 +39,7 @@ def run_shares(workdir: str) -> dict:
             continue
         group = ledger.load(group_id)
         batch = group_alone(group, cfg.rl)
-        _, metrics = sample_rewards(batch, cfg.rl.objective)
+        metrics = parts_advantage_rms(batch, cfg.rl.objective)
         count = len(group.rewards)
         for name, value in metrics.items():
             if name.startswith(PREFIX):

@@ -73,30 +73,44 @@ def length_weights(cfg: RLObjectiveConfig) -> jax.Array:
     )
 
 
+def _penalties(batch: TrajectoryBatch, cfg: RLObjectiveConfig) -> tuple[jax.Array, jax.Array]:
+    """(x, coef * C(x)) per sample."""
+    x_N = length_features(batch) @ length_weights(cfg)
+    return x_N, cfg.length_penalty_coef * length_penalty(
+        x_N, cfg.length_penalty_k, cfg.length_penalty_q
+    )
+
+
 def sample_rewards(
     batch: TrajectoryBatch, cfg: RLObjectiveConfig
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Total reward per sample (sum of components - coef * C(x)) and each part's mean, logged,
-    with each part's `advantage_rms/<part>` (`advantage_rms_metric`)."""
+    """Total reward per sample (sum of components - coef * C(x)) and each part's mean, logged."""
     valid = batch.group_id_N >= 0
     count = jnp.maximum(valid.sum(), 1)
 
     def mean(x):
         return jnp.sum(jnp.where(valid, x, 0.0)) / count
 
-    x_N = length_features(batch) @ length_weights(cfg)
-    penalty_N = cfg.length_penalty_coef * length_penalty(
-        x_N, cfg.length_penalty_k, cfg.length_penalty_q
-    )
+    x_N, penalty_N = _penalties(batch, cfg)
     total_N = -penalty_N
     metrics = {"length_x": mean(x_N), "length_penalty": mean(penalty_N)}
-    metrics["advantage_rms/length_penalty"] = advantage_rms_metric(penalty_N, batch.group_id_N)
     for name, value in batch.rewards_N.items():
         total_N = total_N + value
         metrics[f"reward/{name}"] = mean(value)
-        metrics[f"advantage_rms/{name}"] = advantage_rms_metric(value, batch.group_id_N)
     metrics["reward_total"] = mean(total_N)
     return jnp.where(valid, total_N, 0.0), metrics
+
+
+def parts_advantage_rms(batch: TrajectoryBatch, cfg: RLObjectiveConfig) -> dict[str, jax.Array]:
+    """`advantage_rms/<part>` (`advantage_rms_metric`) of the length penalty and of each reward
+    part: the trainer logs them (with the KL's and the total's, `rl.loss`); what only needs the
+    total (dynamic sampling) does not pay for them."""
+    _, penalty_N = _penalties(batch, cfg)
+    parts = {"length_penalty": penalty_N, **batch.rewards_N}
+    return {
+        f"advantage_rms/{name}": advantage_rms_metric(value, batch.group_id_N)
+        for name, value in parts.items()
+    }
 
 
 def advantage_rms_metric(part_N: jax.Array, group_id_N: jax.Array) -> jax.Array:

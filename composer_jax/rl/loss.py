@@ -17,7 +17,11 @@ from composer_jax.rl.advantages import group_advantages, per_sample_sum, to_toke
 from composer_jax.rl.batch import TrajectoryBatch
 from composer_jax.rl.config import RLObjectiveConfig
 from composer_jax.rl.kl import exact_kl, kl_estimate
-from composer_jax.rl.length_penalty import advantage_rms_metric, sample_rewards
+from composer_jax.rl.length_penalty import (
+    advantage_rms_metric,
+    parts_advantage_rms,
+    sample_rewards,
+)
 
 Metrics = dict[str, jax.Array]
 
@@ -117,6 +121,7 @@ def policy_objective(
     normalizer = loss_normalizer(cfg, N)
     logp = token_logprobs(logits_BTV, batch.tokens_BT)
     rewards_N, metrics = sample_rewards(batch, cfg)
+    metrics.update(parts_advantage_rms(batch, cfg))
     tokens = jnp.maximum(maskf.sum(), 1.0)
 
     loss = jnp.zeros((), jnp.float32)

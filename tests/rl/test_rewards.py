@@ -12,7 +12,7 @@ from composer_jax import presets
 from composer_jax.actor.samples import groups_to_batch, make_group
 from composer_jax.agent import EpisodeOutcome, reward_weights
 from composer_jax.rl import RLObjectiveConfig, length_features, sample_rewards
-from composer_jax.rl.length_penalty import length_weights
+from composer_jax.rl.length_penalty import length_weights, parts_advantage_rms
 from tests.helpers import policy_sequence
 
 
@@ -92,7 +92,9 @@ def test_each_rewards_share_of_the_advantage_is_its_spread_within_groups():
         for g in range(2)
     ]
     batch = groups_to_batch(groups, 64, reward_weights={"style": 0.1})
-    totals, metrics = sample_rewards(batch, RLObjectiveConfig())
+    cfg = RLObjectiveConfig()
+    totals, _ = sample_rewards(batch, cfg)
+    metrics = parts_advantage_rms(batch, cfg)
     group_of = np.repeat([0, 1], 3)
 
     def reference(part):
