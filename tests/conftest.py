@@ -2,6 +2,9 @@
 
 import os
 
+import numpy as np
+import pytest
+
 # The tests' programs are small and compiled once or twice each, so compilation dominates the
 # tier: LLVM without its expensive passes compiles them about a quarter faster (same numerics: it
 # changes no floating-point semantics) and inherits into every subprocess a test starts.
@@ -20,6 +23,15 @@ os.environ.setdefault(
     os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "jax"),
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
+
+@pytest.fixture
+def fresh_rng():
+    """A numpy Generator on a new seed every run, so a test samples fresh inputs each time it
+    runs; the seed is printed (pytest shows it beside a failure) and CJ_TEST_SEED=N repeats it."""
+    seed = int(os.environ.get("CJ_TEST_SEED") or np.random.SeedSequence().entropy % 2**32)
+    print(f"fresh_rng seed {seed}: CJ_TEST_SEED={seed} repeats this run's inputs")
+    return np.random.default_rng(seed)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -15,7 +15,7 @@ from composer_jax.interop.safetensors_io import dequantize_fp8_blocks, read_hf_t
 from composer_jax.parallel import make_layout
 
 
-def _random_model(q_lora_rank):
+def _random_model(q_lora_rank, rng):
     cfg = dataclasses.replace(
         presets.tiny().model,
         dtype="float32",
@@ -24,15 +24,15 @@ def _random_model(q_lora_rank):
         topk_group=1,
         rope_scaling=config.YarnConfig(factor=4.0, original_max_position_embeddings=16),
     )
-    m = model.init_model(cfg, seed=7)
+    m = model.init_model(cfg, seed=int(rng.integers(2**31)))
     bias = m.moe_layers.mlp.expert_bias
-    bias[...] = jax.random.normal(jax.random.key(1), bias[...].shape) * 0.3
+    bias[...] = rng.standard_normal(bias[...].shape).astype(np.float32) * 0.3
     return m
 
 
-def test_export_import_roundtrip(tmp_path):
+def test_export_import_roundtrip(tmp_path, fresh_rng):
     for q_lora_rank in (32, None):
-        m = _random_model(q_lora_rank)
+        m = _random_model(q_lora_rank, fresh_rng)
         interop.export_hf_checkpoint(m, tmp_path / str(q_lora_rank))
         back = interop.load_hf_checkpoint(tmp_path / str(q_lora_rank))
         ours = nnx.to_pure_dict(nnx.state(m))
@@ -40,7 +40,7 @@ def test_export_import_roundtrip(tmp_path):
         theirs = nnx.to_pure_dict(nnx.state(back))
         theirs.pop("mtp", None)
         jax.tree.map(np.testing.assert_array_equal, ours, theirs)
-        tokens = np.random.default_rng(0).integers(0, 259, (2, 24))
+        tokens = fresh_rng.integers(0, 259, (2, 24))
         np.testing.assert_array_equal(
             np.asarray(model.compute_logits(m, tokens)),
             np.asarray(model.compute_logits(back, tokens)),
@@ -50,15 +50,15 @@ def test_export_import_roundtrip(tmp_path):
         assert written["rope_scaling"]["type"] == "yarn"
 
 
-def test_a_sharded_export_reloads_to_the_same_model_and_bfloat16_to_its_cast(tmp_path):
-    m = _random_model(32)
+def test_a_sharded_export_reloads_to_the_same_model_and_bfloat16_to_its_cast(tmp_path, fresh_rng):
+    m = _random_model(32, fresh_rng)
     interop.export_hf_checkpoint(m, tmp_path / "f32", shard_bytes=64 << 10)
     index = json.loads((tmp_path / "f32" / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2 and not (tmp_path / "f32" / "model.safetensors").exists()
     assert all((tmp_path / "f32" / shard).is_file() for shard in shards)
     back = interop.load_hf_checkpoint(tmp_path / "f32")
-    tokens = np.random.default_rng(1).integers(0, 259, (2, 16))
+    tokens = fresh_rng.integers(0, 259, (2, 16))
     np.testing.assert_array_equal(
         np.asarray(model.compute_logits(m, tokens)), np.asarray(model.compute_logits(back, tokens))
     )
@@ -78,12 +78,12 @@ def test_a_sharded_export_reloads_to_the_same_model_and_bfloat16_to_its_cast(tmp
     )
 
 
-def test_an_fp8_export_reloads_to_its_block_dequantization(tmp_path):
+def test_an_fp8_export_reloads_to_its_block_dequantization(tmp_path, fresh_rng):
     """Decoder linears are written as DeepSeek-V3's e4m3 128x128 blocks with float32 inverse
     scales (the rest in bf16); reloading gives back each block within e4m3's rounding (half an
     ulp: 1/16 relative, on the block's largest magnitude mapped to 448) and the bf16 tensors as
     their cast."""
-    m = _random_model(32)
+    m = _random_model(32, fresh_rng)
     interop.export_hf_checkpoint(m, tmp_path / "fp8", dtype="fp8", shard_bytes=64 << 10)
     written = json.loads((tmp_path / "fp8" / "config.json").read_text())
     assert written["quantization_config"]["weight_block_size"] == [128, 128]
@@ -106,8 +106,8 @@ def test_an_fp8_export_reloads_to_its_block_dequantization(tmp_path):
             )
 
 
-def test_quantize_fp8_blocks_matches_the_blockwise_definition():
-    rng = np.random.default_rng(3)
+def test_quantize_fp8_blocks_matches_the_blockwise_definition(fresh_rng):
+    rng = fresh_rng
     w = (rng.standard_normal((70, 45)) * np.linspace(0.1, 10, 45)).astype(np.float32)
     q, scale_inv = quantize_fp8_blocks(w, (32, 16))
     assert q.shape == w.shape and scale_inv.shape == (3, 3)
@@ -124,9 +124,9 @@ def test_quantize_fp8_blocks_matches_the_blockwise_definition():
     )
 
 
-def test_the_files_are_standard_safetensors(tmp_path):
+def test_the_files_are_standard_safetensors(tmp_path, fresh_rng):
     """The streamed header and data read back through the safetensors library itself."""
-    m = _random_model(32)
+    m = _random_model(32, fresh_rng)
     interop.export_hf_checkpoint(m, tmp_path, shard_bytes=64 << 10)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     theirs = {}
@@ -138,10 +138,10 @@ def test_the_files_are_standard_safetensors(tmp_path):
         np.testing.assert_array_equal(theirs[name], w, err_msg=name)
 
 
-def test_a_sharded_model_exports_like_one_device(tmp_path):
+def test_a_sharded_model_exports_like_one_device(tmp_path, fresh_rng):
     """A model loaded over 8 devices (fsdp x cp, experts across all) is gathered tensor by tensor
     into the same files, byte for byte, as the same model on one device."""
-    m = _random_model(32)
+    m = _random_model(32, fresh_rng)
     interop.export_hf_checkpoint(m, tmp_path / "one", dtype="fp8", shard_bytes=64 << 10)
     layout = make_layout(config.MeshConfig(fsdp=4, cp=2), jax.devices()[:8])
     sharded = interop.load_hf_checkpoint(tmp_path / "one", layout=layout)

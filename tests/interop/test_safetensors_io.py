@@ -37,8 +37,8 @@ def _random_fp8(rng, shape):
         ((70, 45), (32, 16)),
     ],
 )
-def test_dequantize_matches_blockwise_reference(shape, block):
-    rng = np.random.default_rng(0)
+def test_dequantize_matches_blockwise_reference(shape, block, fresh_rng):
+    rng = fresh_rng
     weight = _random_fp8(rng, shape)
     scale_inv = rng.uniform(0.01, 2.0, (-(-shape[0] // block[0]), -(-shape[1] // block[1]))).astype(
         np.float32
@@ -48,8 +48,8 @@ def test_dequantize_matches_blockwise_reference(shape, block):
     np.testing.assert_array_equal(got, _reference_dequantize(weight, scale_inv, block))
 
 
-def test_dequantize_tensors_drops_scales_and_keeps_the_rest():
-    rng = np.random.default_rng(1)
+def test_dequantize_tensors_drops_scales_and_keeps_the_rest(fresh_rng):
+    rng = fresh_rng
     weight, scale_inv = _random_fp8(rng, (200, 40)), np.array([[0.5], [2.0]], np.float32)
     norm = np.ones(40, ml_dtypes.bfloat16)
     out = sio.dequantize_fp8_tensors(
@@ -94,8 +94,8 @@ def test_dequantize_errors_name_the_tensor(tensors, match):
         sio.dequantize_fp8_tensors(tensors)
 
 
-def test_dtypes_round_trip_through_safetensors(tmp_path):
-    rng = np.random.default_rng(2)
+def test_dtypes_round_trip_through_safetensors(tmp_path, fresh_rng):
+    rng = fresh_rng
     tensors = {
         "bf16": rng.standard_normal((3, 5)).astype(ml_dtypes.bfloat16),
         "fp8": _random_fp8(rng, (4, 6)),

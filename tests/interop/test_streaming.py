@@ -89,12 +89,12 @@ def test_sharded_load_equals_one_device(checkpoint, mesh):
 
 
 @pytest.mark.parametrize("fixture", ["written", "qlora_fused", "qlora_fp8"])
-def test_any_region_reads_as_the_eager_reference(checkpoint, fixture):
+def test_any_region_reads_as_the_eager_reference(checkpoint, fixture, fresh_rng):
     """Random regions, read in strips of a few rows (a tiny buffer), of every tensor: fp8 blocks
     cut mid-block, fused and plain, equal the same region of the whole tensor read eagerly."""
     folder = checkpoint if fixture == "written" else FIXTURES / fixture
     _, eager = read_hf_checkpoint(folder)
-    rng = np.random.default_rng(0)
+    rng = fresh_rng
     with streaming.CheckpointReader(folder, buffer_bytes=300) as reader:
         sources = streaming.hf_sources(reader)
         assert sorted(sources) == sorted(eager)
@@ -109,8 +109,8 @@ def test_any_region_reads_as_the_eager_reference(checkpoint, fixture):
                 np.testing.assert_array_equal(got, np.asarray(eager[name][index], np.float32))
 
 
-def test_views_compose_like_numpy():
-    rng = np.random.default_rng(1)
+def test_views_compose_like_numpy(fresh_rng):
+    rng = fresh_rng
     a = rng.standard_normal((24, 10)).astype(np.float32)
     view = streaming.SplitAxis(streaming.Transposed(streaming.ArraySource(a)), 1, (4, -1))
     want = a.T.reshape(10, 4, 6)

@@ -122,8 +122,8 @@ def test_scale_swizzle_layout():
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_reference_contract_matches_format_dequantization(fmt):
-    rng = np.random.default_rng(0)
+def test_reference_contract_matches_format_dequantization(fmt, fresh_rng):
+    rng = fresh_rng
     lhs = jnp.asarray(rng.standard_normal((50, 64)), jnp.float32)
     rhs = jnp.asarray(rng.standard_normal((3, 64, 32)), jnp.float32)
     sizes = jnp.array([20, 0, 25], jnp.int32)
