@@ -248,7 +248,7 @@ def _hardcoded(source: str, literals: set[str]) -> set[str]:
         return {lit for lit in literals if len(lit) >= 3 and lit in source}
     found = set()
     for node in ast.walk(tree):
-        if isinstance(node, (ast.Constant, ast.UnaryOp, ast.List, ast.Tuple)):
+        if isinstance(node, (ast.Constant, ast.UnaryOp, ast.List, ast.Tuple, ast.Dict)):
             try:
                 text = repr(ast.literal_eval(node))
             except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):

@@ -3,7 +3,8 @@
 `task_source` (`TaskSource`, `ListSource`), `sources` (`load_task_source(spec)`, the named
 families and mixtures), the families `builtin_tasks`, `builtin_repo`, `humaneval`,
 `state_tracking`, `jsonl_tasks`, repository tasks (`repo_factory` makes them, `repo_task_sets`
-reads and writes set files; the shipped sets are `data/repositories/`), `focus` (a task's target
+reads and writes set files; the shipped sets are `data/repositories/`; `test_literals`, what
+their graded tests hard-code), `focus` (a task's target
 function and the editor's open tab). Private: `_deletion` (the function bodies `repo_factory`
 deletes).
 

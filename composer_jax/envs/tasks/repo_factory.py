@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import random
 import shlex
@@ -32,6 +33,7 @@ from composer_jax.envs.grading import harness, replay, repo_grading
 from composer_jax.envs.grading.task import GradeResult, Task, grade_solution, replay_solution
 from composer_jax.envs.sandbox import isolation
 from composer_jax.envs.sandbox.box import Sandbox, SandboxLimits
+from composer_jax.envs.tasks import test_literals
 from composer_jax.envs.tasks._deletion import deletable_functions, delete_body
 
 _INI_FILES = (
@@ -60,6 +62,11 @@ class Repository:
     test_paths: tuple[str, ...]
     ini: str | None
     files: dict[str, str]
+
+    @functools.cached_property
+    def source_constants(self) -> frozenset[str]:
+        """The distinctive constants of the package's source (`test_literals`), once per set."""
+        return test_literals.package_constants(self.files, self.source_roots)
 
     def grader(self) -> dict:
         return {
@@ -358,6 +365,7 @@ def make_task(
         files={**repo.files, path: delete_body(original, first, last, indent)},
         grader=grader,
         graded_tests=tuple(tests),
+        test_literals=test_literals.graded_test_literals(repo.files, tests, repo.source_constants),
         visible_test_command=repo_grading.visible_test_command(
             sorted({test.split("::", 1)[0] for test in tests})
         ),
