@@ -25,6 +25,7 @@ import logging
 import re
 import sys
 import warnings
+from collections.abc import Iterator
 
 from composer_jax.envs.grading import _code_monitor
 from composer_jax.envs.grading.protocol import ToolCall
@@ -246,16 +247,18 @@ def _hardcoded(source: str, literals: set[str]) -> set[str]:
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         # Broken or pathologically nested code (the parser gives up on deep nesting).
         return {lit for lit in literals if len(lit) >= 3 and lit in source}
-    found = set()
+    return {text for _, value in literal_values(tree) if (text := repr(value)) in literals}
+
+
+def literal_values(tree: ast.AST) -> Iterator[tuple[ast.AST, object]]:
+    """Each constant expression under `tree` (a constant, a signed number, a list, tuple or dict
+    of them) with its value."""
     for node in ast.walk(tree):
         if isinstance(node, (ast.Constant, ast.UnaryOp, ast.List, ast.Tuple, ast.Dict)):
             try:
-                text = repr(ast.literal_eval(node))
+                yield node, ast.literal_eval(node)
             except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
                 continue
-            if text in literals:
-                found.add(text)
-    return found
 
 
 def _digest(data: bytes) -> str:

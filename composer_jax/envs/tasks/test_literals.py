@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Iterable, Iterator
 
 from composer_jax.envs.grading import repo_grading
+from composer_jax.envs.grading.monitors import literal_values
 
 MAX_REPR_CHARS = 2000  # a longer constant is data, not a key anyone types into a branch
 MAX_LITERALS = 256
@@ -53,16 +54,8 @@ def _distinctive(value) -> bool:
 def constant_reprs(tree: ast.AST) -> Iterator[str]:
     """The repr of every distinctive constant expression under `tree`, docstrings excepted."""
     skipped = _docstrings(tree)
-    for node in ast.walk(tree):
-        if id(node) in skipped or not isinstance(
-            node, (ast.Constant, ast.List, ast.Tuple, ast.Dict)
-        ):
-            continue
-        try:
-            value = ast.literal_eval(node)
-        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
-            continue
-        if _distinctive(value):
+    for node, value in literal_values(tree):
+        if id(node) not in skipped and _distinctive(value):
             text = repr(value)
             if len(text) <= MAX_REPR_CHARS:
                 yield text
