@@ -6,12 +6,17 @@ bands, paired per-task differences of held-out reward.
   python -m launch.compare runs/ws --scatter=warm_start/loss,heldout_after --baseline=1
   python -m launch.compare runs/rl_from_each_seed --ignore=rl.warm_start   # one warm start a seed
   python -m launch.compare mlflow:http://tracking:5000#composer-jax   # runs an MLflow tracker logged
+  python -m launch.compare --reports s0/before.json s0/after.json s1/before.json s1/after.json
+
+With --reports the arguments are `launch.evaluate` reports in (before, after) pairs of the same
+tasks, one pair a seed: every per-task metric's change, paired by task and pooled over the pairs.
 
 Runs that differ only by seed form a group. Writes <out>/compare.md (printed too), curves.png and
 with --scatter scatter.png (<out> defaults to <first folder>/compare, or ./compare for MLflow).
 Library: composer_jax.eval.compare.
 """
 
+import json
 import os
 import shlex
 import sys
@@ -25,6 +30,9 @@ _METRICS = flags.DEFINE_list("metrics", [], "Final metrics of the table (default
 _CURVES = flags.DEFINE_list("curves", [], "Metrics plotted against step (default: by run kind).")
 _BASELINE = flags.DEFINE_integer("baseline", 0, "Group that paired differences are taken against.")
 _SCATTER = flags.DEFINE_list("scatter", [], "x,y: final y against final x per run.")
+_REPORTS = flags.DEFINE_bool(
+    "reports", False, "The arguments are launch.evaluate reports, in (before, after) pairs."
+)
 _IGNORE = flags.DEFINE_list(
     "ignore", [], "Config fields that do not split groups (e.g. rl.warm_start, one per seed)."
 )
@@ -34,6 +42,8 @@ def main(argv):
     from composer_jax.eval import compare
 
     folders = argv[1:]
+    if _REPORTS.value:
+        return _compare_reports(folders)
     if not folders:
         cli.fail("give run folders or sweep roots: python -m launch.compare DIR...")
     if _SCATTER.value and len(_SCATTER.value) != 2:
@@ -59,6 +69,35 @@ def main(argv):
         cli.fail(f"mlflow: runs need the tracking extra (pip install -e .[tracking]): {error}")
     print(report.markdown)
     print(f"wrote {os.path.join(out, 'compare.md')}")
+
+
+def _compare_reports(paths: list[str]) -> None:
+    from composer_jax.eval import compare
+
+    if not paths or len(paths) % 2:
+        cli.fail(f"--reports: give report files in (before, after) pairs, got {len(paths)}")
+    try:
+        reports = [_read_report(path) for path in paths]
+        text, _ = compare.evaluation_gains_table(list(zip(reports[::2], reports[1::2])))
+    except ValueError as error:
+        cli.fail(f"--reports: {error}")
+    print(text)
+    if _OUT.value:
+        os.makedirs(_OUT.value, exist_ok=True)
+        with open(os.path.join(_OUT.value, "compare.md"), "w") as f:
+            f.write(f"`python -m launch.compare {shlex.join(sys.argv[1:])}`\n\n{text}\n")
+        print(f"wrote {os.path.join(_OUT.value, 'compare.md')}")
+
+
+def _read_report(path: str) -> dict:
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path}: not a readable report ({error})") from None
+    if not isinstance(report, dict) or not isinstance(report.get("per_task"), dict):
+        raise ValueError(f"{path}: not a launch.evaluate report (no per_task)")
+    return report
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import re
 import numpy as np
 
 from composer_jax.config import RLConfig, field_paths
-from composer_jax.eval.passk import mean_interval
+from composer_jax.eval.passk import heldout_metric_order, mean_interval
 from composer_jax.eval.run_records import RunRecord, read_runs
 
 # The reading half, re-exported: a notebook or a script compares runs through this one module.
@@ -213,31 +213,58 @@ def paired_difference(baseline: Group, other: Group, which: str = "after") -> di
     }
 
 
-def within_run_gain(group: Group, metric: str = "reward") -> dict | None:
-    """After - before RL of a held-out metric per task, pooled over the group's runs (each run's
-    own tasks), with each run's mean change and the Student-t interval over those seeds."""
-    befores, diffs = [], []
-    for run in group.runs:
-        before, after = run.per_task("before", metric), run.per_task("after", metric)
-        if before is not None and after is not None and len(before) == len(after):
-            befores.append(before)
-            diffs.append(after - before)
-    if not diffs:
+def paired_gain(label: str, metric: str, befores: list, afters: list) -> dict | None:
+    """After - before of a metric per task, pooled over several (before, after) pairs of equal
+    task lists (seeds), with each pair's mean change and the Student-t interval over them."""
+    pairs = [(b, a) for b, a in zip(befores, afters) if len(b) == len(a)]
+    if not pairs:
         return None
+    diffs = [np.asarray(a, np.float64) - np.asarray(b, np.float64) for b, a in pairs]
     pooled = np.concatenate(diffs)
     mean, half = mean_interval(pooled.tolist())
     per_seed = [float(d.mean()) for d in diffs]
     _, seed_half = mean_interval(per_seed)
     return {
-        "group": group.label,
+        "group": label,
         "metric": metric,
-        "before": float(np.concatenate(befores).mean()),
+        "before": float(np.concatenate([np.asarray(b, np.float64) for b, _ in pairs]).mean()),
         "mean": mean,
         "half_width": half,
         "pairs": len(pooled),
         "per_seed": per_seed,
         "seed_half_width": seed_half,
     }
+
+
+def within_run_gain(group: Group, metric: str = "reward") -> dict | None:
+    """After - before RL of a held-out metric per task, pooled over the group's runs (each run's
+    own tasks), with each run's mean change and the Student-t interval over those seeds."""
+    records = [
+        (run.per_task("before", metric), run.per_task("after", metric)) for run in group.runs
+    ]
+    records = [(b, a) for b, a in records if b is not None and a is not None]
+    return paired_gain(group.label, metric, *zip(*records)) if records else None
+
+
+def gains_table(label: str, gains: list[dict]) -> str:
+    """Markdown: each gain's metric before and after, the change paired by task and pooled, each
+    seed's change and the interval over the seeds' own changes."""
+    lines = [
+        f"| {label}: metric | before | after | change, paired by task (95% CI) | "
+        "change per seed | over seeds (95% CI) |",
+        "| --- | ---: | ---: | ---: | --- | ---: |",
+    ]
+    for g in gains:
+        low, high = g["mean"] - g["half_width"], g["mean"] + g["half_width"]
+        per_seed = ", ".join(f"{d:+.3f}" for d in g["per_seed"])
+        spread = g["seed_half_width"]
+        over_seeds = f"+- {spread:.3f}" if math.isfinite(spread) else "- (one seed)"
+        lines.append(
+            f"| {g['metric']} | {g['before']:.3f} | {g['before'] + g['mean']:.3f} | "
+            f"{g['mean']:+.3f} ({low:+.3f} to {high:+.3f}, {g['pairs']} pairs) | {per_seed} | "
+            f"{over_seeds} |"
+        )
+    return "\n".join(lines)
 
 
 def heldout_gains_table(group: Group) -> tuple[str, list[dict]]:
@@ -247,22 +274,35 @@ def heldout_gains_table(group: Group) -> tuple[str, list[dict]]:
     (the report's fig. 5 question over several seeds)."""
     names = list(dict.fromkeys(m for run in group.runs for m in run.heldout_metrics()))
     gains = [g for g in (within_run_gain(group, m) for m in names) if g]
-    if not gains:
-        return "", []
-    lines = [
-        f"| {group.label}: metric | before | after | change, paired by task (95% CI) | "
-        "change per seed | over seeds (95% CI) |",
-        "| --- | ---: | ---: | ---: | --- | ---: |",
-    ]
-    for g in gains:
-        low, high = g["mean"] - g["half_width"], g["mean"] + g["half_width"]
-        per_seed = ", ".join(f"{d:+.3f}" for d in g["per_seed"])
-        lines.append(
-            f"| {g['metric']} | {g['before']:.3f} | {g['before'] + g['mean']:.3f} | "
-            f"{g['mean']:+.3f} ({low:+.3f} to {high:+.3f}, {g['pairs']} pairs) | {per_seed} | "
-            f"+- {g['seed_half_width']:.3f} |"
-        )
-    return "\n".join(lines), gains
+    return (gains_table(group.label, gains), gains) if gains else ("", [])
+
+
+_NOT_METRICS = ("group", "samples", "flagged")
+
+
+def evaluation_gains_table(pairs: list[tuple[dict, dict]]) -> tuple[str, list[dict]]:
+    """`heldout_gains_table` for `launch.evaluate` reports: each (before, after) pair evaluated
+    the same tasks (two checkpoints of one run, say), each pair a seed. Every per-task metric
+    both reports of every pair hold."""
+    columns = []
+    for before, after in pairs:
+        tasks = sorted(before["per_task"])
+        if tasks != sorted(after["per_task"]):
+            raise ValueError("a before and after report hold different tasks: not paired")
+        columns.append((tasks, before["per_task"], after["per_task"]))
+    shared = set.intersection(
+        *(set(entry) for _, b, a in columns for entry in (*b.values(), *a.values()))
+    )
+    names = sorted(
+        shared - set(_NOT_METRICS),
+        key=lambda n: (n != "mean_reward", heldout_metric_order(n.removeprefix("mean_"))),
+    )
+    gains = []
+    for name in names:
+        befores = [[b[t][name] for t in tasks] for tasks, b, _ in columns]
+        afters = [[a[t][name] for t in tasks] for tasks, _, a in columns]
+        gains.append(paired_gain("reports", name, befores, afters))
+    return gains_table("reports", gains), gains
 
 
 def differences_table(groups: list[Group], baseline: int = 0) -> tuple[str, list[dict]]:

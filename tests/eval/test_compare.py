@@ -5,6 +5,8 @@ metrics.jsonl, heldout.json) with random numbers."""
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -210,14 +212,14 @@ def test_find_runs_names_a_folder_without_runs(tmp_path):
         compare.find_runs([str(tmp_path)])
 
 
-def test_command_line_writes_the_report_and_names_bad_folders(sweep, tmp_path):
-    import subprocess
-    import sys
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+COMMAND = [sys.executable, "-m", "launch.compare"]
 
+
+def test_command_line_writes_the_report_and_names_bad_folders(sweep, tmp_path):
     root, _ = sweep
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=repo)
-    command = [sys.executable, "-m", "launch.compare"]
+    env = dict(os.environ, PYTHONPATH=REPO)
+    command = COMMAND
     out = tmp_path / "cmp"
     ok = subprocess.run(
         [*command, str(root), f"--out={out}", "--metrics=loss"],
@@ -234,3 +236,64 @@ def test_command_line_writes_the_report_and_names_bad_folders(sweep, tmp_path):
     assert (
         bad.returncode == 2 and bad.stderr.startswith("error: ") and "no such folder" in bad.stderr
     )
+
+
+def _evaluation_report(tasks, values):
+    """A `launch.evaluate` report's per-task part: metric name -> one value per task."""
+    return {
+        "per_task": {
+            task: {"group": "", "samples": 8, **{k: float(v[i]) for k, v in values.items()}}
+            for i, task in enumerate(tasks)
+        }
+    }
+
+
+def test_evaluation_reports_are_paired_by_task_id_and_pooled_over_pairs(fresh_rng, tmp_path):
+    metrics = ("mean_reward", "pass@1", "mean_turns")
+    changes, befores, paths = {m: [] for m in metrics}, {m: [] for m in metrics}, []
+    for seed in range(2):
+        tasks = [f"s{seed}-t{i}" for i in range(6)]
+        before = {m: fresh_rng.uniform(0, 1, 6) for m in metrics}
+        after = {m: fresh_rng.uniform(0, 1, 6) for m in metrics}
+        order = fresh_rng.permutation(6)  # the after report lists the tasks in another order
+        pair = (
+            _evaluation_report(tasks, before),
+            _evaluation_report([tasks[i] for i in order], {m: v[order] for m, v in after.items()}),
+        )
+        for m in metrics:
+            changes[m].append(after[m] - before[m])
+            befores[m].append(before[m])
+        for which, report in zip(("before", "after"), pair):
+            paths.append(tmp_path / f"{seed}-{which}.json")
+            paths[-1].write_text(json.dumps(report))
+    reports = [json.loads(p.read_text()) for p in paths]
+    text, gains = compare.evaluation_gains_table(list(zip(reports[::2], reports[1::2])))
+    assert [g["metric"] for g in gains] == ["mean_reward", "pass@1", "mean_turns"]
+    for g in gains:
+        pooled = np.concatenate(changes[g["metric"]])
+        assert g["mean"] == pytest.approx(pooled.mean()) and g["pairs"] == 12
+        assert g["half_width"] == pytest.approx(
+            stats.t.ppf(0.975, 11) * pooled.std(ddof=1) / np.sqrt(12)
+        )
+        assert g["before"] == pytest.approx(np.concatenate(befores[g["metric"]]).mean())
+        assert g["per_seed"] == pytest.approx([d.mean() for d in changes[g["metric"]]])
+    env = dict(os.environ, PYTHONPATH=REPO)
+    ok = subprocess.run(
+        [*COMMAND, "--reports", *map(str, paths), f"--out={tmp_path / 'cmp'}"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert text in ok.stdout and text in (tmp_path / "cmp" / "compare.md").read_text()
+    odd = subprocess.run(
+        [*COMMAND, "--reports", *map(str, paths[:3])], env=env, capture_output=True, text=True
+    )
+    assert odd.returncode == 2 and "in (before, after) pairs, got 3" in odd.stderr
+
+
+def test_evaluation_reports_of_different_tasks_are_not_paired():
+    before = _evaluation_report(["a", "b"], {"pass@1": [0.1, 0.2]})
+    after = _evaluation_report(["a", "c"], {"pass@1": [0.3, 0.1]})
+    with pytest.raises(ValueError, match="different tasks"):
+        compare.evaluation_gains_table([(before, after)])
