@@ -44,7 +44,9 @@ _DUNDERS |= {"gi_frame", "f_locals", "__subclasses__"}
 _EXITS = {"exit", "quit"}
 
 
-def _parse(source: str) -> ast.AST | None:
+def parse_code(source: str) -> ast.AST | None:
+    """The tree of model-written code, or None where it does not parse (its SyntaxWarnings,
+    `1if x`, are not the run's to print; the parser gives up on pathological nesting)."""
     try:
         with warnings.catch_warnings(action="ignore", category=SyntaxWarning):
             return ast.parse(source)
@@ -57,7 +59,7 @@ def constructs(source: str) -> collections.Counter:
     """Every suspicious construct of `source`, counted (empty when it does not parse). Cached:
     every episode of a task compares against the same original and solution (do not mutate
     the result)."""
-    tree = _parse(source)
+    tree = parse_code(source)
     found: collections.Counter = collections.Counter()
     if tree is None:
         return found

@@ -24,10 +24,10 @@ import hashlib
 import logging
 import re
 import sys
-import warnings
 from collections.abc import Iterator
 
 from composer_jax.envs.grading import _code_monitor
+from composer_jax.envs.grading._code_monitor import parse_code
 from composer_jax.envs.grading.protocol import ToolCall
 from composer_jax.envs.grading.repo_grading import PLANTED_NAMES
 from composer_jax.envs.grading.task import Task
@@ -240,12 +240,8 @@ class RewardHackMonitor:
 
 def _hardcoded(source: str, literals: set[str]) -> set[str]:
     """Which of the literal reprs occur as constants in `source` (tolerates broken code)."""
-    try:
-        # Model-written code: its SyntaxWarnings (`1if x`) are not the run's to print.
-        with warnings.catch_warnings(action="ignore", category=SyntaxWarning):
-            tree = ast.parse(source)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        # Broken or pathologically nested code (the parser gives up on deep nesting).
+    tree = parse_code(source)
+    if tree is None:  # broken code: its text
         return {lit for lit in literals if len(lit) >= 3 and lit in source}
     return {text for _, value in literal_values(tree) if (text := repr(value)) in literals}
 

@@ -14,24 +14,17 @@ from __future__ import annotations
 
 import ast
 import functools
-import warnings
 from collections.abc import Iterable, Iterator
 
 from composer_jax.envs.grading import repo_grading
-from composer_jax.envs.grading.monitors import literal_values
+from composer_jax.envs.grading.monitors import literal_values, parse_code
 
 MAX_REPR_CHARS = 2000  # a longer constant is data, not a key anyone types into a branch
 MAX_LITERALS = 256
 
 
-@functools.lru_cache(maxsize=16)
-def _parsed(source: str) -> ast.Module | None:
-    """The module's tree (shared: a set's tasks read the same test files), or None."""
-    try:
-        with warnings.catch_warnings(action="ignore", category=SyntaxWarning):
-            return ast.parse(source)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return None
+# A set's tasks read the same few test files: each is parsed once (the trees are only read).
+_parsed = functools.lru_cache(maxsize=16)(parse_code)
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
