@@ -5,9 +5,12 @@ calls per task, a per-task JSON and a table.
   python -m launch.evaluate --config.workdir=runs/rl_tiny --tasks=humaneval --samples=4
   python -m launch.evaluate --config.workdir=runs/rl_tiny --tasks=state_tracking:per_length=4
   python -m launch.evaluate --hf_dir=path/to/hf --tasks=jsonl:tasks.jsonl --split=train
+  python -m launch.evaluate --config.workdir=runs/rl/warm_start --trained_by=runs/rl  # and runs/rl
 
 `--tasks` takes any task source spec (composer_jax.envs.load_task_source); without it a run is
-evaluated on its own held-out tasks. Episodes are played by the run's agent workflow (its tools'
+evaluated on its own held-out tasks; `--trained_by=RUN` takes the prompts an RL run trained on
+(its warm start against it: what RL did on the tasks it saw; `launch.compare --reports` pairs
+the two reports). Episodes are played by the run's agent workflow (its tools'
 evaluation profile, summaries, feedback, behaviour rewards) in the real sandboxed environments,
 several at once (`--env_workers`); the sampling settings default to the run's RL settings.
 """
@@ -25,6 +28,9 @@ _RUN = cli.define_run_folder("A run's folder (pretraining, SFT or RL).")
 _HF_DIR = flags.DEFINE_string("hf_dir", "", "Or a Hugging Face folder (model + tokenizer).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step of the run (default: the latest).")
 _TASKS = flags.DEFINE_string("tasks", "", "Task source spec (default: the run's held-out tasks).")
+_TRAINED_BY = flags.DEFINE_string(
+    "trained_by", "", "Or the RL prompts this RL run's folder trained on (its epoch, in order)."
+)
 _SPLIT = flags.DEFINE_string(
     "split", "", "Split (default: the run's held-out split, else the source's evaluation split)."
 )
@@ -67,6 +73,8 @@ def _load(config_lib):
 def _tasks(config_lib, run_cfg):
     from composer_jax.envs import task_source
 
+    if _TRAINED_BY.value:
+        return _trained_prompts(config_lib)
     if _TASKS.value:
         spec, field = _TASKS.value, "--tasks"
     elif run_cfg is not None:
@@ -90,6 +98,18 @@ def _tasks(config_lib, run_cfg):
     from composer_jax.actor.setup import untrained_tasks
 
     return source, split, untrained_tasks(run_cfg, source, split, count)
+
+
+def _trained_prompts(config_lib):
+    """(source, "train", the first --num_tasks prompts of the --trained_by run's RL epoch)."""
+    from composer_jax.actor.setup import rl_prompt_tasks, rl_task_source
+    from composer_jax.train.workdir import read_run_config
+
+    if _TASKS.value or _SPLIT.value:
+        raise config_lib.ConfigError("--trained_by: give it alone, without --tasks or --split")
+    trainer = read_run_config(_TRAINED_BY.value)
+    tasks = rl_prompt_tasks(trainer)
+    return rl_task_source(trainer), "train", tasks[: _NUM_TASKS.value or len(tasks)]
 
 
 def main(argv):

@@ -1,6 +1,7 @@
 """`launch.evaluate`: a run on a task source, K episodes per task through the real environments,
 a report with pass@k, intervals, per-task entries, groups and timings."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -10,13 +11,15 @@ from types import SimpleNamespace
 import pytest
 
 from composer_jax import envs
-from composer_jax.config import ModelConfig
+from composer_jax.actor.setup import rl_prompt_tasks
+from composer_jax.config import ModelConfig, RLConfig
 from composer_jax.data import ByteTokenizer
 from composer_jax.envs.grading.protocol import render_turn
 from composer_jax.eval import tasks as eval_tasks
 from composer_jax.eval.tasks import TaskEvalConfig, evaluate_tasks
 from composer_jax.model import init_model
 from composer_jax.train import run_pretraining
+from composer_jax.train.workdir import read_run_config, write_config
 from tests.actor.scripted import BYTES, ScriptedEngine
 from tests.train.helpers import ONE_PHASE, make_corpus, small_model_config, tiny_experiment
 
@@ -99,6 +102,40 @@ def test_launch_evaluate_runs_on_a_shipped_repository_set(run_dir, tmp_path):
     assert all(task.startswith("toolz/") for task in report["per_task"])
     assert report["stages"]["unknown"] == 0  # the deleted function is each task's target
     assert report["setup"]["split"] == "held_out"
+
+
+def test_launch_evaluate_takes_the_prompts_an_rl_run_trained_on(run_dir, tmp_path):
+    """--trained_by=RUN: the first --num_tasks prompts of RUN's RL epoch (its seed + 1), in
+    order; refused beside --tasks with a one-line error."""
+    trainer = dataclasses.replace(
+        read_run_config(run_dir),
+        seed=3,
+        workdir=str(tmp_path / "rl"),
+        rl=dataclasses.replace(
+            RLConfig(),
+            tasks="tests.envs.tasks.task_plugin:make_source:count=9",
+            rollout=dataclasses.replace(RLConfig().rollout, num_prompts=5),
+        ),
+    )
+    os.makedirs(trainer.workdir)
+    write_config(trainer.workdir, trainer)
+    prompts = [task.task_id for task in rl_prompt_tasks(trainer)]
+    assert len(prompts) == 5
+    out = tmp_path / "report.json"
+    args = [sys.executable, "-m", "launch.evaluate", f"--config.workdir={run_dir}"]
+    args += [f"--trained_by={trainer.workdir}", "--num_tasks=3", "--samples=1", "--ks=1"]
+    args += ["--max_turns=1", "--max_new_tokens=4", "--context_len=512", "--num_slots=2"]
+    args += [f"--out={out}", "--noprogress"]
+    env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="")
+    done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert sorted(report["per_task"]) == sorted(prompts[:3])
+    assert report["setup"]["split"] == "train"
+    both = subprocess.run(
+        [*args, "--tasks=builtin"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert both.returncode == 2 and "--trained_by: give it alone" in both.stderr
 
 
 def test_pass_at_k_counts_the_episodes_that_solve(monkeypatch):
