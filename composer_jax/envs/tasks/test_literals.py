@@ -89,12 +89,9 @@ def graded_test_literals(
     """The distinctive constants of the graded test functions that are not in `known` (the
     package's own, `package_constants`), in order of first appearance."""
     found: dict[str, None] = {}
-    trees: dict[str, ast.Module | None] = {}
     for test in graded_tests:
         path, *names = test.split("::")
-        if path not in trees:
-            trees[path] = _parsed(files.get(path, ""))
-        tree = trees[path]
+        tree = _parsed(files.get(path, ""))
         node = _test_function(tree, names) if tree is not None and names else None
         if node is not None:
             found.update(dict.fromkeys(t for t in constant_reprs(node) if t not in known))
