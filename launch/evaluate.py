@@ -5,14 +5,14 @@ calls per task, a per-task JSON and a table.
   python -m launch.evaluate --config.workdir=runs/rl_tiny --tasks=humaneval --samples=4
   python -m launch.evaluate --config.workdir=runs/rl_tiny --tasks=state_tracking:per_length=4
   python -m launch.evaluate --hf_dir=path/to/hf --tasks=jsonl:tasks.jsonl --split=train
-  python -m launch.evaluate --config.workdir=runs/rl/warm_start --trained_by=runs/rl  # and runs/rl
+  python -m launch.evaluate --config.workdir=runs/rl/warm_start --trained_by=runs/rl  # then runs/rl
 
 `--tasks` takes any task source spec (composer_jax.envs.load_task_source); without it a run is
 evaluated on its own held-out tasks; `--trained_by=RUN` takes the prompts an RL run trained on
 (its warm start against it: what RL did on the tasks it saw; `launch.compare --reports` pairs
-the two reports). Episodes are played by the run's agent workflow (its tools'
-evaluation profile, summaries, feedback, behaviour rewards) in the real sandboxed environments,
-several at once (`--env_workers`); the sampling settings default to the run's RL settings.
+the two reports). Episodes are played by the run's agent workflow (its tools' evaluation
+profile, summaries, feedback, behaviour rewards) in the real sandboxed environments, several at
+once (`--env_workers`); the sampling settings default to the run's RL settings.
 """
 
 import dataclasses
