@@ -216,10 +216,14 @@ def paired_difference(baseline: Group, other: Group, which: str = "after") -> di
 def paired_gain(label: str, metric: str, befores: list, afters: list) -> dict | None:
     """After - before of a metric per task, pooled over several (before, after) pairs of equal
     task lists (seeds), with each pair's mean change and the Student-t interval over them."""
-    pairs = [(b, a) for b, a in zip(befores, afters) if len(b) == len(a)]
+    pairs = [
+        (np.asarray(b, np.float64), np.asarray(a, np.float64))
+        for b, a in zip(befores, afters)
+        if len(b) == len(a)
+    ]
     if not pairs:
         return None
-    diffs = [np.asarray(a, np.float64) - np.asarray(b, np.float64) for b, a in pairs]
+    diffs = [a - b for b, a in pairs]
     pooled = np.concatenate(diffs)
     mean, half = mean_interval(pooled.tolist())
     per_seed = [float(d.mean()) for d in diffs]
@@ -227,7 +231,7 @@ def paired_gain(label: str, metric: str, befores: list, afters: list) -> dict | 
     return {
         "group": label,
         "metric": metric,
-        "before": float(np.concatenate([np.asarray(b, np.float64) for b, _ in pairs]).mean()),
+        "before": float(np.concatenate([b for b, _ in pairs]).mean()),
         "mean": mean,
         "half_width": half,
         "pairs": len(pooled),
