@@ -99,3 +99,29 @@ def teacher_sequence(
         cursor, previous_end = start, end
     pieces.append(tokens[cursor:])
     return np.concatenate(pieces).astype(np.int32), target
+
+
+def hinted_turns(
+    tokens: np.ndarray, teacher_tokens: np.ndarray, target_index: np.ndarray
+) -> list[tuple[int, int, np.ndarray]]:
+    """The (turn_start, turn_end, hint_tokens) spans `teacher_sequence` built `teacher_tokens`
+    and `target_index` from: each flagged turn is a run of non-negative `target_index`, its hint
+    the tokens the index shifted past (adjacent turns part where the shift grows). Raises
+    ValueError when they do not rebuild the teacher."""
+    target_index = np.asarray(target_index)
+    flagged = np.flatnonzero(target_index >= 0)
+    if flagged.size == 0:
+        return []
+    breaks = np.flatnonzero((np.diff(flagged) > 1) | (np.diff(target_index[flagged]) > 1))
+    starts = flagged[np.concatenate([[0], breaks + 1])]
+    ends = flagged[np.concatenate([breaks, [flagged.size - 1]])] + 1
+    spans, shift = [], 0
+    for start, end in zip(starts.tolist(), ends.tolist()):
+        new_shift = int(target_index[start]) - start
+        hint = np.asarray(teacher_tokens[start + shift : start + new_shift], np.int32)
+        spans.append((start, end, hint))
+        shift = new_shift
+    rebuilt, _ = teacher_sequence(tokens, spans)
+    if not np.array_equal(rebuilt, teacher_tokens):
+        raise ValueError("the teacher tokens are not the sequence with hints inserted")
+    return spans

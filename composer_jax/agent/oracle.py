@@ -9,6 +9,11 @@ tested. When the workflow asks for a summary it writes one that carries what the
 needs (the function, its docstring, what is done, what is next, the code it will write). `OracleEngine` puts the scripts
 behind the engine interface `agent.play` drives, so a warm start learns from episodes played
 through the very workflow and environments RL uses.
+
+A script may also make one mistake (`mistake_rng`): a wrong version of one of its calls, of a
+kind a feedback detector flags (`MISTAKES`), right before the call it meant. The environment
+rejects it and the next turn is the right call, so the episode shows the detector's hint (in the
+teacher context) next to the turn that answers it (`agent.sft`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.envs import Task
 from composer_jax.envs.grading import protocol
 from composer_jax.envs.tasks import focus
+from composer_jax.envs.tools import TOOLS, resolve_tool
 from composer_jax.infer import Completion, SamplingParams
 
 
@@ -88,12 +94,60 @@ def plan_change(task: Task) -> Change:
     return Change(path, old, new, name, first, last, doc)
 
 
-class OracleScript:
-    """The turns of one solved episode, in order, with the tools of the profile."""
+# Each kind of scripted mistake, and the feedback detector that flags it.
+MISTAKES = {
+    "unknown_argument": "invalid_arguments",
+    "missing_argument": "invalid_arguments",
+    "unknown_tool": "unknown_tool",
+    "tool_unavailable": "tool_unavailable",
+}
+# Names a confused model reaches for (the tiny policy's own mistakes include `todo` with a `path`
+# and a tool called "path").
+_WRONG_ARGUMENTS = ("path", "file", "line", "new", "name", "content", "query")
+_WRONG_TOOLS = ("open_file", "view", "find", "edit", "test", "path")
 
-    def __init__(self, task: Task, tools: tuple[str, ...], open_tab_lines: int = 0):
+
+def mistaken_call(
+    tool: str, args: dict[str, str], tools: tuple[str, ...], kinds: tuple[str, ...], rng
+) -> tuple[str, dict[str, str]] | None:
+    """A wrong version of the call `tool(args)` that a strict environment rejects, of one of
+    `kinds` (keys of MISTAKES) drawn with `rng`, or None when none applies. An unavailable tool
+    is only used for a call that names a path, so that the right call (on the same path) answers
+    the error (`feedback.IgnoredToolError`)."""
+    params = resolve_tool(tool).spec.params
+    options = {
+        "unknown_argument": [n for n in _WRONG_ARGUMENTS if n not in params],
+        "missing_argument": [n for n, p in params.items() if p.required],
+        "unknown_tool": [n for n in _WRONG_TOOLS if n not in TOOLS],
+        "tool_unavailable": [n for n in TOOLS if n not in tools] if "path" in args else [],
+    }
+    usable = [kind for kind in kinds if options.get(kind)]
+    if not usable:
+        return None
+    kind = usable[rng.integers(len(usable))]
+    choice = options[kind][rng.integers(len(options[kind]))]
+    if kind == "unknown_argument":
+        return tool, {**args, choice: args.get("path") or next(iter(args.values()), "1")}
+    if kind == "missing_argument":
+        return tool, {name: value for name, value in args.items() if name != choice}
+    return choice, dict(args)
+
+
+class OracleScript:
+    """The turns of one solved episode, in order, with the tools of the profile; with
+    `mistake_rng`, one of its calls is first made wrong, with a mistake of one of `mistakes`."""
+
+    def __init__(
+        self,
+        task: Task,
+        tools: tuple[str, ...],
+        open_tab_lines: int = 0,
+        mistake_rng: np.random.Generator | None = None,
+        mistakes: tuple[str, ...] = tuple(MISTAKES),
+    ):
         self.task, self.change = task, plan_change(task)
         self.steps: list[tuple[str, str, str]] = []  # (what it did, what it will do, the turn)
+        self._calls: dict[int, tuple[str, dict[str, str]]] = {}  # step -> its call
         c = self.change
         short = c.name.rsplit(".", 1)[-1]
         shown = focus.tab_shows_target(task, open_tab_lines)
@@ -129,14 +183,33 @@ class OracleScript:
         final = f"Implemented {c.name} in {c.path}; {how}"
         self.steps.append(("reported", "report", protocol.render_turn(final=final)))
         self.done = 0
+        # (the mistaken turn, the right one) of each mistake, and the step each one precedes.
+        self.mistakes: list[tuple[str, str]] = []
+        self._mistake_before: dict[int, str] = {}
+        if mistake_rng is not None:
+            self._plan_mistake(tools, mistakes, mistake_rng)
 
     def _add(self, what: tuple[str, str], tool: str, **args: str) -> None:
+        self._calls[len(self.steps)] = (tool, args)
         self.steps.append((*what, protocol.render_call(tool, args)))
 
+    def _plan_mistake(self, tools: tuple[str, ...], kinds: tuple[str, ...], rng) -> None:
+        steps = list(self._calls)
+        for step in rng.permutation(steps):
+            wrong = mistaken_call(*self._calls[int(step)], tools, kinds, rng)
+            if wrong is not None:
+                turn = protocol.render_call(*wrong)
+                self._mistake_before[int(step)] = turn
+                self.mistakes.append((turn, self.steps[int(step)][2]))
+                return
+
     def next_turn(self) -> str:
-        turn = self.steps[min(self.done, len(self.steps) - 1)][2]
+        step = min(self.done, len(self.steps) - 1)
+        mistake = self._mistake_before.pop(step, None)
+        if mistake is not None:
+            return mistake
         self.done += 1
-        return turn
+        return self.steps[step][2]
 
     def summary(self) -> str:
         """What a fresh start from the task needs: where the function is, what its docstring

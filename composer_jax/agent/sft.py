@@ -5,7 +5,10 @@ pairs the chat format renders. "episode": the scripted agent (`agent.oracle`) pl
 through the run's own workflow (`rl.agent`: its tools, turn limit, summary budget) in the real
 environment, so every context it learns from is one RL will show it (tool outputs, summary
 requests, restarts from task + summary); each generation of a solved episode is an example with
-the loss on the agent's tokens.
+the loss on the agent's tokens. With `data.sft_feedback` some scripted episodes make one mistake
+a feedback detector flags (`agent.oracle.MISTAKES`): the mistaken turn is left out of the loss,
+and each hinted one adds an example of the teacher context text-feedback distillation uses (the
+generation up to the turn, the detector's hint) answered by the call the script meant.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from collections.abc import Callable
 import numpy as np
 
 from composer_jax import envs
-from composer_jax.agent.oracle import OracleEngine, OracleScript
+from composer_jax.agent.feedback import IgnoredToolError, TurnRecord, render_hint
+from composer_jax.agent.generation import hinted_turns
+from composer_jax.agent.oracle import MISTAKES, OracleEngine, OracleScript
 from composer_jax.agent.play import play, rollout_sampling
 from composer_jax.agent.setup import build, env_config
 from composer_jax.config import (
@@ -38,19 +43,38 @@ def episode_examples(
     tokenizer: Tokenizer,
     tasks,
     env_threads: int = 2,
+    feedback: float = 0.0,
+    seed: int = 0,
 ):
     """{"tokens", "loss_mask"} of every generation of the scripted agent's solved episodes, played
-    in the RL sampler's slots and context (`rl.rollout`); no teacher contexts (`distill`): an
-    example is the agent's own tokens."""
+    in the RL sampler's slots and context (`rl.rollout`), the loss on the agent's tokens; a share
+    `feedback` of the episodes (drawn with `seed`) makes one mistake, and adds the example of
+    its hinted teacher answered right (`feedback_examples`)."""
+    kinds = tuple(kind for kind, name in MISTAKES.items() if name in agent.feedback_detectors)
+    if feedback > 0 and not kinds:
+        raise ConfigError(
+            "data.sft_feedback: rl.agent.feedback_detectors flags none of the scripted mistakes "
+            f"(detectors {sorted(set(MISTAKES.values()))})"
+        )
     workflow, environment = build(
         agent,
         tokenizer,
         model,
         max_len=rollout.context_len,
         sampling=rollout_sampling(rollout),
-        distill=False,
+        distill=feedback > 0,  # the hinted teacher contexts of the mistakes
     )
-    scripts = [OracleScript(t, environment.tools, environment.open_tab_lines) for t in tasks]
+    rng = np.random.default_rng(seed)
+    scripts = [
+        OracleScript(
+            t,
+            environment.tools,
+            environment.open_tab_lines,
+            mistake_rng=rng if rng.random() < feedback else None,
+            mistakes=kinds,
+        )
+        for t in tasks
+    ]
     engine = OracleEngine(
         scripts,
         tokenizer,
@@ -61,7 +85,7 @@ def episode_examples(
     )
     jobs = [(script.task, f"oracle-{i}") for i, script in enumerate(scripts)]
     outcomes = play(engine, jobs, workflow, environment, env_threads=env_threads)
-    solved = [o for o in outcomes if o.reward >= 1.0 and not o.truncated]
+    solved = [(o, s) for o, s in zip(outcomes, scripts) if o.reward >= 1.0 and not o.truncated]
     if len(solved) < len(outcomes):
         log.warning(
             "SFT episodes: the scripted agent solved %d of %d tasks; the others are left out "
@@ -70,18 +94,94 @@ def episode_examples(
             len(outcomes),
             sum(o.truncated for o in outcomes),
         )
-    summaries = sum(o.summaries for o in solved)
+    summaries = sum(o.summaries for o, _ in solved)
+    examples, hinted = [], 0
+    repeats = IgnoredToolError.name in agent.feedback_detectors
+    for outcome, script in solved:
+        mistakes = [
+            tuple(_turn_tokens(tokenizer, turn, rollout.max_new_tokens) for turn in pair)
+            for pair in script.mistakes
+        ]
+        repeat_hint = None
+        if mistakes and repeats:
+            repeat_hint = _repeat_hint(outcome, tokenizer, environment.tools)
+        for seq in outcome.sequences:
+            generation, answered = feedback_examples(seq, mistakes, repeat_hint)
+            examples += [generation, *answered]
+            hinted += len(answered)
     log.info(
-        "SFT episodes: %d generations of %d episodes (%d summaries)",
+        "SFT episodes: %d generations of %d episodes (%d summaries, %d with a mistake; "
+        "%d hinted examples)",
         summaries + len(solved),
         len(solved),
         summaries,
+        sum(bool(s.mistakes) for _, s in solved),
+        hinted,
     )
-    return [
-        {"tokens": seq.tokens, "loss_mask": seq.policy_mask.astype(np.int32)}
-        for outcome in solved
-        for seq in outcome.sequences
-    ]
+    return examples
+
+
+def _turn_tokens(tokenizer: Tokenizer, turn: str, max_new_tokens: int) -> np.ndarray:
+    """A scripted turn's tokens as the oracle engine emits them."""
+    return np.asarray(tokenizer.encode(turn)[:max_new_tokens], np.int32)
+
+
+def _policy_runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """(start, end) of each run of the agent's tokens: one per turn."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    return list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
+
+
+def feedback_examples(
+    seq, mistakes: list[tuple[np.ndarray, np.ndarray]], repeat_hint: np.ndarray | None = None
+) -> tuple[dict, list]:
+    """(the generation as an example, the loss on the agent's tokens but its scripted mistakes;
+    the examples teaching the hints of each mistake answered by the call meant in the next
+    turn: the hinted teacher context of the mistake (the generation up to it, the detector's
+    hint), and with `repeat_hint` the context after the error with the hint a repeat of the
+    failed call would get, each followed by that call, the loss on the call)."""
+    loss = seq.policy_mask.astype(np.int32)
+    hints = {}
+    if seq.teacher_tokens is not None:
+        turns = hinted_turns(seq.tokens, seq.teacher_tokens, seq.teacher_target_index)
+        hints = {start: hint for start, _, hint in turns}
+    runs = _policy_runs(seq.policy_mask)
+    answered = []
+    for i, (start, end) in enumerate(runs):
+        pair = next((p for p in mistakes if np.array_equal(seq.tokens[start:end], p[0])), None)
+        if pair is None:
+            continue
+        loss[start:end] = 0
+        following = runs[i + 1] if i + 1 < len(runs) else None
+        if following is None or not np.array_equal(seq.tokens[slice(*following)], pair[1]):
+            continue
+        if start in hints:
+            answered.append(_answered(seq.tokens[:start], hints[start], pair[1]))
+        if repeat_hint is not None:
+            answered.append(_answered(seq.tokens[: following[0]], repeat_hint, pair[1]))
+    return {"tokens": seq.tokens, "loss_mask": loss}, answered
+
+
+def _answered(context: np.ndarray, hint: np.ndarray, turn: np.ndarray) -> dict:
+    """The context, the hint and the turn, the loss on the turn."""
+    prefix = np.concatenate([context, hint])
+    return {
+        "tokens": np.concatenate([prefix, turn]).astype(np.int32),
+        "loss_mask": np.concatenate(
+            [np.zeros(len(prefix), np.int32), np.ones(len(turn), np.int32)]
+        ),
+    }
+
+
+def _repeat_hint(outcome, tokenizer: Tokenizer, tools: tuple[str, ...]) -> np.ndarray | None:
+    """The hint `IgnoredToolError` gives a turn that repeats the episode's one failed
+    call unchanged (None without exactly one)."""
+    failed = [call for call in outcome.trace.tool_calls if not call.ok]
+    if len(failed) != 1:
+        return None
+    turn = TurnRecord(0, "", (failed[0],), "", tools)
+    hint = IgnoredToolError().check(turn, turn)
+    return np.asarray(tokenizer.encode(render_hint([("", hint)])), np.int32)
 
 
 def sft_examples(cfg: ExperimentConfig) -> Callable[[Tokenizer], list]:
@@ -100,7 +200,15 @@ def sft_examples(cfg: ExperimentConfig) -> Callable[[Tokenizer], list]:
             )
         if cfg.data.sft_style == "first_turn":
             return [envs.sft_example(task, env_config(cfg.rl.agent)) for task in tasks]
-        examples = episode_examples(cfg.rl.agent, cfg.rl.rollout, cfg.model, tokenizer, tasks)
+        examples = episode_examples(
+            cfg.rl.agent,
+            cfg.rl.rollout,
+            cfg.model,
+            tokenizer,
+            tasks,
+            feedback=cfg.data.sft_feedback,
+            seed=cfg.seed,
+        )
         if not examples:
             raise ConfigError(
                 f"data.sft_style: the scripted agent solved none of {cfg.data.tasks!r}'s tasks"

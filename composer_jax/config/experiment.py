@@ -123,6 +123,12 @@ def _check_training(cfg: ExperimentConfig) -> None:
         f"{cfg.data.sft_style!r} is not one of {SFT_STYLES}",
     )
     _check(cfg.data.sft_tasks > 0, "data.sft_tasks", "must be positive")
+    _check(0 <= cfg.data.sft_feedback <= 1, "data.sft_feedback", "must lie in [0, 1]")
+    _check(
+        cfg.data.sft_feedback == 0 or cfg.data.sft_style == "episode",
+        "data.sft_feedback",
+        "needs data.sft_style 'episode' (the mistakes are made in scripted episodes)",
+    )
     _check(bool(cfg.data.text_field), "data.text_field", "must name a field")
 
 

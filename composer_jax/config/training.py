@@ -61,6 +61,11 @@ class DataConfig:
     # every generation an example, the loss on the agent's tokens; `composer_jax.agent.sft`).
     sft_style: str = "first_turn"
     sft_tasks: int = 2000
+    # "episode" only: the share of scripted episodes that make one mistake a feedback detector
+    # flags before the call they meant (`agent.oracle.MISTAKES`). The mistake is not learned;
+    # the detector's hint followed by the right call is, so the hinted teacher that feedback
+    # distillation trains toward has learned to act on what its hint says.
+    sft_feedback: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ from composer_jax.agent.feedback import (
     record_step,
     render_hint,
 )
-from composer_jax.agent.generation import teacher_sequence
+from composer_jax.agent.generation import hinted_turns, teacher_sequence
 from composer_jax.data import ByteTokenizer
 from composer_jax.envs import EnvConfig, Episode, builtin_tasks, render_call, render_turn
 from composer_jax.envs.tools import tool_profile
@@ -185,6 +185,19 @@ def test_teacher_sequence_round_trip(seed):
     np.testing.assert_array_equal(teacher[target[on_span]], tokens[on_span])
     # Dropping the hint tokens (all >= 300) gives the student tokens back.
     np.testing.assert_array_equal(teacher[teacher < 300], tokens)
+    # And the spans are read back from the teacher (what SFT and experiments see in a ledger).
+    found = hinted_turns(tokens, teacher, target)
+    assert [(s, e) for s, e, _ in found] == [(s, e) for s, e, _ in flagged]
+    for (_, _, hint), (_, _, expected) in zip(found, flagged):
+        np.testing.assert_array_equal(hint, expected)
+
+
+def test_hinted_turns_refuse_a_teacher_that_is_not_the_hinted_sequence():
+    tokens = np.arange(40, dtype=np.int32)
+    teacher, target = teacher_sequence(tokens, [(10, 15, np.array([97, 98], np.int32))])
+    teacher[0] += 1
+    with pytest.raises(ValueError, match="not the sequence with hints"):
+        hinted_turns(tokens, teacher, target)
 
 
 def test_teacher_sequence_rejects_bad_spans():

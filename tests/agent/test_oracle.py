@@ -1,13 +1,15 @@
 """The scripted agent: its change is the smallest unique hunk of the oracle solution, and its
 episodes, played through the RL workflow in the real environment, solve the task with every tool
-the profile offers (summaries included) and become SFT examples with the loss on its turns."""
+the profile offers (summaries included) and become SFT examples with the loss on its turns; a
+scripted mistake is flagged by its detector, put right, and teaches the hint, not the mistake."""
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from composer_jax import agent, data, envs, presets
-from composer_jax.agent.oracle import OracleEngine, OracleScript, plan_change
+from composer_jax.agent.oracle import MISTAKES, OracleEngine, OracleScript, plan_change
 from composer_jax.agent.sft import episode_examples, sft_examples
 from composer_jax.agent.workflow import SUMMARY_OPEN
 from composer_jax.config import ConfigError
@@ -141,3 +143,70 @@ def test_episodes_that_do_not_fit_are_left_out_and_none_is_an_error():
     assert episode_examples(cfg.rl.agent, cfg.rl.rollout, cfg.model, TOKENIZER, tasks) == []
     with pytest.raises(ConfigError, match="data.sft_style: the scripted agent solved none"):
         sft_examples(cfg)(TOKENIZER)
+
+
+def _agent_without_summaries():
+    """The agent preset with the summary budget off: an episode is one generation."""
+    cfg = presets.rl_agent_tiny()
+    rl = dataclasses.replace(
+        cfg.rl, agent=dataclasses.replace(cfg.rl.agent, summary_budget=0, max_turns=8)
+    )
+    return dataclasses.replace(cfg, rl=rl)
+
+
+@pytest.mark.parametrize("kind", sorted(MISTAKES))
+def test_a_scripted_mistake_is_rejected_flagged_by_its_detector_and_then_put_right(kind):
+    cfg = _agent_without_summaries()
+    tokenizer = data.load_tokenizer("code_bpe_2k")
+    tasks = envs.load_task_source(cfg.data.tasks).take(3, "train", seed=4)
+    workflow, env = agent.build(
+        cfg.rl.agent,
+        tokenizer,
+        cfg.model,
+        max_len=cfg.rl.rollout.context_len,
+        sampling=agent.rollout_sampling(cfg.rl.rollout),
+        distill=True,
+    )
+    rng = np.random.default_rng()
+    scripts = [OracleScript(t, env.tools, env.open_tab_lines, rng, (kind,)) for t in tasks]
+    engine = OracleEngine(
+        scripts,
+        tokenizer,
+        4,
+        cfg.rl.rollout.context_len,
+        cfg.model.num_moe_layers,
+        cfg.model.num_experts_per_tok,
+    )
+    outcomes = agent.play(engine, [(t, f"o{i}") for i, t in enumerate(tasks)], workflow, env)
+    for outcome, script in zip(outcomes, scripts):
+        ((wrong, right),) = script.mistakes
+        assert wrong != right
+        assert outcome.reward == 1.0, wrong  # the episode still solves the task
+        # The one flag is the mistake's own detector: the next call answers the error.
+        assert outcome.feedback == {MISTAKES[kind]: 1}, wrong
+        failed = [c for c in outcome.trace.tool_calls if not c.ok]
+        assert len(failed) == 1 and outcome.num_turns == len(script.steps) + 1
+
+
+def test_feedback_examples_teach_the_hints_and_not_the_mistakes():
+    cfg = _agent_without_summaries()
+    tokenizer = data.load_tokenizer("code_bpe_2k")
+    tasks = envs.load_task_source(cfg.data.tasks).take(4, "train", seed=6)
+    args = (cfg.rl.agent, cfg.rl.rollout, cfg.model, tokenizer, tasks)
+    plain = episode_examples(*args)
+    examples = episode_examples(*args, feedback=1.0, seed=int(np.random.default_rng().integers(99)))
+    assert len(plain) == 4 and all("[feedback]" not in tokenizer.decode(e["tokens"]) for e in plain)
+    generations, hinted = examples[0::3], [e for i, e in enumerate(examples) if i % 3]
+    assert len(generations) == 4 and len(hinted) == 8  # each mistake: its detector's and a repeat's
+    for generation, plain_generation in zip(generations, plain):
+        taught = tokenizer.decode(generation["tokens"][generation["loss_mask"] == 1])
+        # What the plain episode teaches, and not one token of the mistake.
+        assert taught == tokenizer.decode(
+            plain_generation["tokens"][plain_generation["loss_mask"] == 1]
+        )
+    for example in hinted:
+        tokens, mask = example["tokens"], example["loss_mask"]
+        assert mask[-1] == 1 and mask.sum() == len(tokens) - np.argmax(mask)  # the turn alone
+        context = tokenizer.decode(tokens[mask == 0])
+        assert context.splitlines()[-1].startswith("[feedback] ")
+        assert envs.parse_turn(tokenizer.decode(tokens[mask == 1])).calls
