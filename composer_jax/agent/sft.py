@@ -50,12 +50,6 @@ def episode_examples(
     in the RL sampler's slots and context (`rl.rollout`), the loss on the agent's tokens; a share
     `feedback` of the episodes (drawn with `seed`) makes one mistake, and adds the example of
     its hinted teacher answered right (`feedback_examples`)."""
-    kinds = tuple(kind for kind, name in MISTAKES.items() if name in agent.feedback_detectors)
-    if feedback > 0 and not kinds:
-        raise ConfigError(
-            "data.sft_feedback: rl.agent.feedback_detectors flags none of the scripted mistakes "
-            f"(detectors {sorted(set(MISTAKES.values()))})"
-        )
     workflow, environment = build(
         agent,
         tokenizer,
@@ -64,17 +58,7 @@ def episode_examples(
         sampling=rollout_sampling(rollout),
         distill=feedback > 0,  # the hinted teacher contexts of the mistakes
     )
-    rng = np.random.default_rng(seed)
-    scripts = [
-        OracleScript(
-            t,
-            environment.tools,
-            environment.open_tab_lines,
-            mistake_rng=rng if rng.random() < feedback else None,
-            mistakes=kinds,
-        )
-        for t in tasks
-    ]
+    scripts = _scripts(tasks, environment, _mistake_kinds(agent, feedback), feedback, seed)
     engine = OracleEngine(
         scripts,
         tokenizer,
@@ -119,6 +103,34 @@ def episode_examples(
         hinted,
     )
     return examples
+
+
+def _mistake_kinds(agent: AgentConfig, feedback: float) -> tuple[str, ...]:
+    """The scripted mistakes the run's feedback detectors flag (an error when none is and
+    `feedback` asks for mistakes)."""
+    kinds = tuple(kind for kind, name in MISTAKES.items() if name in agent.feedback_detectors)
+    if feedback > 0 and not kinds:
+        raise ConfigError(
+            "data.sft_feedback: rl.agent.feedback_detectors flags none of the scripted mistakes "
+            f"(detectors {sorted(set(MISTAKES.values()))})"
+        )
+    return kinds
+
+
+def _scripts(tasks, environment, kinds: tuple[str, ...], feedback: float, seed: int) -> list:
+    """One script per task in `environment`; a share `feedback` of them (drawn with `seed`)
+    makes one mistake of `kinds`."""
+    rng = np.random.default_rng(seed)
+    return [
+        OracleScript(
+            task,
+            environment.tools,
+            environment.open_tab_lines,
+            mistake_rng=rng if rng.random() < feedback else None,
+            mistakes=kinds,
+        )
+        for task in tasks
+    ]
 
 
 def _turn_tokens(tokenizer: Tokenizer, turn: str, max_new_tokens: int) -> np.ndarray:
