@@ -135,7 +135,8 @@ def mistaken_call(
 
 class OracleScript:
     """The turns of one solved episode, in order, with the tools of the profile; with
-    `mistake_rng`, one of its calls is first made wrong, with a mistake of one of `mistakes`."""
+    `mistake_rng`, one of its calls is first made wrong, with a mistake of one of
+    `mistake_kinds`."""
 
     def __init__(
         self,
@@ -143,7 +144,7 @@ class OracleScript:
         tools: tuple[str, ...],
         open_tab_lines: int = 0,
         mistake_rng: np.random.Generator | None = None,
-        mistakes: tuple[str, ...] = tuple(MISTAKES),
+        mistake_kinds: tuple[str, ...] = tuple(MISTAKES),
     ):
         self.task, self.change = task, plan_change(task)
         self.steps: list[tuple[str, str, str]] = []  # (what it did, what it will do, the turn)
@@ -187,7 +188,7 @@ class OracleScript:
         self.mistakes: list[tuple[str, str]] = []
         self._mistake_before: dict[int, str] = {}
         if mistake_rng is not None:
-            self._plan_mistake(tools, mistakes, mistake_rng)
+            self._plan_mistake(tools, mistake_kinds, mistake_rng)
 
     def _add(self, what: tuple[str, str], tool: str, **args: str) -> None:
         self._calls[len(self.steps)] = (tool, args)

@@ -127,7 +127,7 @@ def _scripts(tasks, environment, kinds: tuple[str, ...], feedback: float, seed: 
             environment.tools,
             environment.open_tab_lines,
             mistake_rng=rng if rng.random() < feedback else None,
-            mistakes=kinds,
+            mistake_kinds=kinds,
         )
         for task in tasks
     ]
