@@ -101,8 +101,8 @@ def _prefix_length(pool: list[np.ndarray]) -> int:
     first = pool[0]
     length = min(len(h) for h in pool)
     for other in pool[1:]:
-        same = np.flatnonzero(first[:length] != other[:length])
-        length = int(same[0]) if same.size else length
+        differ = np.flatnonzero(first[:length] != other[:length])
+        length = int(differ[0]) if differ.size else length
     return length
 
 
@@ -115,10 +115,11 @@ def run_teacher_reads(run: str, model, tokenizer, rng, max_turns: int = 0) -> di
     prefix = _prefix_length(pool)
     rows = []
     for seq, turns in flagged:
+        if max_turns and len(rows) >= max_turns:
+            break
         student = _log_softmax_rows(model, seq.tokens)
-        for index, (start, end, hint) in enumerate(turns):
-            if max_turns and len(rows) >= max_turns:
-                break
+        room = max_turns - len(rows) if max_turns else len(turns)
+        for index, (start, end, hint) in enumerate(turns[:room]):
             other, shuffled = _control_hints(hint, pool, rng, prefix)
             row = {"hint_text": tokenizer.decode(hint.tolist()).strip(), "tokens": end - start}
             for name, variant in zip(VARIANTS, (hint, other, shuffled)):
