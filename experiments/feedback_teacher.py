@@ -18,7 +18,7 @@ Per turn: KL(student || teacher) per token (what the distillation loss minimises
 of the turn's log-probability (teacher minus student, summed over its tokens: a teacher that
 reads "do not repeat the failing call" should find the repeat less likely). The content of the
 hint matters where `hint` differs from the controls; the paired differences over turns carry
-95% intervals.
+95% intervals, over all turns and per detector (the hint's opening words).
 """
 
 import json
@@ -133,7 +133,7 @@ def run_teacher_reads(run: str, model, tokenizer, rng, max_turns: int = 0) -> di
                 )
                 row[name] = {"kl": kl, "logp_change": change}
             rows.append(row)
-    return {"turns": rows, "summary": summarise(rows)}
+    return {"turns": rows, "summary": summarise(rows), "by_hint": by_hint(rows)}
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -147,6 +147,30 @@ def summarise(rows: list[dict]) -> dict:
             paired = [r["hint"][measure] - r[control][measure] for r in rows]
             out[f"hint - {control}/{measure}"] = mean_interval(paired)
     return out
+
+
+def hint_opening(text: str, words: int = 2) -> str:
+    """The first words of a hint after its marker: which detector wrote it."""
+    return " ".join(text.removeprefix("[feedback]").split()[:words])
+
+
+def by_hint(rows: list[dict]) -> dict:
+    """Hint minus another turn's hint, paired by turn, per hint opening (per detector)."""
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(hint_opening(row["hint_text"]), []).append(row)
+    return {
+        opening: {
+            "turns": len(group),
+            **{
+                measure: mean_interval(
+                    [r["hint"][measure] - r["other hint"][measure] for r in group]
+                )
+                for measure in ("kl", "logp_change")
+            },
+        }
+        for opening, group in sorted(groups.items(), key=lambda item: -len(item[1]))
+    }
 
 
 def format_summary(run: str, result: dict) -> str:
@@ -163,6 +187,13 @@ def format_summary(run: str, result: dict) -> str:
             for m, w in (summary[f"{label}/kl"], summary[f"{label}/logp_change"])
         ]
         lines.append(f"| {label} | {cells[0]} | {cells[1]} |")
+    lines += ["", "| hint opens with | turns | hint - another hint: KL | log-prob change |"]
+    lines.append("| --- | ---: | ---: | ---: |")
+    for opening, group in result["by_hint"].items():
+        (kl, kl_w), (lp, lp_w) = group["kl"], group["logp_change"]
+        lines.append(
+            f"| {opening} | {group['turns']} | {kl:+.3f} +- {kl_w:.3f} | {lp:+.2f} +- {lp_w:.2f} |"
+        )
     return "\n".join(lines)
 
 

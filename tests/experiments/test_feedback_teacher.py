@@ -37,3 +37,21 @@ def test_the_summary_pairs_the_hint_with_each_control_by_turn():
     assert summary["hint - other hint/kl"] == pytest.approx((-0.5, 0.0))
     assert summary["hint - shuffled/kl"] == pytest.approx((-1.0, 0.0))
     assert summary["hint - shuffled/logp_change"] == pytest.approx((0.0, 0.0))
+
+
+def test_the_hint_against_another_is_paired_per_detector():
+    def row(text, kl_hint, kl_other):
+        other = {"kl": kl_other, "logp_change": 0.0}
+        return {"hint_text": text, "hint": {"kl": kl_hint, "logp_change": 1.0}, "other hint": other}
+
+    rows = [
+        row("[feedback] Your previous call to todo failed with: x", 1.0, 0.5),
+        row("[feedback] Your previous call to edit_file failed with: y", 2.0, 1.5),
+        row("[feedback] Invalid arguments: todo: z", 1.0, 1.0),
+    ]
+    groups = feedback_teacher.by_hint(rows)
+    assert list(groups) == ["Your previous", "Invalid arguments:"]
+    assert groups["Your previous"]["turns"] == 2
+    assert groups["Your previous"]["kl"] == pytest.approx((0.5, 0.0))
+    assert groups["Your previous"]["logp_change"] == pytest.approx((1.0, 0.0))
+    assert groups["Invalid arguments:"]["kl"][0] == pytest.approx(0.0)
