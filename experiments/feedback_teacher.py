@@ -11,7 +11,7 @@ policy RL starts from) scores the turn three ways, each with its own routing:
 
 - `hint`: the teacher the trainer used (the detector's hint);
 - `other hint`: a hint another flagged turn of the run received, whose text differs (same
-  format and length class, the wrong content);
+  format, the wrong content);
 - `shuffled`: the real hint's tokens after its "[feedback]" prefix in a random order.
 
 Per turn: KL(student || teacher) per token (what the distillation loss minimises) and the change
@@ -56,6 +56,22 @@ def turn_measures(
     rows = np.arange(len(tokens))
     change = teacher_logp_V[rows, tokens] - student_logp_V[rows, tokens]
     return float(np.mean(kl)), float(np.sum(change))
+
+
+def turn_scores(
+    student: np.ndarray,
+    teacher: np.ndarray,
+    target_index: np.ndarray,
+    tokens: np.ndarray,
+    turn: tuple[int, int],
+) -> tuple[float, float]:
+    """`turn_measures` of tokens[start:end] from the student's and the teacher's log-softmax
+    rows (`_log_softmax_rows`): each token is predicted at the position before it, in the teacher
+    the position before its `target_index`."""
+    start, end = turn
+    return turn_measures(
+        student[start - 1 : end - 1], teacher[target_index[start:end] - 1], tokens[start:end]
+    )
 
 
 def _log_softmax_rows(model, tokens: np.ndarray) -> np.ndarray:
@@ -126,11 +142,7 @@ def run_teacher_reads(run: str, model, tokenizer, rng, max_turns: int = 0) -> di
                 spans = [(s, e, variant if i == index else h) for i, (s, e, h) in enumerate(turns)]
                 teacher_tokens, target = teacher_sequence(seq.tokens, spans)
                 teacher = _log_softmax_rows(model, teacher_tokens)
-                kl, change = turn_measures(
-                    student[start - 1 : end - 1],
-                    teacher[target[start:end] - 1],
-                    seq.tokens[start:end],
-                )
+                kl, change = turn_scores(student, teacher, target, seq.tokens, (start, end))
                 row[name] = {"kl": kl, "logp_change": change}
             rows.append(row)
     return {"turns": rows, "summary": summarise(rows), "by_hint": by_hint(rows)}
