@@ -1,7 +1,7 @@
 r"""Does the distillation teacher read its hint? Measured on the flagged turns an RL run trained on.
 
-  python experiments/feedback_teacher.py runs/claims/agent128/seed=0 [RUN ...] [--model=FOLDER]
-      [--max_turns=N] [--json=PATH]
+  python experiments/feedback_teacher.py runs/claims/agent128/seed=0 [RUN ...] [--scorer=FOLDER]
+      [--max_turns=N] [--teacher_json=PATH]
 
 Text-feedback distillation pulls each flagged turn toward the same policy with the detector's
 hint inserted before the turn (`agent.generation.teacher_sequence`). That teaches something only
@@ -38,10 +38,13 @@ from composer_jax.rl.kl import exact_kl
 from composer_jax.train import load_run
 from composer_jax.train.workdir import read_run_config
 
-_MODEL = flags.DEFINE_string("model", "", "Run folder of the scoring model (default: warm start).")
+# Names no other imported experiment defines (absl flags are process-wide).
+_SCORER = flags.DEFINE_string(
+    "scorer", "", "Run folder of the scoring model (default: warm start)."
+)
 _MAX_TURNS = flags.DEFINE_integer("max_turns", 0, "Flagged turns per run (0: all).")
-_JSON = flags.DEFINE_string("json", "", "Also write the results as JSON to this path.")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the controls (other hint, shuffle).")
+_JSON = flags.DEFINE_string("teacher_json", "", "Also write the results as JSON to this path.")
+_SEED = flags.DEFINE_integer("control_seed", 0, "Seed of the controls (other hint, shuffle).")
 
 VARIANTS = ("hint", "other hint", "shuffled")
 PAD_MULTIPLE = 256
@@ -216,7 +219,7 @@ def main(argv):
     results = {}
     for run in runs:
         cfg = read_run_config(run)
-        scorer = _MODEL.value or cfg.rl.warm_start or os.path.join(run, "warm_start")
+        scorer = _SCORER.value or cfg.rl.warm_start or os.path.join(run, "warm_start")
         loaded = load_run(scorer)
         rng = np.random.default_rng(_SEED.value)
         results[run] = run_teacher_reads(run, loaded.model, loaded.tokenizer, rng, _MAX_TURNS.value)
