@@ -31,7 +31,8 @@ import matplotlib.pyplot as plt
 from composer_jax import config, data, infer, interop, presets, train
 from composer_jax.eval import routing
 
-workdir = tempfile.mkdtemp(prefix="notebook_run_")
+run_folder = tempfile.TemporaryDirectory(prefix="notebook_run_")  # removed when the kernel exits
+workdir = run_folder.name
 base = presets.tiny()
 cfg = dataclasses.replace(
     base,
@@ -91,7 +92,8 @@ for token, experts in list(zip(tokens[1:], stats.experts_LTK[0, 1:]))[:12]:
 # the way any DeepSeek-V3-format checkpoint is.
 
 # %%
-hf_dir = tempfile.mkdtemp(prefix="notebook_hf_")
+hf_folder = tempfile.TemporaryDirectory(prefix="notebook_hf_")
+hf_dir = hf_folder.name
 interop.export_hf_checkpoint(run.model, hf_dir, run.tokenizer)
 hf_model = interop.load_hf_checkpoint(hf_dir)
 hf_tokenizer = data.load_tokenizer(hf_dir)

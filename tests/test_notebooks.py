@@ -38,13 +38,14 @@ def test_pair_is_in_sync_and_stripped(script):
 
 
 @pytest.mark.parametrize("script", NOTEBOOKS, ids=os.path.basename)
-def test_notebook_runs(script):
+def test_notebook_runs(script, tmp_path):
     notebook = jupytext.read(script)
     env = dict(
         os.environ,
         XLA_FLAGS="",  # one CPU device, as a user's notebook has
         JAX_PLATFORMS="cpu",
         MPLBACKEND="Agg",
+        TMPDIR=str(tmp_path),  # what a notebook leaves behind is the test's to remove
         PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p),
     )
     client = nbclient.NotebookClient(

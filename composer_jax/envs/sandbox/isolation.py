@@ -20,8 +20,10 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import functools
+import hashlib
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -115,23 +117,64 @@ def process_temp_dir(prefix: str) -> str:
 
 
 _synthetic_dir: str | None = None
+_SYNTHETIC_FILES = {**_SYNTHETIC_ETC, "empty": ""}
 
 
 def _synthetic_etc() -> str:
-    """A host folder holding the made-up /etc files (bwrap binds them)."""
+    """A host folder holding the made-up /etc files (bwrap binds them), one per user and
+    content, shared by every process and kept: a folder per process outlived each process
+    killed before its exit handlers ran (sandbox workers are), one more in /tmp each time."""
     global _synthetic_dir
     with _lock:
-        if _synthetic_dir is None or not os.path.isdir(_synthetic_dir):
-            directory = process_temp_dir("cj_etc_")
-            for name, text in _SYNTHETIC_ETC.items():
-                with open(os.path.join(directory, name), "w") as f:
-                    f.write(text)
-            with open(os.path.join(directory, "empty"), "w"):
-                pass
-            for name in (*_SYNTHETIC_ETC, "empty"):
-                os.chmod(os.path.join(directory, name), 0o444)
-            _synthetic_dir = directory
+        if _synthetic_dir is None or not _is_synthetic_etc(_synthetic_dir):
+            _synthetic_dir = _shared_synthetic_etc()
     return _synthetic_dir
+
+
+def _is_synthetic_etc(directory: str) -> bool:
+    """Whether `directory` is this user's, writable by no one else, and holds exactly the
+    made-up files, read-only: a folder another user placed at the shared name is not used."""
+    uid = os.getuid()
+    try:
+        info = os.lstat(directory)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid or info.st_mode & 0o022:
+            return False
+        if sorted(os.listdir(directory)) != sorted(_SYNTHETIC_FILES):
+            return False
+        for name, text in _SYNTHETIC_FILES.items():
+            path = os.path.join(directory, name)
+            info = os.lstat(path)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != uid or info.st_mode & 0o222:
+                return False
+            with open(path) as f:
+                if f.read() != text:
+                    return False
+    except OSError:
+        return False
+    return True
+
+
+def _shared_synthetic_etc() -> str:
+    """The shared folder, made atomically (written aside, then renamed into place); when its
+    name holds anything else, this process's own folder, removed at exit."""
+    digest = hashlib.sha256(repr(sorted(_SYNTHETIC_FILES.items())).encode()).hexdigest()[:16]
+    shared = os.path.join(tempfile.gettempdir(), f"cj_etc_{os.getuid()}_{digest}")
+    if _is_synthetic_etc(shared):
+        return shared
+    staging = tempfile.mkdtemp(prefix="cj_etc_")
+    for name, text in _SYNTHETIC_FILES.items():
+        with open(os.path.join(staging, name), "w") as f:
+            f.write(text)
+        os.chmod(os.path.join(staging, name), 0o444)
+    try:
+        os.rename(staging, shared)  # fails when another process's folder is there already
+    except OSError:
+        pass
+    if _is_synthetic_etc(shared):
+        shutil.rmtree(staging, ignore_errors=True)
+        return shared
+    atexit.register(shutil.rmtree, staging, ignore_errors=True)
+    return staging
 
 
 def system_roots() -> list[str]:

@@ -5,6 +5,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -178,9 +179,10 @@ def test_unknown_backend_is_refused():
 
 
 @pytest.mark.parametrize("backend", ISOLATING)
-def test_a_process_leaves_no_temporary_folders_behind(backend, tmp_path):
-    """The host folders a backend needs for the process's life (bwrap's made-up /etc, unshare's
-    root mount point) are removed when the process exits."""
+def test_a_process_leaves_no_temporary_folders_behind_but_the_shared_etc(backend, tmp_path):
+    """The host folders a backend needs for the process's life (unshare's root mount point, the
+    workspace) are removed when the process exits; bwrap's made-up /etc is one folder per user
+    and content, kept for the next process."""
     program = (
         "import sys\n"
         "from composer_jax.envs.sandbox import Sandbox\n"
@@ -188,8 +190,56 @@ def test_a_process_leaves_no_temporary_folders_behind(backend, tmp_path):
         "    assert box.run('cat a.txt').output == 'x'\n"
     )
     env = dict(os.environ, TMPDIR=str(tmp_path))  # the workspace goes there too (removed)
-    subprocess.run([sys.executable, "-c", program, backend], env=env, check=True)
-    assert os.listdir(tmp_path) == []
+    for _ in range(2):
+        subprocess.run([sys.executable, "-c", program, backend], env=env, check=True)
+    left = os.listdir(tmp_path)
+    if backend == "bwrap":
+        assert len(left) == 1 and isolation._is_synthetic_etc(str(tmp_path / left[0]))
+    else:
+        assert left == []
+
+
+def test_processes_killed_before_their_exit_handlers_share_one_made_up_etc(tmp_path):
+    """Sandbox workers are killed, so their exit handlers never run: each such process used to
+    leave its own /etc folder in /tmp."""
+    program = (
+        "import os\n"
+        "from composer_jax.envs.sandbox import isolation\n"
+        "print(isolation._synthetic_etc())\n"
+        "os._exit(0)\n"
+    )
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    folders = {
+        subprocess.run(
+            [sys.executable, "-c", program], env=env, check=True, capture_output=True, text=True
+        ).stdout.strip()
+        for _ in range(3)
+    }
+    assert len(folders) == 1 and os.listdir(tmp_path) == [os.path.basename(folders.pop())]
+
+
+@pytest.mark.parametrize("plant", ["other_passwd", "writable_by_others", "extra_file"])
+def test_a_folder_planted_at_the_shared_etc_name_is_not_bound(plant, tmp_path, monkeypatch):
+    """/tmp is everyone's: a folder placed at the shared name beforehand (an account file of
+    its own, one that others can change, or a file more) is never what the sandbox binds."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(isolation, "_synthetic_dir", None)
+    shared = isolation._synthetic_etc()
+    monkeypatch.setattr(isolation, "_synthetic_dir", None)
+    if plant == "other_passwd":
+        os.chmod(os.path.join(shared, "passwd"), 0o644)
+        with open(os.path.join(shared, "passwd"), "a") as f:
+            f.write("intruder:x:0:0::/:/bin/sh\n")
+        os.chmod(os.path.join(shared, "passwd"), 0o444)
+    elif plant == "writable_by_others":
+        os.chmod(shared, 0o777)
+    else:
+        with open(os.path.join(shared, "shadow"), "w") as f:
+            f.write("root::0:::::\n")
+    used = isolation._synthetic_etc()
+    assert used != shared and isolation._is_synthetic_etc(used)
+    with open(os.path.join(used, "passwd")) as f:
+        assert "intruder" not in f.read()
 
 
 def test_a_file_cannot_grow_past_the_file_size_limit(sandbox):
