@@ -101,6 +101,16 @@ def test_a_missing_warm_start_leaves_no_workdir(tmp_path):
     assert not workdir.exists()
 
 
+@pytest.mark.parametrize("entry", ["pretrain", "rl"])
+def test_a_misspelled_tracker_stops_the_run_before_its_workdir_exists(entry, tmp_path):
+    workdir = tmp_path / "run"
+    result = launch(
+        entry, "--config.log.trackers=tensorbaord", f"--config.workdir={workdir}", cwd=tmp_path
+    )
+    one_line_error(result, "log.trackers", "unknown tracker 'tensorbaord'")
+    assert not workdir.exists()
+
+
 # ----------------------------------------------------------------------------- typed overrides
 
 

@@ -64,7 +64,7 @@ from composer_jax.train.loop import StopRequest
 from composer_jax.train.metrics import MetricsWriter
 from composer_jax.train.run_folder import RunFolder
 from composer_jax.train.step import split_model
-from composer_jax.train.trackers import run_params
+from composer_jax.train.trackers import check_trackers, run_params
 from composer_jax.train.workdir import check_local_output, check_run_folder
 
 log = logging.getLogger(__name__)
@@ -107,9 +107,11 @@ def run_rl(cfg: config_lib.ExperimentConfig, progress: bool = True) -> RLResult:
 
 def _start_folder(cfg: config_lib.ExperimentConfig) -> RunFolder:
     """The run's folder, once everything that can be checked before any work is: the config,
-    the agent's plug-ins, the warm start's folder, the trace's path, the tokenizer, the resume."""
+    the agent's plug-ins and trackers, the warm start's folder, the trace's path, the
+    tokenizer, the resume."""
     config_lib.validate(cfg, jax.device_count())
     check_agent_config(cfg.rl.agent)  # a plug-in that does not resolve stops before any work
+    check_trackers(cfg.log)
     if cfg.rl.warm_start:  # before the workdir exists: a typo must not leave an empty run behind
         check_run_folder(cfg.rl.warm_start, "rl.warm_start")
     if cfg.rl.trace:  # written at the end: a bad path must not cost the run

@@ -47,7 +47,7 @@ from composer_jax.train.checkpoint import CheckpointError
 from composer_jax.train.metrics import MetricsWriter
 from composer_jax.train.run_folder import RunFolder
 from composer_jax.train.step import TrainState, eval_step, init_train_state, split_model, train_step
-from composer_jax.train.trackers import run_params
+from composer_jax.train.trackers import check_trackers, run_params
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -329,6 +329,7 @@ def run_pretraining(
     config_lib.validate(cfg, jax.device_count())
     if cfg.init_from and not os.path.isdir(cfg.init_from):
         raise config_lib.ConfigError(f"init_from: {cfg.init_from!r} is not a folder")
+    check_trackers(cfg.log)
     folder = RunFolder.start(cfg)
     setup = make_train_setup(cfg)
     if cfg.print_sharding and jax.process_index() == 0:

@@ -168,6 +168,20 @@ def run_params(cfg: config_lib.ExperimentConfig, launch: Mapping | None = None) 
     }
 
 
+def check_trackers(log: config_lib.LogConfig) -> None:
+    """Every name in `log.trackers` resolves, else a ConfigError naming the field: checked
+    before a run's folder exists or any work starts, so a misspelled tracker costs nothing."""
+    for name in log.trackers:
+        _tracker_class(name)
+
+
+def _tracker_class(name: str) -> type[Tracker]:
+    try:
+        return plugins.resolve(TRACKERS, name, "tracker")
+    except ValueError as error:
+        raise config_lib.ConfigError(f"log.trackers: {error}") from None
+
+
 def start_trackers(
     log: config_lib.LogConfig, workdir: str, params: dict, resume: bool
 ) -> list[Tracker]:
@@ -176,11 +190,8 @@ def start_trackers(
     ids_file = epath.Path(workdir) / TRACKERS_FILE
     ids = json.loads(ids_file.read_text()) if resume and ids_file.exists() else {}
     started = []
-    for name in log.trackers:
-        try:
-            tracker_class = plugins.resolve(TRACKERS, name, "tracker")
-        except ValueError as error:
-            raise config_lib.ConfigError(f"log.trackers: {error}") from None
+    classes = {name: _tracker_class(name) for name in log.trackers}  # all, before any starts
+    for name, tracker_class in classes.items():
         try:
             started.append(tracker_class(log, workdir, params, ids.get(name)))
         except ImportError as error:

@@ -154,6 +154,17 @@ def test_registry_and_check_turn(task):
         make_detectors(("style", "no_such_detector"))
 
 
+
+def test_a_detector_outside_the_package_is_named_by_its_import_path(task):
+    """The recipe WORKSPACE.md gives: a class with `name` and `check`, chosen by config."""
+    (style, long_turn) = make_detectors(("style", "tests.agent.plugins:LongTurn"))
+    (turn,) = _play(task, READ + " " * 1000)[0]
+    assert check_turn([style, long_turn], turn, None) == [
+        ("long_turn", f"Keep a turn short: this one has {len(turn.text)} characters.")
+    ]
+    (turn,) = _play(task, READ)[0]
+    assert check_turn([style, long_turn], turn, None) == []
+
 def _random_flagged(rng, length):
     """Sorted, non-overlapping spans (some adjacent, maybe touching both ends) with hints."""
     cuts = np.sort(rng.choice(np.arange(length + 1), size=8, replace=False))

@@ -135,11 +135,12 @@ class _Unavailable(Tracker):
 
 
 class _Recording(Tracker):
-    closed = []
+    started, closed = [], []
 
     def __init__(self, log, workdir, params, run_id):
         super().__init__(log, workdir, params, run_id)
         self.run_id = run_id or "r1"
+        self.started.append(self.run_id)
 
     def log(self, step, scalars):
         pass
@@ -154,6 +155,7 @@ def test_trackers_that_cannot_start_are_one_line_errors(tmp_path, monkeypatch):
     monkeypatch.setitem(TRACKERS, "recording", _Recording)
     cases = {
         ("nope",): "log.trackers: unknown tracker 'nope'; registered: ",
+        ("recording", "nope"): "log.trackers: unknown tracker 'nope'; registered: ",
         ("recording", "unavailable"): "log.trackers: unavailable needs the tracking extra",
         ("mlflow",): "log.trackers: mlflow could not start",
     }
@@ -162,7 +164,7 @@ def test_trackers_that_cannot_start_are_one_line_errors(tmp_path, monkeypatch):
         with pytest.raises(config_lib.ConfigError) as error:
             start_trackers(log, str(tmp_path), {}, resume=False)
         assert str(error.value).startswith(message) and "\n" not in str(error.value)
-    assert _Recording.closed == ["r1"]  # what had started is closed again
+    assert _Recording.closed == _Recording.started == ["r1"]  # none left open; names first
     assert not (tmp_path / TRACKERS_FILE).exists()
 
 
