@@ -37,7 +37,7 @@ from composer_jax.parallel import Layout, make_layout
 from composer_jax.parallel.mesh import BATCH_AXES, use_layout
 from composer_jax.parallel.multihost import LeaderChannel, host_model, place_global
 from composer_jax.rl.batch import TrajectoryBatch
-from composer_jax.rl.policy import reference_logprobs, rl_loss
+from composer_jax.rl.policy import reference_logits, reference_logprobs, rl_loss
 from composer_jax.trace import NULL_TRACER
 from composer_jax.train.loop import StopRequest, TrainSetup, make_setup
 from composer_jax.train.run_folder import RunFolder
@@ -62,18 +62,21 @@ def rl_train_step(
     layout: Layout | None,
     state: TrainState,
     batch: TrajectoryBatch,
-    ref_logprobs_BT: jax.Array | None,
+    reference: jax.Array | None,
     qk_clip: QKClip | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One policy-gradient step (the gradient step pretraining uses, on the RL loss). Expert
-    routing biases are left alone: routing is replayed."""
+    routing biases are left alone: routing is replayed. `reference`: what `_reference` gives
+    (the reference's logits for the exact KL, else its token log-probs), or None."""
+    exact = objective.kl_estimator == "exact"
+    ref_logprobs, ref_logits = (None, reference) if exact else (reference, None)
     params, opt_state, metrics = apply_gradients(
         graphdef,
         optimizer,
         schedule,
         layout,
         state,
-        lambda m: rl_loss(m, batch, objective, ref_logprobs_BT),
+        lambda m: rl_loss(m, batch, objective, ref_logprobs, ref_logits),
         qk_clip,
     )
     # A non-finite step leaves the state as it was (the caller raises): the old state's buffers
@@ -95,10 +98,10 @@ def rl_objective(rl: RLConfig) -> RLObjectiveConfig:
     return dataclasses.replace(objective, loss_normalizer=normalizer)
 
 
-def _reference_logprobs(graphdef, layout, params, buffers, batch):
+def _reference(graphdef, layout, exact: bool, params, buffers, batch):
     m = nnx.merge(graphdef, params, buffers)
     with use_layout(layout):
-        return reference_logprobs(m, batch)
+        return (reference_logits if exact else reference_logprobs)(m, batch)
 
 
 def rl_setup(cfg: config_lib.ExperimentConfig, layout: Layout | None = None) -> TrainSetup:
@@ -165,7 +168,8 @@ class RLTrainer:
             ),
             donate_argnums=0,
         )
-        self._ref_fn = jax.jit(functools.partial(_reference_logprobs, setup.graphdef, self.layout))
+        exact = cfg.rl.objective.kl_estimator == "exact"
+        self._ref_fn = jax.jit(functools.partial(_reference, setup.graphdef, self.layout, exact))
         self.publisher = WeightPublisher(
             open_store(weight_store),
             delta=cfg.rl.weight_delta,

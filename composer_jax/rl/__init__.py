@@ -20,7 +20,13 @@ from composer_jax.rl.loss import (
     token_logprobs,
     trainable_mask,
 )
-from composer_jax.rl.policy import reference_logprobs, rl_loss, teacher_logits, trainer_logits
+from composer_jax.rl.policy import (
+    reference_logits,
+    reference_logprobs,
+    rl_loss,
+    teacher_logits,
+    trainer_logits,
+)
 
 __all__ = [
     "LENGTH_FEATURES",
@@ -39,6 +45,7 @@ __all__ = [
     "per_sample_sum",
     "policy_gradient_token_loss",
     "policy_objective",
+    "reference_logits",
     "reference_logprobs",
     "rl_loss",
     "sample_rewards",

@@ -125,6 +125,8 @@ def policy_objective(
     tokens = jnp.maximum(maskf.sum(), 1.0)
 
     loss = jnp.zeros((), jnp.float32)
+    if ref_logprobs_BT is None and ref_logits_BTV is not None:
+        ref_logprobs_BT = token_logprobs(ref_logits_BTV, batch.tokens_BT)
     if ref_logprobs_BT is not None:
         k1 = jax.lax.stop_gradient(kl_estimate(logp, ref_logprobs_BT, "k1"))
         k3 = jax.lax.stop_gradient(kl_estimate(logp, ref_logprobs_BT, "k3"))

@@ -42,11 +42,16 @@ def trainer_logits(
     return model.logits(out.hidden_BTD), metrics
 
 
+def reference_logits(model: Transformer, batch: TrajectoryBatch) -> jax.Array:
+    """Logits under a reference policy (its own routing), as constants: the exact KL's input
+    ([B, T, V]: a vocabulary-sized copy of the batch, for small-vocabulary studies)."""
+    out = forward(model, batch.tokens_BT, batch.positions_BT, batch.segment_ids_BT, with_mtp=False)
+    return jax.lax.stop_gradient(model.logits(out.hidden_BTD))
+
+
 def reference_logprobs(model: Transformer, batch: TrajectoryBatch) -> jax.Array:
     """Token log-probs under a reference policy (its own routing), as constants."""
-    out = forward(model, batch.tokens_BT, batch.positions_BT, batch.segment_ids_BT, with_mtp=False)
-    logp = token_logprobs(model.logits(out.hidden_BTD), batch.tokens_BT)
-    return jax.lax.stop_gradient(logp)
+    return token_logprobs(reference_logits(model, batch), batch.tokens_BT)
 
 
 def teacher_logits(model: Transformer, batch: TrajectoryBatch) -> jax.Array:

@@ -209,6 +209,39 @@ def test_qk_clip_in_the_rl_step_shrinks_only_the_query_and_key_projections(tmp_p
     assert shrunk > 0
 
 
+
+def test_the_exact_kl_trains_against_the_reference_logits(tmp_path):
+    """`kl_estimator="exact"` (full-vocabulary KL to the warm start): the trainer's reference
+    pass gives the logits it needs, and each step's KL term is the one `rl_loss` gives with the
+    warm start's logits (not 0 at the first step: the policy's routes are the batch's)."""
+    from flax import nnx
+
+    from composer_jax.actor.trainer import rl_objective
+    from composer_jax.rl import reference_logits, rl_loss
+
+    cfg = presets.rl_tiny()
+    objective = dataclasses.replace(
+        cfg.rl.objective, kl_estimator="exact", kl_placement="in_loss", kl_coef=0.5
+    )
+    cfg = dataclasses.replace(
+        cfg,
+        workdir=str(tmp_path / "run"),
+        model=dataclasses.replace(cfg.model, dtype="float32"),  # a KL this small, compared
+        rl=dataclasses.replace(cfg.rl, objective=objective),
+    )
+    graphdef, params, buffers = split_model(init_model(cfg.model, 3))
+    batch = _packed_rl_batch(cfg)
+    reference = reference_logits(nnx.merge(graphdef, params, buffers), batch)
+    trainer = RLTrainer(cfg, params, buffers, str(tmp_path / "weights"))
+    for _ in range(2):  # the warm start itself (under replayed routes), then a moved policy
+        policy = nnx.merge(graphdef, trainer.state.params, buffers)
+        _, want = rl_loss(policy, batch, rl_objective(cfg.rl), ref_logits_BTV=reference)
+        got = trainer.step(batch)
+        assert float(want["kl_loss"]) > 1e-6
+        np.testing.assert_allclose(got["kl_loss"], float(want["kl_loss"]), rtol=1e-4)
+        np.testing.assert_allclose(got["kl_k1"], float(want["kl_k1"]), rtol=1e-4)
+    trainer.close()
+
 def test_the_loss_normaliser_is_the_runs_not_the_batchs():
     """The epoch's last step may carry fewer groups; its tokens weigh the same as every
     other step's: the normaliser is groups_per_step * group_size * max_generation_len."""
