@@ -41,7 +41,12 @@ def group_advantages(
     valid = group_id_N >= 0
     group = jnp.where(valid, group_id_N, 0)
     weight = valid.astype(jnp.float32)
-    rewards = jnp.where(valid, rewards_N.astype(jnp.float32), 0.0)
+    raw = jnp.where(valid, rewards_N.astype(jnp.float32), -jnp.inf)
+    # Centred on the group's largest reward first, which changes no advantage but makes a group
+    # of equal rewards exactly 0 in every mode: a float32 mean of equal values need not equal
+    # them, and "mean_std" would blow the rounding up to a push of the whole group.
+    top = jax.ops.segment_max(raw, group, num_segments=N)[group]
+    rewards = jnp.where(valid, raw - top, 0.0)
 
     def group_sum(x):
         return jax.ops.segment_sum(x * weight, group, num_segments=N)[group]

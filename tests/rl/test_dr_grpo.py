@@ -68,6 +68,31 @@ def test_equal_rewards_in_a_group_give_zero_gradient():
     assert np.abs(np.asarray(grad)).max() > 1e-4
 
 
+
+@pytest.mark.parametrize("mode", ["mean", "leave_one_out", "mean_std"])
+def test_a_group_of_equal_random_rewards_has_exactly_zero_advantages(mode):
+    """Equal rewards whose float32 mean is not exactly themselves (most are, in groups of 8 or
+    16): no advantage, in any mode; other groups' advantages match a float64 reference."""
+    rng = np.random.default_rng()
+    equal = rng.random(64).astype(np.float32)
+    rewards = np.concatenate([equal.repeat(8), equal[:32].repeat(16), rng.random(12)])
+    groups = np.concatenate(
+        [np.arange(64).repeat(8), 64 + np.arange(32).repeat(16), 96 + np.arange(3).repeat(4)]
+    )
+    groups[-1] = -1  # an empty slot
+    adv = np.asarray(group_advantages(jnp.asarray(rewards), jnp.asarray(groups), mode))
+    np.testing.assert_array_equal(adv[: 64 * 8 + 32 * 16], 0.0)
+    tail, g = rewards[-12:-1].astype(np.float64), groups[-12:-1]
+    for group in np.unique(g):
+        r = tail[g == group]
+        want = {
+            "mean": r - r.mean(),
+            "leave_one_out": r - (r.sum() - r) / (len(r) - 1),
+            "mean_std": (r - r.mean()) / (r.std() + 1e-6),
+        }[mode]
+        np.testing.assert_allclose(adv[-12:-1][g == group], want, rtol=1e-5, atol=1e-6)
+    assert adv[-1] == 0.0
+
 @pytest.mark.parametrize("mode", ["mean", "leave_one_out"])
 def test_per_token_weight_does_not_depend_on_sequence_length(mode):
     """Every policy token of sample i weighs A_i / constant, however long its sequence."""
