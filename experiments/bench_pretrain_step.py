@@ -27,12 +27,15 @@ def measure(model_cfg, batch_size: int, seq_len: int, steps: int) -> dict:
     from composer_jax import config as config_lib
     from composer_jax import optim
     from composer_jax.model import init_model
+    from composer_jax.model.layers import logical_axes_of
     from composer_jax.train import step as step_lib
 
     schedule = optim.learning_rate_schedule(config_lib.OptimizerConfig(), 1000)
-    optimizer = optim.make_optimizer(config_lib.OptimizerConfig(), schedule)
     m = init_model(model_cfg, seed=0)
-    graphdef, _, _ = step_lib.split_model(m)
+    graphdef, params, _ = step_lib.split_model(m)
+    optimizer = optim.make_optimizer(
+        config_lib.OptimizerConfig(), schedule, logical_axes_of(params), verbose=False
+    )
     state = step_lib.init_train_state(m, optimizer)
     rng = np.random.default_rng(0)
     batch = {

@@ -168,18 +168,19 @@ def _our_train_step(m, tokens, repeats: int) -> tuple[float, dict, list]:
     from composer_jax import config as config_lib
     from composer_jax import optim
     from composer_jax.model import Transformer
+    from composer_jax.model.layers import logical_axes_of
     from composer_jax.train import step as step_lib
 
     opt_cfg = config_lib.OptimizerConfig(name="adamw", warmup_steps=0)
     schedule = optim.learning_rate_schedule(opt_cfg, 1000)
-    optimizer = optim.make_optimizer(opt_cfg, schedule)
     # The checkpoint's parameters in a model of the same architecture with our attention choice.
     block = _ATTENTION_BLOCK.value or None
-    graphdef, _, _ = step_lib.split_model(
+    graphdef, params, _ = step_lib.split_model(
         nnx.eval_shape(
             lambda: Transformer(dataclasses.replace(m.cfg, attention_block_size=block), nnx.Rngs(0))
         )
     )
+    optimizer = optim.make_optimizer(opt_cfg, schedule, logical_axes_of(params), verbose=False)
     holder = {"state": step_lib.init_train_state(m, optimizer)}
     rows, length = tokens.shape
     batch = {

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import jax
 import jax.numpy as jnp
 import optax
 
 from composer_jax.config import OptimizerConfig
-from composer_jax.optim.muon import muon, split_table
+from composer_jax.optim.muon import decay_mask, muon, split_table
 
 
 def learning_rate_schedule(
@@ -47,24 +46,20 @@ def learning_rate_schedule(
     return schedule
 
 
-def _decay_mask(params):
-    """Weight decay on matrices only: norms' scales and other vectors are left alone."""
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
-
-
 def make_optimizer(
     cfg: OptimizerConfig,
     schedule: optax.Schedule,
-    logical_axes=None,
+    logical_axes,
     shardings=None,
     verbose: bool = True,
 ) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW (`cfg.name="adamw"`) or Muon + AdamW (`"muon"`).
 
-    Muon needs the parameters' logical axes (`logical_axes_of(params)`) to split matrices from the
-    rest and to find the Newton-Schulz batch axes; with the parameters' NamedShardings it runs the
-    sharded (all-to-all) Newton-Schulz. Muon's learning rate follows `schedule` rescaled to peak
-    at `cfg.muon_learning_rate`. With `verbose`, the first `init` prints which parameter gets what.
+    `logical_axes` (`logical_axes_of(params)`) tell matrices, which alone are decayed, from the
+    rest (`decay_mask`); Muon also finds its Newton-Schulz batch axes there, and with the
+    parameters' NamedShardings runs the sharded (all-to-all) Newton-Schulz. Muon's learning rate
+    follows `schedule` rescaled to peak at `cfg.muon_learning_rate`. With `verbose`, the first
+    `init` prints which parameter gets what.
     """
     clip = optax.clip_by_global_norm(cfg.clip_norm)
     if cfg.name == "adamw":
@@ -76,13 +71,11 @@ def make_optimizer(
                 b2=cfg.b2,
                 eps=cfg.eps,
                 weight_decay=cfg.weight_decay,
-                mask=_decay_mask,
+                mask=decay_mask(logical_axes),
             ),
         )
     if cfg.name != "muon":
         raise ValueError(f"optim.name: unknown optimizer {cfg.name!r}")
-    if logical_axes is None:
-        raise ValueError("optim.name='muon' needs the parameters' logical axes")
     ratio = cfg.muon_learning_rate / cfg.learning_rate
     tx = optax.chain(
         clip,

@@ -441,8 +441,20 @@ def scale_by_muon(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _decay_mask(params):
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+def decay_mask(logical_axes) -> Callable[[Any], Any]:
+    """Mask function for AdamW's weight decay: matrices only, a matrix being a parameter with
+    two axes or more besides the layer stack; a norm's scale stacked over layers
+    (`("layers", "embed")`) is a vector per layer and is not decayed, like an unstacked one."""
+
+    def mask(params):
+        return jax.tree.map(
+            lambda axes, sub: jax.tree.map(lambda _: sum(a != "layers" for a in axes) >= 2, sub),
+            logical_axes,
+            params,
+            is_leaf=_is_axes,
+        )
+
+    return mask
 
 
 def muon(
@@ -466,7 +478,7 @@ def muon(
 
     `logical_axes` is a tree of axis-name tuples matching the parameters (prefix of them: one tuple
     per `nnx.Param`); `shardings` the parameters' NamedShardings (or None: single device).
-    AdamW decays only >= 2-D parameters, like `make_optimizer`'s plain AdamW.
+    AdamW decays only matrices (`decay_mask`), like `make_optimizer`'s plain AdamW.
     """
     adam_learning_rate = learning_rate if adam_learning_rate is None else adam_learning_rate
     return optax.partition(
@@ -482,7 +494,7 @@ def muon(
                 b2=adam_b2,
                 eps=adam_eps,
                 weight_decay=adam_weight_decay,
-                mask=_decay_mask,
+                mask=decay_mask(logical_axes),
             ),
         },
         param_labels(logical_axes),

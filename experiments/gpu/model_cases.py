@@ -75,13 +75,14 @@ def _train_setup(cfg, batch_size: int, seq_len: int, seed: int = 0):
     from composer_jax import config as config_lib
     from composer_jax import optim
     from composer_jax.model import init_model
+    from composer_jax.model.layers import logical_axes_of
     from composer_jax.train import step as step_lib
 
     opt_cfg = config_lib.OptimizerConfig(warmup_steps=0)  # every step moves the weights
     schedule = optim.learning_rate_schedule(opt_cfg, 1000)
-    optimizer = optim.make_optimizer(opt_cfg, schedule)
     m = init_model(cfg, seed=seed)
-    graphdef, _, _ = step_lib.split_model(m)
+    graphdef, params, _ = step_lib.split_model(m)
+    optimizer = optim.make_optimizer(opt_cfg, schedule, logical_axes_of(params), verbose=False)
     state = step_lib.init_train_state(m, optimizer)
     rng = np.random.default_rng(seed)
     batch = {

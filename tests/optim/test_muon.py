@@ -193,6 +193,33 @@ def test_make_optimizer_muon_gives_each_setting_to_its_part():
         params = optax.apply_updates(params, updates)
 
 
-def test_make_optimizer_rejects_muon_without_axes():
-    with pytest.raises(ValueError, match="logical axes"):
-        make_optimizer(OptimizerConfig(name="muon"), optax.constant_schedule(1e-3))
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_weight_decay_reaches_every_matrix_and_no_norm_stacked_or_not(name):
+    """The tiny model's own parameters under a zero gradient: each moves by its weight decay
+    alone (every matrix, layer-stacked, per expert or per head) or not at all (every norm's
+    scale, `[layers, dim]` in the stacks as `[dim]` outside them). The amounts per optimizer
+    part: `test_make_optimizer_muon_gives_each_setting_to_its_part`."""
+    from flax import nnx
+
+    from composer_jax import presets
+    from composer_jax.model import Transformer
+    from composer_jax.model.layers import logical_axes_of
+    from composer_jax.train.step import split_model
+
+    cfg = dataclasses.replace(OptimizerConfig(name=name), weight_decay=0.1, clip_norm=1e9)
+    model = presets.tiny().model
+    _, params, _ = split_model(nnx.eval_shape(lambda: Transformer(model, nnx.Rngs(0))))
+    axes = logical_axes_of(params)
+    params = jax.tree.map(lambda p: jnp.ones(p.shape, jnp.float32), params)
+    tx = make_optimizer(cfg, optax.constant_schedule(0.01), axes, verbose=False)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = tx.update(zeros, tx.init(params), params)
+    moved = {}
+    for path, update in jax.tree_util.tree_leaves_with_path(updates):
+        name_ = ".".join(str(getattr(k, "key", k)) for k in path)
+        moved[name_] = float(jnp.max(jnp.abs(update)))
+    norms = {n: v for n, v in moved.items() if "norm" in n}
+    matrices = {n: v for n, v in moved.items() if "norm" not in n}
+    assert len(norms) >= 10 and any("layers" in n for n in norms)
+    assert all(v == 0.0 for v in norms.values()), norms
+    assert all(v > 1e-4 for v in matrices.values()), matrices

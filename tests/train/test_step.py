@@ -12,6 +12,7 @@ from flax import nnx
 from composer_jax import config as config_lib
 from composer_jax import optim, presets
 from composer_jax.model import init_model
+from composer_jax.model.layers import logical_axes_of
 from composer_jax.parallel import make_layout
 from composer_jax.train import step as S
 from composer_jax.train.loop import state_shardings
@@ -103,9 +104,9 @@ def _run_steps(cfg, layout, batches, microbatches=1, qk_clip=None, metrics_out=N
     train_cfg = config_lib.TrainConfig()
     opt_cfg = config_lib.OptimizerConfig(warmup_steps=1)
     schedule = optim.learning_rate_schedule(opt_cfg, 10)
-    optimizer = optim.make_optimizer(opt_cfg, schedule)
     m = init_model(cfg, seed=3)
-    graphdef, _, _ = S.split_model(m)
+    graphdef, params, _ = S.split_model(m)
+    optimizer = optim.make_optimizer(opt_cfg, schedule, logical_axes_of(params), verbose=False)
     state = S.init_train_state(m, optimizer)
     shardings = state_shardings(jax.eval_shape(lambda: state), layout)
     state = jax.device_put(state, shardings)
@@ -140,8 +141,8 @@ def test_a_state_of_committed_weights_compiles_the_step_once():
     nnx.update(m, jax.device_put(nnx.state(m), jax.devices()[0]))
     opt_cfg = config_lib.OptimizerConfig(warmup_steps=1)
     schedule = optim.learning_rate_schedule(opt_cfg, 10)
-    optimizer = optim.make_optimizer(opt_cfg, schedule)
-    graphdef, _, _ = S.split_model(m)
+    graphdef, params, _ = S.split_model(m)
+    optimizer = optim.make_optimizer(opt_cfg, schedule, logical_axes_of(params), verbose=False)
     traces = []
 
     def step(state, batch):
