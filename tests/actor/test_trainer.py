@@ -209,7 +209,6 @@ def test_qk_clip_in_the_rl_step_shrinks_only_the_query_and_key_projections(tmp_p
     assert shrunk > 0
 
 
-
 def test_the_exact_kl_trains_against_the_reference_logits(tmp_path):
     """`kl_estimator="exact"` (full-vocabulary KL to the warm start): the trainer's reference
     pass gives the logits it needs, and each step's KL term is the one `rl_loss` gives with the
@@ -241,6 +240,7 @@ def test_the_exact_kl_trains_against_the_reference_logits(tmp_path):
         np.testing.assert_allclose(got["kl_loss"], float(want["kl_loss"]), rtol=1e-4)
         np.testing.assert_allclose(got["kl_k1"], float(want["kl_k1"]), rtol=1e-4)
     trainer.close()
+
 
 def test_the_loss_normaliser_is_the_runs_not_the_batchs():
     """The epoch's last step may carry fewer groups; its tokens weigh the same as every

@@ -29,7 +29,6 @@ def always_pleased(behaviour) -> float:
     return 1.0
 
 
-
 class LongTurn:
     """A turn of more than 1,000 characters."""
 

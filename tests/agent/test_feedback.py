@@ -154,7 +154,6 @@ def test_registry_and_check_turn(task):
         make_detectors(("style", "no_such_detector"))
 
 
-
 def test_a_detector_outside_the_package_is_named_by_its_import_path(task):
     """The recipe WORKSPACE.md gives: a class with `name` and `check`, chosen by config."""
     (style, long_turn) = make_detectors(("style", "tests.agent.plugins:LongTurn"))
@@ -164,6 +163,7 @@ def test_a_detector_outside_the_package_is_named_by_its_import_path(task):
     ]
     (turn,) = _play(task, READ)[0]
     assert check_turn([style, long_turn], turn, None) == []
+
 
 def _random_flagged(rng, length):
     """Sorted, non-overlapping spans (some adjacent, maybe touching both ends) with hints."""

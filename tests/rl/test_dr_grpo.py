@@ -68,7 +68,6 @@ def test_equal_rewards_in_a_group_give_zero_gradient():
     assert np.abs(np.asarray(grad)).max() > 1e-4
 
 
-
 @pytest.mark.parametrize("mode", ["mean", "leave_one_out", "mean_std"])
 def test_a_group_of_equal_random_rewards_has_exactly_zero_advantages(mode):
     """Equal rewards whose float32 mean is not exactly themselves (most are, in groups of 8 or
@@ -92,6 +91,7 @@ def test_a_group_of_equal_random_rewards_has_exactly_zero_advantages(mode):
         }[mode]
         np.testing.assert_allclose(adv[-12:-1][g == group], want, rtol=1e-5, atol=1e-6)
     assert adv[-1] == 0.0
+
 
 @pytest.mark.parametrize("mode", ["mean", "leave_one_out"])
 def test_per_token_weight_does_not_depend_on_sequence_length(mode):
