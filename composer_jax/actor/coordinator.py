@@ -298,7 +298,20 @@ class Coordinator:
 
     def _finish_group(self, group: GroupSlot) -> None:
         results = [s.outcome for s in group.samples]
-        self.ledger.add(make_group(str(group.group_id), group.task.task_id, results))
+        record = make_group(str(group.group_id), group.task.task_id, results)
+        if record.policy_versions.size == 0:  # every sample gave up before its first token
+            log.warning(
+                "group %s: no sample generated a token (its environments never started); "
+                "nothing to train, skipped",
+                group.group_id,
+            )
+            with self.state.lock:
+                del self.state.groups[group.group_id]
+                self._untrained -= 1
+                self.state.counters.groups_without_tokens += 1
+                self.state.lock.notify_all()
+            return
+        self.ledger.add(record)
         with self.state.lock:
             del self.state.groups[group.group_id]
             self.state.counters.groups_finished += 1

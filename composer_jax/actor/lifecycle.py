@@ -82,6 +82,7 @@ class Counters:
 
     groups_scheduled: int = 0
     groups_finished: int = 0
+    groups_without_tokens: int = 0  # every sample gave up before its first token: not trained
     samples_finished: int = 0
     samples_requeued: int = 0
     samples_resumed: int = 0  # restored mid-episode from an in-flight record
@@ -103,6 +104,7 @@ class Counters:
         out = {
             "groups_scheduled": self.groups_scheduled,
             "groups_finished": self.groups_finished,
+            "groups_without_tokens": self.groups_without_tokens,
             "samples_requeued": self.samples_requeued,
             "samples_resumed": self.samples_resumed,
             "samples_finished": self.samples_finished,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -30,6 +31,7 @@ from composer_jax.envs import Task
 Variant = Callable[[Task, int], "Task | None"]
 
 log = logging.getLogger(__name__)
+_VARIANT = re.compile(r"v(\d+)$")  # a variant's prompt id: the original's, "v", its number
 
 
 def admits_group(rl: RLConfig, trainer_version: int, untrained: int, sampler_version: int) -> bool:
@@ -55,22 +57,31 @@ class Scheduler:
         self.cfg, self.seed, self.variant = cfg, seed, variant
         self._tasks = dict(prompts)
         self._retries = collections.Counter()  # prompt -> highest retry in the ledger
-        live, dropped = set(), set()
-        all_dropped = set(ledger.dropped())
-        for text in ledger:
+        self.revisits = 0  # variants made, by this start and earlier ones (their ids' numbers)
+        seen, live, redo = set(), set(), set()
+        stale, dropped = set(ledger.dropped("stale")), set(ledger.dropped())
+        corrupt = set(ledger.corrupt)
+        for text in [*ledger, *corrupt]:
             group = GroupId.parse(text)
             self._retries[group.prompt] = max(self._retries[group.prompt], group.retry)
-            (dropped if text in all_dropped else live).add(group.prompt)
+            seen.add(group.prompt)
+            variant = _VARIANT.search(group.prompt)
+            if variant is not None and group.prompt not in self._tasks:
+                self.revisits = max(self.revisits, int(variant[1]))
+            if text in stale or text in corrupt:
+                redo.add(group.prompt)
+            elif text not in dropped:  # pending or trained; an uninformative group is final
+                live.add(group.prompt)
         self._queue: collections.deque[GroupId] = collections.deque(
-            GroupId(p) for p, _ in prompts if str(GroupId(p)) not in ledger
+            GroupId(p) for p, _ in prompts if p not in seen
         )
-        # A prompt whose every group was dropped (by an earlier start too) is sampled again.
-        for prompt in sorted((dropped - live) & set(self._tasks)):
+        # A prompt whose every group was lost (stale, damaged; by an earlier start too) is
+        # sampled again. Variants lived in an earlier start's memory: not redone.
+        for prompt in sorted((redo - live) & set(self._tasks)):
             self._queue.append(self._retry(prompt))
         self._num_prompts = len(self._queue)
         self._hard: list[tuple[float, str]] = []  # (hardness, prompt) of finished originals
         self._variants: set[str] = set()
-        self.revisits = 0
 
     def _retry(self, prompt: str) -> GroupId:
         self._retries[prompt] += 1
@@ -119,14 +130,18 @@ class Scheduler:
         return self._queue.popleft() if self._queue else None
 
     def redispatch(self, group_ids: list[str]) -> None:
-        """The prompts of dropped groups go first in line again, so the epoch covers them."""
+        """The prompts of dropped groups go first in line again, so the epoch covers them (but
+        a variant made by an earlier start, whose task is gone: its original was trained)."""
         for text in group_ids:
-            self._queue.appendleft(self._retry(GroupId.parse(text).prompt))
-            self._num_prompts += 1
+            prompt = GroupId.parse(text).prompt
+            if prompt in self._tasks:
+                self._queue.appendleft(self._retry(prompt))
+                self._num_prompts += 1
 
     def finished(self, group: GroupId, num_turns: int, thinking_tokens: int) -> None:
         """Records how hard an original prompt was (most turns, then most thinking tokens)."""
-        if self.cfg.rollout.hard_prompt_fraction > 0 and group.prompt not in self._variants:
+        original = group.prompt in self._tasks and group.prompt not in self._variants
+        if self.cfg.rollout.hard_prompt_fraction > 0 and original:
             self._hard.append((num_turns * 1e6 + thinking_tokens, group.prompt))
 
 
