@@ -44,10 +44,12 @@ class RunFolder:
     @classmethod
     def start(cls, cfg: config_lib.ExperimentConfig) -> RunFolder:
         """The folder `cfg` trains into (`cfg.workdir`), created; ConfigErrors name the field
-        (a tokenizer that cannot be used, a resume `cfg.resume` forbids or a changed config,
-        a folder that cannot be made or written) before anything is written."""
+        (a tokenizer that cannot be used, a resume `cfg.resume` forbids, a changed config or
+        tokenizer, a folder that cannot be made or written) before anything is written."""
         tokenizer = runs.resolve_tokenizer(cfg)
-        workdir_lib.check_resume(str(workdir_lib.run_path(cfg.workdir, "workdir")), cfg)
+        workdir = str(workdir_lib.run_path(cfg.workdir, "workdir"))
+        if workdir_lib.check_resume(workdir, cfg):
+            runs.check_run_tokenizer(workdir, tokenizer)
         if jax.process_count() > 1:  # every process has judged the folder before process 0 writes
             multihost_utils.sync_global_devices("checked the workdir")
         return cls(workdir_lib.prepare_workdir(cfg.workdir), cfg, tokenizer)

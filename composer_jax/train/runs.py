@@ -93,6 +93,20 @@ def resolve_tokenizer(cfg: config_lib.ExperimentConfig) -> Tokenizer:
     return tokenizer
 
 
+def check_run_tokenizer(workdir: str, tokenizer: Tokenizer) -> None:
+    """A resumed run keeps its tokenizer: the copy it saved must be `tokenizer` (the same
+    `data.tokenizer` path whose files changed would go on training on other ids)."""
+    folder = epath.Path(workdir) / TOKENIZER_DIR
+    if not has_tokenizer_files(folder):
+        return
+    saved = _load_saved(folder)
+    if saved.fingerprint() != tokenizer.fingerprint():
+        raise config_lib.ConfigError(
+            f"data.tokenizer: {tokenizer.spec!r} is not the tokenizer {workdir} was trained "
+            f"with (its copy in {folder}); restore it or choose another --config.workdir"
+        )
+
+
 def save_run_tokenizer(tokenizer: Tokenizer, workdir: str) -> None:
     """Keeps a copy of the tokenizer's files with the run (the byte tokenizer needs none)."""
     if isinstance(tokenizer, ByteTokenizer):

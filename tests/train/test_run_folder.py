@@ -62,6 +62,20 @@ def test_the_same_config_resumes_and_a_changed_one_is_refused_by_field(cfg):
     assert len(_launches(cfg.workdir)) == 2  # a refused start wrote nothing
 
 
+def test_a_resume_whose_tokenizer_files_changed_is_refused(cfg, tmp_path):
+    """The same `data.tokenizer` path, other files: the config reads the same, the token ids
+    do not; the run's saved copy is kept as it was."""
+    RunFolder.start(cfg).commit(None, "pretrain")
+    saved = RunFolder.open(cfg.workdir).tokenizer.fingerprint()
+    for name in os.listdir(tmp_path / "tok"):
+        os.remove(tmp_path / "tok" / name)
+    make_hf_folder(tmp_path / "tok", vocab_size=300)
+    with pytest.raises(ConfigError, match="data.tokenizer: .* is not the tokenizer .* trained"):
+        RunFolder.start(cfg)
+    assert RunFolder.open(cfg.workdir).tokenizer.fingerprint() == saved
+    assert len(_launches(cfg.workdir)) == 1
+
+
 def test_a_refused_start_creates_nothing(cfg):
     with pytest.raises(ConfigError, match="holds no run"):
         RunFolder.start(dataclasses.replace(cfg, resume="must"))
