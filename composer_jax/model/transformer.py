@@ -93,13 +93,19 @@ class ForwardOutput(NamedTuple):
 ATTENTION_MAX_LOGITS = "attention_max_logits"
 
 
-def drop_metrics(out: ForwardOutput, segment_ids_BT: jax.Array, k: int) -> dict[str, jax.Array]:
+def drop_metrics(
+    out: ForwardOutput, segment_ids_BT: jax.Array, k: int, valid_tokens: jax.Array | None = None
+) -> dict[str, jax.Array]:
     """{"expert_drop_rate": dropped / routed valid slots over the MoE layers} where the traced
-    layout bounds the expert exchange; nothing where it cannot drop."""
+    layout bounds the expert exchange; nothing where it cannot drop. `valid_tokens`: those of
+    the whole batch `segment_ids_BT` is a micro-batch of, so the micro-batches' rates add up to
+    the batch's."""
     layers = out.expert_dropped_L.shape[0]
     if not (layers and drops_tokens()):
         return {}
-    routed = jnp.sum(segment_ids_BT > 0) * k * layers
+    if valid_tokens is None:
+        valid_tokens = jnp.sum(segment_ids_BT > 0)
+    routed = valid_tokens * k * layers
     return {"expert_drop_rate": out.expert_dropped_L.sum() / jnp.maximum(routed, 1)}
 
 

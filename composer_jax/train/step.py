@@ -98,12 +98,13 @@ def pretrain_loss(
     cfg: TrainConfig,
     counts: jax.Array | None = None,
     batch_rows: int | None = None,
+    batch_tokens: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Cross-entropy of the main head plus `mtp_weight` x mean MTP loss over depths, plus
     `model.balance_loss_alpha` x the sequence-wise balance loss (summed over MoE layers, mean
-    over rows). `counts` (`target_counts` of a whole batch this one is a micro-batch of) and
-    `batch_rows` (its rows) make each mean a share of the whole batch's, so the micro-batches'
-    losses add up to it."""
+    over rows). `counts` (`target_counts` of a whole batch this one is a micro-batch of),
+    `batch_rows` (its rows) and `batch_tokens` (its valid tokens) make each mean a share of the
+    whole batch's, so the micro-batches' losses and rates add up to it."""
     out = forward(m, batch["tokens"], batch["positions"], batch["segment_ids"])
     logits = m.logits(out.hidden_BTD)
     targets, mask = batch_targets(batch, 1)
@@ -114,7 +115,7 @@ def pretrain_loss(
         "tokens": mask.sum().astype(jnp.float32),
         "expert_load": out.expert_load_LE,
         ATTENTION_MAX_LOGITS: out.attention_max_logits,
-        **drop_metrics(out, batch["segment_ids"], m.cfg.num_experts_per_tok),
+        **drop_metrics(out, batch["segment_ids"], m.cfg.num_experts_per_tok, batch_tokens),
     }
     loss = ce
     if m.cfg.balance_loss_alpha and out.balance_loss_L.shape[0]:
@@ -223,13 +224,16 @@ def accumulated_gradients(
     micro-batch's loss is its share of the batch's mean (`target_counts`), so the sums are the
     whole batch's loss, gradients and metrics (the attention maxima: their maximum)."""
     counts = target_counts(batch, num_mtp_layers)
-    rows = batch["tokens"].shape[0]
+    rows, tokens = batch["tokens"].shape[0], jnp.sum(batch["segment_ids"] > 0)
     with use_layout(layout):
         micro = split_microbatches(batch, microbatches)
 
     def one(mb):
         return loss_gradients(
-            graphdef, layout, state, lambda m: pretrain_loss(m, mb, train_cfg, counts, rows)
+            graphdef,
+            layout,
+            state,
+            lambda m: pretrain_loss(m, mb, train_cfg, counts, rows, tokens),
         )
 
     def body(total, mb):

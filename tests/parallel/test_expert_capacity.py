@@ -170,6 +170,28 @@ def test_training_reports_drops_and_matches_one_device_when_nothing_can_drop(bat
     assert 0.5 < metrics["expert_drop_rate"] < 1 and tight_loss != pytest.approx(want_loss)
 
 
+def test_micro_batches_report_the_whole_batchs_drop_rate(batch):
+    """Each micro-batch's drops over the whole batch's routed slots: the accumulated rate is
+    the micro-batches' rates weighted by their tokens (their sum, before: twice the rate)."""
+    tight = make_layout(config_lib.MeshConfig(replica=2, fsdp=2, cp=2, ep_capacity=0.25))
+    m = init_model(_model_cfg("float32"), seed=5)
+    graphdef, params, buffers = S.split_model(m)
+    state = S.TrainState(jnp.zeros((), jnp.int32), params, buffers, None)
+    metrics, _ = jax.jit(
+        lambda state, batch: S.accumulated_gradients(
+            graphdef, tight, state, batch, TrainConfig(), m.cfg.num_mtp_layers, 2
+        )
+    )(state, batch)
+    rates, tokens = [], []
+    for k in range(2):  # micro-batch k: rows k, k + 2, ... (`split_microbatches`)
+        half = jax.tree.map(lambda x: x[k::2], batch)
+        rates.append(_drop_rate_and_loss(tight, half)[1]["expert_drop_rate"])
+        tokens.append(int(np.sum(np.asarray(half["segment_ids"]) > 0)))
+    want = np.dot(rates, tokens) / np.sum(tokens)
+    assert 0.5 < want < 1
+    np.testing.assert_allclose(float(metrics["expert_drop_rate"]), want, rtol=1e-5)
+
+
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("inf")])
 def test_a_capacity_that_is_not_a_positive_number_is_refused(bad):
     cfg = config_lib.ExperimentConfig(mesh=config_lib.MeshConfig(ep_capacity=bad))
