@@ -266,7 +266,8 @@ def quantize_fp8_blocks(w: np.ndarray, block=DEFAULT_FP8_BLOCK) -> tuple[np.ndar
 def is_fp8_linear(name: str, shape: tuple[int, ...]) -> bool:
     """The tensors DeepSeek-V3 stores in fp8: the decoder layers' linears (not the router, norms,
     embedding or head)."""
-    return len(shape) == 2 and name.startswith("model.layers.") and name.endswith("proj.weight")
+    linear = name.endswith(("proj.weight", "proj_with_mqa.weight"))
+    return len(shape) == 2 and name.startswith("model.layers.") and linear
 
 
 def stored_layout(

@@ -2,6 +2,8 @@
 
 import dataclasses
 import json
+import pathlib
+import re
 
 import jax
 import ml_dtypes
@@ -13,6 +15,8 @@ from composer_jax import config, interop, model, presets
 from composer_jax.interop.export import hf_tensors, quantize_fp8_blocks
 from composer_jax.interop.safetensors_io import dequantize_fp8_blocks, read_hf_tensors
 from composer_jax.parallel import make_layout
+
+FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures" / "hf_deepseek_v3"
 
 
 def _random_model(q_lora_rank, rng):
@@ -78,6 +82,11 @@ def test_a_sharded_export_reloads_to_the_same_model_and_bfloat16_to_its_cast(tmp
     )
 
 
+def _scaled_kinds(names) -> set[str]:
+    """The kinds of tensor stored with an fp8 inverse scale, indices replaced by N."""
+    return {re.sub(r"\.\d+\.", ".N.", n) for n in names if n.endswith("_scale_inv")}
+
+
 def test_an_fp8_export_reloads_to_its_block_dequantization(tmp_path, fresh_rng):
     """Decoder linears are written as DeepSeek-V3's e4m3 128x128 blocks with float32 inverse
     scales (the rest in bf16); reloading gives back each block within e4m3's rounding (half an
@@ -91,6 +100,10 @@ def test_an_fp8_export_reloads_to_its_block_dequantization(tmp_path, fresh_rng):
     name = "model.layers.1.mlp.experts.3.down_proj.weight"
     assert stored[name].dtype == ml_dtypes.float8_e4m3fn and name + "_scale_inv" in stored
     assert stored["model.layers.1.mlp.gate.weight"].dtype == ml_dtypes.bfloat16  # the router
+    # The same tensors as a DeepSeek-V3 fp8 checkpoint of the hub's layout (layer and expert
+    # numbers aside): the attention's kv_a_proj_with_mqa too.
+    hub = json.loads((FIXTURES / "qlora_fp8" / "model.safetensors.index.json").read_text())
+    assert _scaled_kinds(stored) == _scaled_kinds(hub["weight_map"])
     back = interop.load_hf_checkpoint(tmp_path / "fp8")
     want = hf_tensors(m)
     got = hf_tensors(back)
