@@ -153,6 +153,25 @@ def module_name(path: str) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def referenced_modules(replay: dict) -> set[tuple[str, str | None]]:
+    """(module, import root) of every ["ref", ...] in the recorded inputs: what the replay's
+    tree must keep (a test module's helper passed as an argument, say)."""
+    found = set()
+
+    def walk(data) -> None:
+        if not isinstance(data, list):
+            return
+        if len(data) == 2 and data[0] == "ref" and isinstance(data[1], list):
+            found.add((data[1][0], data[1][2]))
+            return
+        for item in data:
+            walk(item)
+
+    for call in replay["calls"]:
+        walk(call["input"])
+    return found
+
+
 def command(root: str | Path, replay: dict) -> tuple[str, str, str]:
     """(shell command, its stdin, the marker of its reply) replaying `replay`'s calls on the
     tree at `root`; only the inputs go in, never the expected outcomes."""

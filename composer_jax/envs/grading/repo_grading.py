@@ -295,6 +295,38 @@ def grading_tree(pristine: dict[str, str], workspace: Path, grader: dict):
             _remove(root)
 
 
+@contextlib.contextmanager
+def replay_tree(root: Path, modules: set[tuple[str, str | None]]):
+    """(a copy of the grading tree at `root` without its tests, conftests and other planted
+    files, an empty folder): what a replay runs on, with the empty folder over the workspace, so
+    the code it replays can read neither the tests' expected values nor anything the test run
+    left. Kept: the files of `modules` ((module, import root) a recorded input names; import
+    root None is the standard library) and of the packages above them."""
+    keep = set()
+    for module, import_root in modules:
+        if import_root is None:
+            continue
+        base = "" if import_root.strip("./") == "" else import_root.strip("/") + "/"
+        parts = module.split(".")
+        for depth in range(1, len(parts) + 1):
+            stem = base + "/".join(parts[:depth])
+            keep.update((stem + ".py", stem + "/__init__.py"))
+    files = {}
+    for directory, _, names in os.walk(root):
+        for name in names:
+            relative = str((Path(directory) / name).relative_to(root))
+            hidden = is_test_path(relative) or name in PLANTED_NAMES
+            if relative in keep or not (hidden or "__pycache__" in relative.split("/")):
+                files[relative] = (Path(directory) / name).read_bytes()
+    folder = Path(tempfile.mkdtemp(prefix="replay_", dir=_trees_dir()))
+    try:
+        (folder / "empty").mkdir(mode=0o555)
+        _build(folder / "tree", files, ())
+        yield folder / "tree", folder / "empty"
+    finally:
+        _remove(folder)
+
+
 def _regular_file(path: Path) -> bool:
     return stat.S_ISREG(path.lstat().st_mode)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from composer_jax.envs.grading import harness, replay, repo_grading
 from composer_jax.envs.sandbox.box import Sandbox, SandboxLimits
+from composer_jax.envs.sandbox.isolation import WORKSPACE_MOUNT
 
 GRADER_KINDS = ("cases", "check", "file", "pytest")
 # Grading gets the room of a test suite (a repository's tests print a lot and take seconds).
@@ -178,16 +179,20 @@ def run_replay(
     hidden_paths: tuple[str, ...] = (),
 ) -> list[dict] | None:
     """The outcomes of replaying `calls` (a grader's `replay` entry: module, qualname, calls) on
-    the grading tree at `root`, in a fresh command of the sandbox; None when the replay gave no
-    well-formed reply (see `replay`)."""
-    command, stdin, marker = replay.command(root, calls)
-    result = sandbox.run(
-        command,
-        stdin=stdin,
-        limits=limits,
-        hidden_paths=hidden_paths,
-        extra_ro_binds=repo_grading.read_only_binds(root) if sandbox.isolated else None,
-    )
+    the grading tree at `root` without its tests and with an empty workspace (the replayed code
+    could read the tests' expected values, or what the test run wrote, and return them), in a
+    fresh command of the sandbox; None when the replay gave no well-formed reply (see
+    `replay`)."""
+    with repo_grading.replay_tree(root, replay.referenced_modules(calls)) as (tree, empty):
+        command, stdin, marker = replay.command(tree, calls)
+        binds = {**repo_grading.read_only_binds(tree), str(empty): WORKSPACE_MOUNT}
+        result = sandbox.run(
+            command,
+            stdin=stdin,
+            limits=limits,
+            hidden_paths=hidden_paths,
+            extra_ro_binds=binds if sandbox.isolated else None,
+        )
     try:
         return replay.parse(result.output, marker, len(calls["calls"]))
     except replay.ReplayError:

@@ -299,3 +299,54 @@ def test_the_expected_outcomes_cannot_be_read_from_inside_the_sandbox(backend):
     assert lines, result.output[-2000:]
     found = set(json.loads(lines[-1].split(" ", 1)[1]))
     assert found == {"memory:control", "file:planted"}, found
+
+
+_READER = '''def frequencies(seq):
+    """Nothing of the task: the answer the tests expect, read from a test module at run time."""
+    import ast
+    import os
+
+    for top, _, names in os.walk(WHERE):
+        for name in names:
+            if not (name.startswith("test_") and name.endswith(".py")):
+                continue
+            with open(os.path.join(top, name)) as handle:
+                tree = ast.parse(handle.read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Compare) and isinstance(node.left, ast.Call):
+                    call = node.left
+                    if getattr(call.func, "id", "") == "frequencies" and len(call.args) == 1:
+                        try:
+                            if ast.literal_eval(call.args[0]) == seq:
+                                return ast.literal_eval(node.comparators[0])
+                        except ValueError:
+                            pass
+    return None  # never the answer
+'''
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param(
+            name,
+            marks=pytest.mark.skipif(not isolation.usable(name), reason=f"{name} not usable here"),
+        )
+        for name in ("bwrap", "unshare")
+    ],
+)
+@pytest.mark.parametrize("where", ["os.getcwd()", "'/workspace'"])
+def test_a_function_that_reads_the_tests_expected_values_at_run_time_scores_0(backend, where):
+    """The tests must be there for pytest, and that run passes; the replay, which decides the
+    reward, runs where no test module is (the grading tree without them, an empty workspace)."""
+    task = next(
+        t for t in read_task_set(shipped_sets()["toolz"]) if t.task_id.endswith(":frequencies")
+    )
+    path = task.metadata["path"]
+    stub = task.files[path]
+    start = stub.index("def frequencies(")
+    end = stub.index("raise NotImplementedError", start) + len("raise NotImplementedError\n")
+    reader = stub[:start] + _READER.replace("WHERE", where) + stub[end:]
+    result = grade_solution(task, {path: reader}, backend=backend)
+    assert result.reward == 0.0, (result.outcomes, result.scores)
+    assert result.scores["replay_calls"] > 0 and result.scores["replay_matched"] == 0
