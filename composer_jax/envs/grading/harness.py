@@ -131,16 +131,27 @@ encode, decode = _codec["encode"], _codec["decode"]
 
 
 def same(got, want) -> bool:
-    """Equality of plain data with exact types (True is not 1, 2.0 is not 2); NaN equals NaN."""
+    """Equality of plain data with exact types (True is not 1, 2.0 is not 2), set items and
+    dict keys included; NaN equals NaN."""
     if type(got) is not type(want):
         return False
     if type(want) is float:
         return got == want or (math.isnan(got) and math.isnan(want))
     if type(want) in (list, tuple):
         return len(got) == len(want) and all(same(a, b) for a, b in zip(got, want))
+    if type(want) in (set, frozenset):  # Python's == takes {1} for {1.0} and {True}
+        return sorted(map(_exact, got)) == sorted(map(_exact, want))
     if type(want) is dict:
-        return got.keys() == want.keys() and all(same(got[k], want[k]) for k in want)
+        got_keys, want_keys = {_exact(k): k for k in got}, {_exact(k): k for k in want}
+        return got_keys.keys() == want_keys.keys() and all(
+            same(got[got_keys[key]], want[want_keys[key]]) for key in want_keys
+        )
     return got == want
+
+
+def _exact(value) -> str:
+    """Plain data as text that tells types apart: how set items and dict keys are compared."""
+    return json.dumps(encode(value))
 
 
 # ------------------------------------------------------------------------- the child processes

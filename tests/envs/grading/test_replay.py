@@ -185,6 +185,13 @@ def test_outcomes_compare_with_exact_types():
     assert not replay.same(value(2.0), value(2))
     assert not replay.same(value((1, 2)), value([1, 2]))
     assert replay.same(value(float("nan")), value(float("nan")))
+    # Inside sets and dict keys too, where Python's == takes 1, 1.0 and True for each other.
+    assert not replay.same(value({1.0, 2.0}), value({1, 2}))
+    assert not replay.same(value({True}), value({1}))
+    assert not replay.same(value(frozenset({(1.0, 2)})), value(frozenset({(1, 2)})))
+    assert not replay.same(value({1: "a"}), value({True: "a"}))
+    assert not replay.same(value({"k": 1}), value({"k": 1.0}))
+    assert replay.same(value({(1, "b"): {2, 3}, "a": [1.5]}), value({"a": [1.5], (1, "b"): {3, 2}}))
     assert not replay.same(
         _outcome(["raise", "builtins.KeyError"]), _outcome(["raise", "builtins.ValueError"])
     )
