@@ -70,7 +70,9 @@ def render_call(tool: str, args: dict[str, str]) -> str:
     for name, value in args.items():
         _check_free_of(name, '"', "argument name")
         _check_free_of(name, "\n", "argument name")
-        _check_free_of(value, ARG_CLOSE, "argument value")
+        # Generation stops at a turn's closing markers, so no model could write them here.
+        for marker in (ARG_CLOSE, CALL_CLOSE, FINAL_CLOSE):
+            _check_free_of(value, marker, "argument value")
         parts.append(f'<arg name="{name}">{_wrap(value)}{ARG_CLOSE}')
     parts.append(CALL_CLOSE)
     return "".join(parts)

@@ -23,11 +23,17 @@ text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=60).filter(
     lambda s: not any(m in s for m in MARKERS)
 )
 name = st.text(st.sampled_from("abcdefgh_"), min_size=1, max_size=8)
+# An argument value may hold every marker but the closing ones a turn's generation stops at
+# ("</call>", "</final>") and "</arg>": render_call refuses those.
+CLOSING = ("</arg>", "</call>", "</final>")
+value = st.lists(
+    st.one_of(st.sampled_from([m for m in MARKERS if m not in CLOSING]), text), max_size=6
+).map("".join)
 
 
 @given(
     text,
-    st.lists(st.tuples(name, st.dictionaries(name, text, max_size=3)), max_size=3),
+    st.lists(st.tuples(name, st.dictionaries(name, value, max_size=3)), max_size=3),
     st.one_of(st.none(), text),
 )
 @settings(max_examples=150, deadline=None)
@@ -42,6 +48,14 @@ def test_render_parse_round_trip(thinking, calls, final):
     assert tokenizer.decode(tokenizer.encode(rendered)) == rendered
     output = render_output("run_shell", thinking)
     assert tokenizer.decode(tokenizer.encode(output)) == output
+
+
+@pytest.mark.parametrize("marker", CLOSING)
+def test_a_value_holding_a_closing_marker_is_refused(marker):
+    """The parse would end the call (or the sampler the turn) there: the file written would be
+    cut short and the rest read as more of the turn."""
+    with pytest.raises(ValueError, match="argument value must not contain"):
+        render_call("write_file", {"path": "notes.txt", "content": f"a {marker} b"})
 
 
 @given(
