@@ -27,6 +27,8 @@ from composer_jax.envs.tools.toolbox import (
 
 # Start-up and teardown time allowed per sandboxed command, on top of its own wall limit.
 _COMMAND_SLACK_SECONDS = 5.0
+# What a call cut off before its "</call>" (the turn ran out of tokens) gets instead of running.
+CUT_OFF_CALL = "error: the call was cut off before </call>; it did not run. Write it whole."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +126,9 @@ class Episode:
             outputs = []
             first_call = len(self.tools.log)
             for call in turn.calls[: self.config.max_calls_per_turn]:
+                if not call.complete:  # its arguments may be cut short: a write would be too
+                    outputs.append(protocol.render_output(call.tool, CUT_OFF_CALL))
+                    continue
                 self.monitor.check_call(call, self.counts.turns)
                 text, _ = self.tools.call(call.tool, call.args)
                 outputs.append(protocol.render_output(call.tool, text))

@@ -26,11 +26,13 @@ _MAX_HEADER = 200
 
 @dataclasses.dataclass(frozen=True)
 class ToolCall:
-    """One parsed call; `text` is its exact span in the model output (for token counting)."""
+    """One parsed call; `text` is its exact span in the model output (for token counting).
+    `complete`: it and each of its arguments were closed (a turn cut off mid-call is not)."""
 
     tool: str
     args: dict[str, str]
     text: str = ""
+    complete: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +169,10 @@ def parse_turn(text: str) -> Turn:
             else:
                 end = close + len(CALL_CLOSE)
             body = text[header_end + 1 : close if close >= 0 else len(text)]
-            calls.append(ToolCall(tool, _parse_args(body, errors), text[start:end]))
+            problems = len(errors)
+            args = _parse_args(body, errors)
+            cut = close < 0 or any(e.startswith("unterminated <arg>") for e in errors[problems:])
+            calls.append(ToolCall(tool, args, text[start:end], complete=not cut))
             pos = end
             continue
         closing = THINK_CLOSE if tag == THINK_OPEN else FINAL_CLOSE

@@ -3,6 +3,7 @@
 import pytest
 
 from composer_jax.envs import EnvConfig, Episode, builtin_tasks, render_call, render_turn
+from composer_jax.envs.environment import CUT_OFF_CALL
 from composer_jax.envs.sandbox import Sandbox
 from composer_jax.envs.tools import (
     TOOL_PROFILES,
@@ -183,3 +184,21 @@ def test_a_tool_named_by_import_path_runs_in_an_episode():
         assert "<output" in result.observation and ">4</output>" in result.observation
         done = episode.step(render_turn(final="done"))
         assert done.done and done.info["todo"] == []
+
+
+@pytest.mark.parametrize("cut", ["in_a_value", "before_the_close"])
+def test_a_call_cut_off_by_the_end_of_the_turn_does_not_run(cut):
+    """A turn that ran out of tokens mid-call would write a file cut short and report it
+    written; the call is refused whole instead, and the model told why."""
+    task = builtin_tasks(1, seed=3, max_ops=1)[0]
+    call = render_call("write_file", {"path": "notes.txt", "content": "first line\nsecond line\n"})
+    text = call[: call.index("second")] if cut == "in_a_value" else call[: -len("</call>")]
+    config = EnvConfig(require_isolation=False)
+    with Episode(task, config) as episode:
+        result = episode.step(text)
+        assert CUT_OFF_CALL in result.observation and not result.done
+        assert not (episode.sandbox.workspace / "notes.txt").exists()
+        assert episode.call_log == []
+        whole = episode.step(call)
+        assert "wrote" in whole.observation
+        assert (episode.sandbox.workspace / "notes.txt").read_text() == "first line\nsecond line\n"
