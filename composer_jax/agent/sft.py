@@ -32,6 +32,7 @@ from composer_jax.config import (
     RolloutConfig,
 )
 from composer_jax.data.tokenizer import Tokenizer
+from composer_jax.envs.grading.protocol import UnrenderableError
 
 log = logging.getLogger(__name__)
 
@@ -118,19 +119,26 @@ def _mistake_kinds(agent: AgentConfig, feedback: float) -> tuple[str, ...]:
 
 
 def _scripts(tasks, environment, kinds: tuple[str, ...], feedback: float, seed: int) -> list:
-    """One script per task in `environment`; a share `feedback` of them (drawn with `seed`)
+    """One script per task in `environment` (but a task whose solution the turn protocol
+    cannot carry, left out with a warning); a share `feedback` of them (drawn with `seed`)
     makes one mistake of `kinds`."""
     rng = np.random.default_rng(seed)
-    return [
-        OracleScript(
-            task,
-            environment.tools,
-            environment.open_tab_lines,
-            mistake_rng=rng if rng.random() < feedback else None,
-            mistake_kinds=kinds,
-        )
-        for task in tasks
-    ]
+    scripts = []
+    for task in tasks:
+        mistake_rng = rng if rng.random() < feedback else None
+        try:
+            scripts.append(
+                OracleScript(
+                    task,
+                    environment.tools,
+                    environment.open_tab_lines,
+                    mistake_rng=mistake_rng,
+                    mistake_kinds=kinds,
+                )
+            )
+        except UnrenderableError as error:
+            log.warning("task %s: no scripted episode, left out (%s)", task.task_id, error)
+    return scripts
 
 
 def _turn_tokens(tokenizer: Tokenizer, turn: str, max_new_tokens: int) -> np.ndarray:

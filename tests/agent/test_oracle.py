@@ -145,6 +145,20 @@ def test_episodes_that_do_not_fit_are_left_out_and_none_is_an_error():
         sft_examples(cfg)(TOKENIZER)
 
 
+def test_a_task_whose_solution_the_protocol_cannot_carry_is_left_out(caplog):
+    """A solution holding "</call>" cannot be written as a tool call (the turn would end
+    there): its task gets no scripted episode, the others still do."""
+    cfg = presets.rl_agent_tiny()
+    good, bad = envs.load_task_source(cfg.data.tasks).take(2, "train", seed=0)
+    change = plan_change(bad)
+    marked = bad.oracle_files[change.path].replace(change.new, change.new + "# </call>\n")
+    bad = dataclasses.replace(bad, oracle_files={**bad.oracle_files, change.path: marked})
+    tokenizer = data.load_tokenizer("code_bpe_2k")
+    examples = episode_examples(cfg.rl.agent, cfg.rl.rollout, cfg.model, tokenizer, [bad, good])
+    assert examples  # the good task's
+    assert f"task {bad.task_id}: no scripted episode, left out" in caplog.text
+
+
 def _agent_without_summaries():
     """The agent preset with the summary budget off: an episode is one generation."""
     cfg = presets.rl_agent_tiny()

@@ -59,13 +59,18 @@ def _unwrap(value: str) -> str:
     return value
 
 
+class UnrenderableError(ValueError):
+    """A name or value the turn protocol cannot carry (it holds a marker)."""
+
+
 def _check_free_of(value: str, marker: str, what: str) -> None:
     if marker in value:
-        raise ValueError(f"{what} must not contain {marker!r}")
+        raise UnrenderableError(f"{what} must not contain {marker!r}")
 
 
 def render_call(tool: str, args: dict[str, str]) -> str:
-    """Renders a call; raises ValueError for names or values the protocol cannot carry."""
+    """Renders a call; raises UnrenderableError for names or values the protocol cannot
+    carry."""
     _check_free_of(tool, '"', "tool name")
     _check_free_of(tool, "\n", "tool name")
     parts = [f'<call tool="{tool}">']
