@@ -184,6 +184,24 @@ def _build(cfg, folder, model, warm_params, warm_buffers, channel, progress) -> 
         writer.write(0, {"heldout_reward": before.mean, "heldout_pass_rate": before.pass_rate})
     env = agent_env_config(rl.agent)
     sampler, pool = make_roles(cfg, model, store, env_timeout(rl, env), tracer)
+    try:
+        coordinator = _coordinator(
+            cfg, tokenizer, trainer, sampler, pool, ledger, prompts, env, tracer
+        )
+    except BaseException:  # the environment workers, the trace and the trackers go with the run
+        tracer.close()
+        pool.shutdown()
+        writer.close()
+        raise
+    return _Loop(evaluator, before, ledger, trainer, writer, sampler, pool, coordinator, tracer)
+
+
+def _coordinator(
+    cfg, tokenizer, trainer, sampler, pool, ledger, prompts, env, tracer
+) -> Coordinator:
+    """The first weights published and pulled, then the coordinator with the groups that were
+    in flight."""
+    rl = cfg.rl
     tracer.start()  # the timeline: from the first publication to the rollout thread's end
     trainer.publish().result()
     sampler.sync_weights(wait_for=trainer.version)
@@ -211,7 +229,7 @@ def _build(cfg, folder, model, warm_params, warm_buffers, channel, progress) -> 
         tracer=tracer,
     )
     coordinator.trainer_version = trainer.version
-    return _Loop(evaluator, before, ledger, trainer, writer, sampler, pool, coordinator, tracer)
+    return coordinator
 
 
 def _rewind(rl, ledger: GroupLedger, trainer: RLTrainer) -> None:
