@@ -105,11 +105,14 @@ def e8m0_exponent(amax: jax.Array, scale_mode: str = "rceil") -> jax.Array:
     """Unbiased E8M0 scale exponent for blocks with absolute maximum `amax` (finite)."""
     if scale_mode == "rceil":
         # ceil(log2(amax / 448)) from the bits of d = amax * (1/448): d's exponent, plus one if any
-        # mantissa bit is set. Subnormal or zero d clamps to the smallest scale.
-        d = amax.astype(jnp.float32) * np.float32(1.0 / E4M3_MAX)
-        bits = jax.lax.bitcast_convert_type(d, jnp.int32)
-        biased = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0)
-        biased = jnp.where(((bits >> 23) & 0xFF) == 0, 0, biased)
+        # mantissa bit is set. A subnormal (or flushed) d is below 2^-126: ceil(log2 d) is -126
+        # when d > 2^-127 (told from amax itself, which is normal there), else the smallest.
+        amax = amax.astype(jnp.float32)
+        bits = jax.lax.bitcast_convert_type(amax * np.float32(1.0 / E4M3_MAX), jnp.int32)
+        field = (bits >> 23) & 0xFF
+        biased = field + ((bits & 0x7FFFFF) != 0)
+        above = (amax > np.float32(E4M3_MAX * 2.0**-127)).astype(jnp.int32)
+        biased = jnp.where(field == 0, above, biased)
     elif scale_mode == "floor":
         # OCP: floor(log2(amax)) - 8 (8 = exponent of E4M3's largest power of two).
         biased = _biased_exponent(amax) - 8
@@ -151,6 +154,9 @@ def e4m3_to_bytes(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x.astype(jnp.float8_e4m3fn), jnp.uint8)
 
 
+_SMALLEST_ROW_AMAX = np.float32(E2M1_MAX * E4M3_MAX * 2.0**-126)
+
+
 @functools.partial(jax.jit, static_argnames=("axis", "block_2d"))
 def quantize_nvfp4(
     x: jax.Array,
@@ -184,6 +190,9 @@ def quantize_nvfp4(
         vector_axes = (-2, -1)
     magnitude = jnp.abs(tiles)
     row_amax = jnp.max(magnitude, axis=vector_axes, keepdims=True)
+    # A row scale (row_amax / 2688) below the smallest normal float would be flushed to zero
+    # (a row decoding to 0) and its inverse overflow: tiny rows use that smallest scale.
+    row_amax = jnp.where(row_amax == 0, 0.0, jnp.maximum(row_amax, _SMALLEST_ROW_AMAX))
     encode = jnp.where(row_amax == 0, 1.0, (E2M1_MAX * E4M3_MAX) / row_amax)
     block_amax = jnp.max(magnitude, axis=-1, keepdims=True)
     block_scale = jnp.minimum(block_amax * encode / E2M1_MAX, E4M3_MAX)

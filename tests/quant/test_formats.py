@@ -56,6 +56,32 @@ def test_e8m0_boundaries():
         F.e8m0_exponent(amax, "nearest")
 
 
+def test_rceil_exponent_is_the_exact_ceiling_down_to_the_smallest_scale():
+    """ceil(log2(amax / 448)) in float64, clamped to E8M0's range, on fresh magnitudes from
+    1e-38 to 1e30, the block maxima whose amax / 448 is subnormal (2.6e-36 to 5.3e-36:
+    RCEIL's first scale above the smallest) included."""
+    rng = np.random.default_rng()
+    tiny = np.float32(2.0**-126) * rng.uniform(0, 600, 5000)
+    wide = np.abs(rng.standard_normal(20000)) * 10.0 ** rng.uniform(-38, 30, 20000)
+    amax = np.concatenate([tiny, wide]).astype(np.float32)
+    got = np.asarray(F.e8m0_exponent(jnp.asarray(amax)))
+    with np.errstate(divide="ignore"):
+        want = np.clip(np.ceil(np.log2(amax.astype(np.float64) / 448.0)), -127, 127)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_row_of_tiny_values_keeps_its_values_in_nvfp4():
+    """A row whose largest value is below 2688 x the smallest normal float (3.2e-35): its
+    row scale would be flushed to zero (the row decoding to 0) and its inverse overflow."""
+    rng = np.random.default_rng()
+    for amax in (3e-35, 5e-36, 1e-37):
+        x = rng.uniform(-1, 1, (1, 64)).astype(np.float32)
+        x = jnp.asarray(x / np.abs(x).max() * np.float32(amax))
+        out = np.asarray(F.dequantize(F.quantize_nvfp4(x)))
+        assert np.isfinite(out).all()
+        assert np.abs(out - np.asarray(x)).max() <= 0.25 * amax
+
+
 def test_mxfp8_465_trap_is_clipped_not_nan():
     # A block whose max is 448 with FLOOR scale 1: a plain cast of 465 would give NaN.
     assert bool(jnp.isnan(jnp.float32(465.0).astype(jnp.float8_e4m3fn).astype(jnp.float32)))
