@@ -51,7 +51,7 @@ def _batch(config_py: str, out_dir: str) -> None:
     spec.loader.exec_module(module)
     cfg = module.get_experiment()
     layout = loop.make_train_setup(cfg).layout
-    corpora = loop._Corpora(cfg, resolve_tokenizer(cfg))
+    corpora = loop._Corpora(loop.open_corpus(cfg), resolve_tokenizer(cfg))
     batch = loop._global_batch(next(loop._make_iterator(cfg, corpora, 0)), layout)
     shards = {}
     for key, array in batch.items():

@@ -111,6 +111,24 @@ def test_a_misspelled_tracker_stops_the_run_before_its_workdir_exists(entry, tmp
     assert not workdir.exists()
 
 
+@pytest.mark.parametrize(
+    ("entry", "override", "field"),
+    [
+        ("pretrain", "--config.data.corpus_root=/nonexistent", "data.corpus_root"),
+        ("pretrain", "--config.data.tasks=nosuch", "data.tasks"),  # its SFT phase comes last
+        ("rl", "--config.data.tasks=jsonl:/nonexistent", "data.tasks"),
+        ("rl", "--config.rl.heldout.tasks=nosuch", "rl.heldout.tasks"),
+    ],
+)
+def test_a_data_source_that_cannot_be_read_stops_the_run_before_its_workdir(
+    entry, override, field, tmp_path
+):
+    workdir = tmp_path / "run"
+    result = launch(entry, override, f"--config.workdir={workdir}", cwd=tmp_path)
+    one_line_error(result, f"error: {field}: ")
+    assert not workdir.exists()
+
+
 # ----------------------------------------------------------------------------- typed overrides
 
 

@@ -268,7 +268,7 @@ def test_processes_hold_disjoint_rows_that_make_the_single_process_batch(tmp_pat
     cfg = _experiment(tmp_path / "unused", corpus, 2)
     layout = loop.make_train_setup(cfg).layout
     assert dict(layout.mesh.shape) == {"replica": 1, "fsdp": 4, "cp": 2}
-    corpora = loop._Corpora(cfg, resolve_tokenizer(cfg))
+    corpora = loop._Corpora(loop.open_corpus(cfg), resolve_tokenizer(cfg))
     want = loop._global_batch(next(loop._make_iterator(cfg, corpora, 0)), layout)
     for key, array in want.items():
         full = np.asarray(array)

@@ -58,6 +58,7 @@ from composer_jax.actor.setup import (
 from composer_jax.actor.trainer import ProcessZeroFailed, RLTrainer
 from composer_jax.agent import check_agent_config, make_workflow, reward_weights, rollout_sampling
 from composer_jax.agent import env_config as agent_env_config
+from composer_jax.envs import task_source
 from composer_jax.parallel.multihost import LeaderChannel, host_model, is_leader
 from composer_jax.trace import TRAINER, format_summary, make_tracer, summary_path
 from composer_jax.train.loop import StopRequest
@@ -112,6 +113,9 @@ def _start_folder(cfg: config_lib.ExperimentConfig) -> RunFolder:
     config_lib.validate(cfg, jax.device_count())
     check_agent_config(cfg.rl.agent)  # a plug-in that does not resolve stops before any work
     check_trackers(cfg.log)
+    rl_task_source(cfg)  # the prompts' and the held-out check's task sources resolve
+    if cfg.rl.heldout.tasks:
+        task_source(cfg.rl.heldout.tasks, "rl.heldout.tasks")
     if cfg.rl.warm_start:  # before the workdir exists: a typo must not leave an empty run behind
         check_run_folder(cfg.rl.warm_start, "rl.warm_start")
     if cfg.rl.trace:  # written at the end: a bad path must not cost the run

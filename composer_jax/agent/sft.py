@@ -207,7 +207,10 @@ def _repeat_hint(outcome, tokenizer: Tokenizer, tools: tuple[str, ...]) -> np.nd
 def sft_examples(cfg: ExperimentConfig) -> Callable[[Tokenizer], list]:
     """What `run_pretraining(sft_examples=...)` calls for the examples of SFT phases: the first
     `data.sft_tasks` training tasks of `data.tasks` (seed cfg.seed) that have an oracle
-    solution, in the run's `data.sft_style`."""
+    solution, in the run's `data.sft_style`. The source is checked now, before any training:
+    a phase on it may start late in the run."""
+    if any(phase.data == "tasks" for phase in cfg.train.phases):
+        envs.task_source(cfg.data.tasks, "data.tasks")
 
     def make(tokenizer: Tokenizer) -> list:
         drawn = envs.drawn_tasks(

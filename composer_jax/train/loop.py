@@ -125,21 +125,27 @@ class StopRequest:
 SFTExamples = Callable[[data_lib.Tokenizer], list]
 
 
+def open_corpus(cfg: config_lib.ExperimentConfig) -> tuple:
+    """(train, eval) documents of `data.corpus_root` (the package's own code by default); a
+    ConfigError naming the field for a source that cannot be read."""
+    root = cfg.data.corpus_root or data_lib.default_code_root()
+    kwargs = dict(
+        extensions=tuple(cfg.data.extensions),
+        eval_fraction=cfg.data.eval_fraction,
+        text_field=cfg.data.text_field,
+    )
+    try:
+        return tuple(data_lib.open_documents(root, split, **kwargs) for split in ("train", "eval"))
+    except ValueError as error:
+        raise config_lib.ConfigError(f"data.corpus_root: {error}") from None
+
+
 class _Corpora:
     """Train/eval documents, the tokenizer and the SFT examples, built once per run."""
 
-    def __init__(
-        self, cfg: config_lib.ExperimentConfig, tokenizer, sft_examples: SFTExamples | None = None
-    ):
-        root = cfg.data.corpus_root or data_lib.default_code_root()
+    def __init__(self, documents: tuple, tokenizer, sft_examples: SFTExamples | None = None):
+        self.train, self.eval = documents  # `open_corpus`
         self.tokenizer = tokenizer
-        kwargs = dict(
-            extensions=tuple(cfg.data.extensions),
-            eval_fraction=cfg.data.eval_fraction,
-            text_field=cfg.data.text_field,
-        )
-        self.train = data_lib.open_documents(root, "train", **kwargs)
-        self.eval = data_lib.open_documents(root, "eval", **kwargs)
         self._make_sft_examples = sft_examples
         self._sft_examples = None
 
@@ -330,6 +336,7 @@ def run_pretraining(
     if cfg.init_from and not os.path.isdir(cfg.init_from):
         raise config_lib.ConfigError(f"init_from: {cfg.init_from!r} is not a folder")
     check_trackers(cfg.log)
+    documents = open_corpus(cfg)  # before the folder: a corpus that cannot be read costs nothing
     folder = RunFolder.start(cfg)
     setup = make_train_setup(cfg)
     if cfg.print_sharding and jax.process_index() == 0:
@@ -337,7 +344,7 @@ def run_pretraining(
     try:
         resume_step, state, data_position = _start_state(folder, setup, pretrained)
         launch = folder.commit(resume_step, "pretrain")
-        run = _Pretraining(setup, folder, state, resume_step, launch, sft_examples)
+        run = _Pretraining(setup, folder, documents, state, resume_step, launch, sft_examples)
         eval_start = run.evaluate() if run.step == 0 else None
         if eval_start is not None:
             print(f"step {run.step}: eval NLL {eval_start:.4f} nats/token", flush=True)
@@ -386,6 +393,7 @@ class _Pretraining:
         self,
         setup: TrainSetup,
         folder: RunFolder,
+        documents: tuple,
         state: TrainState,
         resume_step: int | None,
         launch: dict | None,
@@ -401,7 +409,7 @@ class _Pretraining:
         counts = {p.microbatches for p in cfg.train.phases}
         self._step_fns = {m: setup.jit_train_step(microbatches=m) for m in counts}
         self._eval_fn = jax.jit(functools.partial(eval_step, setup.graphdef, setup.layout))
-        self.corpora = _Corpora(cfg, folder.tokenizer, sft_examples)
+        self.corpora = _Corpora(documents, folder.tokenizer, sft_examples)
         self._eval_batches = _eval_batches(cfg, self.corpora, setup.layout)
         params = run_params(cfg, launch) if self.is_main else None
         self.writer = MetricsWriter(folder.path, resume_step, self.is_main, cfg.log, params=params)

@@ -112,7 +112,7 @@ def test_pretrain_from_hf_folder_on_jsonl_with_its_tokenizer(tmp_path):
         "tokenizer_config.json",
     ]
     # The documents reach the model as the checkpoint tokenizer's ids.
-    corpora = loop._Corpora(cfg, resolve_tokenizer(cfg))
+    corpora = loop._Corpora(loop.open_corpus(cfg), resolve_tokenizer(cfg))
     batch = next(loop._make_iterator(cfg, corpora, 0))
     segments = [
         row[ids == k]

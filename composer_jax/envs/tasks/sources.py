@@ -226,7 +226,7 @@ def task_source(spec: str, field: str) -> TaskSource:
     """The task source `spec` names, or a ConfigError naming the config field."""
     try:
         return load_task_source(spec)
-    except TaskSourceError as error:
+    except (TaskSourceError, jsonl_tasks.JsonlTaskError) as error:
         raise ConfigError(f"{field}: {error}") from None
 
 
