@@ -337,9 +337,8 @@ def _message(error: Exception) -> str:
     name = quoted.group(1) if quoted else first.strip("\"' ")
     hint = re.search(r'Did you mean "([^"]+)"', rest)
     suggestion = f'; did you mean "{hint.group(1)}"?' if hint else ""
-    culprit = next(
-        (a.split("=")[0] for a in sys.argv if a.startswith("--config.") and f".{name}" in a), None
-    )
+    overrides = [a.split("=")[0] for a in sys.argv if a.startswith("--config.")]
+    culprit = next((o for o in overrides if o.rsplit(".", 1)[-1] == name), None)
     where = culprit or f"field {name!r}"
     return f"{where}: no such field{suggestion}"
 

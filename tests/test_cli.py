@@ -66,6 +66,11 @@ def test_accounting_prices_the_train_state_by_the_optimizer(tmp_path):
         (["--config=no_such_preset"], ["neither a preset"]),
         (["extra"], ["positional", "extra"]),
         (["--config.stepz=1"], ['--config.stepz: no such field; did you mean "steps"?']),
+        # The override named is the bad one, not a good one whose name contains it.
+        (
+            ["--config.model.num_layers=4", "--config.model.num_layer=3"],
+            ["override: --config.model.num_layer: no such field"],
+        ),
     ],
 )
 def test_bad_command_lines_are_one_line_errors(tmp_path, args, needles):
