@@ -324,6 +324,8 @@ def differences_table(groups: list[Group], baseline: int = 0) -> tuple[str, list
             for g in gains
         ]
         rows += [{"kind": "gain", **g} for g in gains]
+    if not 0 <= baseline < len(groups):  # -1 would pair the last group with itself
+        raise ValueError(f"--baseline: {baseline} is not a group (0 to {len(groups) - 1})")
     base = groups[baseline]
     pairs = [paired_difference(base, g) for i, g in enumerate(groups) if i != baseline]
     pairs = [p for p in pairs if p]

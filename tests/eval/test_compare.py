@@ -106,6 +106,17 @@ def test_paired_differences_pair_tasks_of_the_same_seed(sweep):
     assert gain["mean"] == pytest.approx(own.mean()) and gain["pairs"] == 18
 
 
+@pytest.mark.parametrize("baseline", [-1, 2])
+def test_a_baseline_that_is_not_a_group_is_refused(sweep, baseline):
+    """-1 paired the last group with itself (+0.000 +- 0.000); 2 of two groups was an
+    IndexError naming nothing."""
+    root, _ = sweep
+    groups = compare.group_runs([compare.load_run(p) for p in compare.find_runs([str(root)])])
+    assert len(groups) == 2
+    with pytest.raises(ValueError, match="--baseline: .* is not a group"):
+        compare.differences_table(groups, baseline)
+
+
 def test_every_heldout_metric_before_and_after_over_seeds(tmp_path):
     """The fig.-5 table: each metric the evaluator recorded, paired by task within each run and
     pooled, with the Student-t interval over the seeds' own mean changes."""
