@@ -4,9 +4,19 @@ sequence of an episode, and the flags of a `launch.rl` run small enough for a te
 import dataclasses
 
 import numpy as np
+import pytest
 
 from composer_jax import config, presets
+from composer_jax.envs.sandbox import isolation
 from composer_jax.rl.batch import SegmentKind, Sequence
+
+# The isolating sandbox backends, each skipped where it cannot run.
+ISOLATING = [
+    pytest.param(
+        name, marks=pytest.mark.skipif(not isolation.usable(name), reason=f"{name} not usable here")
+    )
+    for name in ("bwrap", "unshare")
+]
 
 
 def tiny_model_config(**overrides) -> config.ModelConfig:

@@ -11,9 +11,10 @@ import pytest
 
 from composer_jax.envs.grading import harness, replay, repo_grading
 from composer_jax.envs.grading.task import GRADING_LIMITS, grade_solution
-from composer_jax.envs.sandbox import Sandbox, isolation
+from composer_jax.envs.sandbox import Sandbox
 from composer_jax.envs.tasks import repo_factory
 from composer_jax.envs.tasks.repo_task_sets import read_task_set, shipped_sets
+from tests.helpers import ISOLATING
 
 _CORE = '''
 _missing = object()
@@ -267,16 +268,7 @@ print("SEARCHED", json.dumps(sorted(_found)), file=sys.stderr)
 """
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        pytest.param(
-            name,
-            marks=pytest.mark.skipif(not isolation.usable(name), reason=f"{name} not usable here"),
-        )
-        for name in ("bwrap", "unshare")
-    ],
-)
+@pytest.mark.parametrize("backend", ISOLATING)
 def test_the_expected_outcomes_cannot_be_read_from_inside_the_sandbox(backend):
     shipped = shipped_sets()["toolz"]
     task = next(t for t in read_task_set(shipped) if "replay" in t.grader)
@@ -332,16 +324,7 @@ _READER = '''def frequencies(seq):
 '''
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        pytest.param(
-            name,
-            marks=pytest.mark.skipif(not isolation.usable(name), reason=f"{name} not usable here"),
-        )
-        for name in ("bwrap", "unshare")
-    ],
-)
+@pytest.mark.parametrize("backend", ISOLATING)
 @pytest.mark.parametrize("where", ["os.getcwd()", "'/workspace'"])
 def test_a_function_that_reads_the_tests_expected_values_at_run_time_scores_0(backend, where):
     """The tests must be there for pytest, and that run passes; the replay, which decides the

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from composer_jax.envs.grading.task import grade_solution
-from composer_jax.envs.sandbox import isolation
 from composer_jax.envs.tasks import repo_factory
 from composer_jax.envs.tasks.repo_task_sets import read_task_set, write_task_set
 from composer_jax.envs.tasks.sources import TaskSourceError, load_task_source
+from tests.helpers import ISOLATING
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -193,16 +193,7 @@ def test_reaches_the_network():
 """
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        pytest.param(
-            name,
-            marks=pytest.mark.skipif(not isolation.usable(name), reason=f"{name} not usable here"),
-        )
-        for name in ("bwrap", "unshare")
-    ],
-)
+@pytest.mark.parametrize("backend", ISOLATING)
 def test_the_survey_runs_sandboxed(tmp_path, backend):
     outside = tmp_path / "escaped.txt"
     package = write_package(tmp_path / "src", _TESTS + _ESCAPING_TEST.format(outside=str(outside)))
