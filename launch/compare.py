@@ -95,8 +95,11 @@ def _read_report(path: str) -> dict:
             report = json.load(f)
     except (OSError, ValueError) as error:
         raise ValueError(f"{path}: not a readable report ({error})") from None
-    if not isinstance(report, dict) or not isinstance(report.get("per_task"), dict):
-        raise ValueError(f"{path}: not a launch.evaluate report (no per_task)")
+    per_task = report.get("per_task") if isinstance(report, dict) else None
+    if not isinstance(per_task, dict) or not per_task:
+        raise ValueError(f"{path}: not a launch.evaluate report (no per_task results)")
+    if not all(isinstance(metrics, dict) for metrics in per_task.values()):
+        raise ValueError(f"{path}: not a launch.evaluate report (a per_task entry is no record)")
     return report
 
 

@@ -301,6 +301,16 @@ def test_evaluation_reports_are_paired_by_task_id_and_pooled_over_pairs(fresh_rn
         [*COMMAND, "--reports", *map(str, paths[:3])], env=env, capture_output=True, text=True
     )
     assert odd.returncode == 2 and "in (before, after) pairs, got 3" in odd.stderr
+    for bad in ({"per_task": {}}, {"per_task": {"t0": 0.5}}):  # were TypeError tracebacks
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        refused = subprocess.run(
+            [*COMMAND, "--reports", str(tmp_path / "bad.json"), str(paths[1])],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert refused.returncode == 2 and "not a launch.evaluate report" in refused.stderr
+        assert refused.stderr.count("\n") == 1
 
 
 def test_evaluation_reports_of_different_tasks_are_not_paired():
