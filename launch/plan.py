@@ -42,6 +42,7 @@ _SLOTS = flags.DEFINE_integer(
     "slots",
     None,
     "Decode rows (default: rl.rollout.num_slots rounded up to a multiple of the devices).",
+    lower_bound=1,
 )
 _KNOBS = flags.DEFINE_enum(
     "knobs",

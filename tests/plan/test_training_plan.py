@@ -236,6 +236,7 @@ def test_a_scanned_loop_counts_each_trip_like_the_written_out_one():
         (["--steps=bogus"], "--steps: unknown step 'bogus'"),
         (["--buffers=-1"], "--buffers: -1 is not a count"),
         (["--steps=decode", "--slots=3"], "--slots: 3 decode rows do not split over 8 devices"),
+        (["--steps=decode", "--devices=1", "--slots=-4"], "--slots=-4: -4 is not a positive"),
     ],
 )
 def test_bad_plans_are_one_line_errors(args, needle):
