@@ -13,7 +13,7 @@ import hashlib
 import sys
 from pathlib import Path
 
-from absl import app, flags
+from absl import flags
 from tqdm import tqdm
 
 from composer_jax.envs.tasks import repo_factory
@@ -51,7 +51,7 @@ def _repository() -> repo_factory.Repository:
     if FLAGS.path:
         tree = Path(FLAGS.path).resolve()
         if not tree.is_dir():
-            raise app.UsageError(f"--path={FLAGS.path}: no such folder")
+            cli.fail(f"--path={FLAGS.path}: no such folder")
         return repo_factory.find_layout(tree, tree.name, "local", f"path:{tree}")
     tree = repo_factory.fetch_source(FLAGS.package, Path(FLAGS.cache))
     name, _, version = tree.name.rpartition("-")
@@ -71,7 +71,7 @@ def _progress_bar(description: str):
 def _build():
     """(repository, tasks, report) from --package / --path, or from --from_set."""
     if sum(map(bool, (FLAGS.package, FLAGS.path, FLAGS.from_set))) != 1:
-        raise app.UsageError("give exactly one of --package, --path and --from_set")
+        cli.fail("give exactly one of --package, --path and --from_set")
     if FLAGS.from_set:
         repo = read_repository(FLAGS.from_set)
         bar, progress = _progress_bar(f"recording replay for {repo.name}")
@@ -96,7 +96,7 @@ def _build():
 def main(argv):
     del argv
     if not FLAGS.out:
-        raise app.UsageError("--out is required")
+        cli.fail("--out is required")
     try:
         repo, tasks, report = _build()
     except (repo_factory.FactoryError, TaskSetError) as error:

@@ -152,6 +152,26 @@ def test_a_folder_without_a_package_is_refused_in_one_line(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        ([], "--out is required"),
+        (["--out=x.jsonl"], "give exactly one of --package, --path and --from_set"),
+        (["--out=x.jsonl", "--path=/nonexistent"], "--path=/nonexistent: no such folder"),
+    ],
+)
+def test_usage_errors_are_one_line(args, needle):
+    """Not the whole help text after them."""
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.make_tasks", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and result.stderr == f"error: {needle}\n", result.stderr
+
+
 def test_a_suite_that_does_not_run_is_refused(tmp_path):
     package = write_package(tmp_path / "broken", tests="def test_x(:\n    pass\n")
     repo = repo_factory.find_layout(package, "broken", "0", "path")
