@@ -21,7 +21,10 @@ _DTYPE = flags.DEFINE_enum(
     "Weights' dtype (float32: the exact inverse; fp8: DeepSeek-V3 128x128-block e4m3 linears).",
 )
 _SHARD_MB = flags.DEFINE_integer(
-    "shard_size_mb", 5120, "Largest weight shard (one model.safetensors when all fit)."
+    "shard_size_mb",
+    5120,
+    "Largest weight shard (one model.safetensors when all fit).",
+    lower_bound=1,
 )
 
 

@@ -317,6 +317,13 @@ CASES += [  # a bucket target the machine cannot write: refused before anything 
         None,
     ),
     ("export", "unknown scheme", ["--config.workdir={missing}", "--out=s3://b/x"], "--out: ", None),
+    (  # refused at parsing, before the model loads
+        "export",
+        "no shard size",
+        ["--config.workdir={missing}", "--out=out", "--shard_size_mb=0"],
+        "--shard_size_mb=0",
+        None,
+    ),
 ]
 CASES += [
     ("rl", name, [*args, "--config.workdir={missing}"], needle, "--noprogress")
