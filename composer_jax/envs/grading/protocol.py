@@ -115,8 +115,10 @@ def _attribute(header: str, name: str) -> str | None:
     return header[start:end] if end >= 0 else None
 
 
-def _parse_args(body: str, errors: list[str]) -> dict[str, str]:
+def _parse_args(body: str, errors: list[str]) -> tuple[dict[str, str], bool]:
+    """(the arguments, whether each one was closed)."""
     args: dict[str, str] = {}
+    closed = True
     pos = 0
     while True:
         start = body.find(ARG_OPEN, pos)
@@ -130,7 +132,7 @@ def _parse_args(body: str, errors: list[str]) -> dict[str, str]:
         close = body.find(ARG_CLOSE, header_end + 1)
         if close < 0:
             errors.append(f"unterminated <arg> {name!r}")
-            close = len(body)
+            closed, close = False, len(body)
         if name is None:
             errors.append("<arg> without name")
         elif name in args:
@@ -138,7 +140,7 @@ def _parse_args(body: str, errors: list[str]) -> dict[str, str]:
         else:
             args[name] = _unwrap(body[header_end + 1 : close])
         pos = close + len(ARG_CLOSE)
-    return args
+    return args, closed
 
 
 def parse_turn(text: str) -> Turn:
@@ -174,10 +176,8 @@ def parse_turn(text: str) -> Turn:
             else:
                 end = close + len(CALL_CLOSE)
             body = text[header_end + 1 : close if close >= 0 else len(text)]
-            problems = len(errors)
-            args = _parse_args(body, errors)
-            cut = close < 0 or any(e.startswith("unterminated <arg>") for e in errors[problems:])
-            calls.append(ToolCall(tool, args, text[start:end], complete=not cut))
+            args, closed = _parse_args(body, errors)
+            calls.append(ToolCall(tool, args, text[start:end], complete=closed and close >= 0))
             pos = end
             continue
         closing = THINK_CLOSE if tag == THINK_OPEN else FINAL_CLOSE
