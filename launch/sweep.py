@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 import itertools
 import json
 import os
@@ -35,11 +36,19 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
+
+from composer_jax import config as config_lib
+from composer_jax import presets
+from composer_jax.eval import compare
+from composer_jax.eval.run_records import read_records
 
 ENTRIES = ("pretrain", "rl")
 SPEC_KEYS = {"entry", "base", "fixed", "product", "zip", "seeds", "compare", "slurm"}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE_FILE = "base_config.json"  # a dict base, in the sweep's root
 
 
 class SweepError(ValueError):
@@ -66,11 +75,39 @@ def load_sweep_file(path: str) -> dict:
         raise SweepError(f"--sweep={path}: no such file")
     spec_obj = importlib.util.spec_from_file_location("_sweep_file", path)
     module = importlib.util.module_from_spec(spec_obj)
-    spec_obj.loader.exec_module(module)
-    if not hasattr(module, "get_sweep"):
-        raise SweepError(f"{path}: defines no get_sweep()")
-    spec = module.get_sweep()
+    try:
+        spec_obj.loader.exec_module(module)
+        if not hasattr(module, "get_sweep"):
+            raise SweepError(f"{path}: defines no get_sweep()")
+        spec = module.get_sweep()
+    except SweepError:
+        raise
+    except Exception as error:  # the sweep file's own bug: where it is, in one line
+        raise SweepError(
+            f"{path}{_line_in(path, error)}: {type(error).__name__}: {error}"
+        ) from error
     return check_spec(spec, os.path.dirname(os.path.abspath(path)))
+
+
+def _line_in(path: str, error: Exception) -> str:
+    """ ":<line>" of the sweep file where `error` was raised (its innermost frame there)."""
+    if isinstance(error, SyntaxError) and error.lineno:
+        return f":{error.lineno}"
+    target = os.path.abspath(path)
+    lines = [f.lineno for f in traceback.extract_tb(error.__traceback__) if f.filename == target]
+    return f":{lines[-1]}" if lines else ""
+
+
+def _check_compare(options) -> None:
+    """The `compare` key's options are keyword arguments of `compare_runs` (checked before any
+    run starts: a bad one would fail only once every run has finished)."""
+    reserved = {"paths", "out_dir", "command"}  # the sweep gives these itself
+    known = sorted(set(inspect.signature(compare.compare_runs).parameters) - reserved)
+    if not isinstance(options, dict):
+        raise SweepError(f"compare: expected a dict of options {known}, got {options!r}")
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise SweepError(f"compare: unknown options {unknown}; known: {known}")
 
 
 def check_spec(spec: dict, folder: str = ".") -> dict:
@@ -89,14 +126,8 @@ def check_spec(spec: dict, folder: str = ".") -> dict:
     if base is None:
         raise SweepError("base: give a preset name, a config file or a config dict")
     if dataclasses.is_dataclass(base):
-        from composer_jax import config as config_lib
-        from composer_jax import presets
-
         spec["base"] = config_lib.to_dict(base)
     elif isinstance(base, str):
-        from composer_jax import config as config_lib
-        from composer_jax import presets
-
         if base not in presets.PRESETS:
             path, _, variant = base.partition(":")
             for candidate in (os.path.join(folder, path), path):
@@ -118,6 +149,7 @@ def check_spec(spec: dict, folder: str = ".") -> dict:
     lengths = {len(v) for v in spec["zip"].values()}
     if len(lengths) > 1:
         raise SweepError(f"zip: the lists differ in length {sorted(lengths)}")
+    _check_compare(spec.setdefault("compare", {}))
     seeds = spec.setdefault("seeds", [])
     if not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
         raise SweepError(f"seeds: expected a list of integers, got {seeds!r}")
@@ -173,13 +205,19 @@ def run_names(varying: list[dict]) -> list[str]:
 
 def _base_flag(spec: dict, root: str) -> str:
     base = spec["base"]
-    if isinstance(base, dict):
-        path = os.path.join(root, "base_config.json")
-        os.makedirs(root, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(base, f, indent=1)
-        return f"--config={path}"
-    return f"--config={base}"
+    return f"--config={os.path.join(root, BASE_FILE) if isinstance(base, dict) else base}"
+
+
+def write_base(spec: dict, folder: str) -> str | None:
+    """A dict base written as `<folder>/base_config.json`, the runs' `--config`; its path (None
+    for a preset or file base, which the runs name directly)."""
+    if not isinstance(spec["base"], dict):
+        return None
+    path = os.path.join(folder, BASE_FILE)
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(spec["base"], f, indent=1)
+    return path
 
 
 def plan(spec: dict, root: str) -> list[Run]:
@@ -204,10 +242,14 @@ def subprocess_env() -> dict:
     return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, path) if p))
 
 
-def resolve(run: Run) -> dict:
-    """The run's config exactly as its entry point resolves it (`--print_config`)."""
+def resolve(run: Run, base_file: str | None = None) -> dict:
+    """The run's config exactly as its entry point resolves it (`--print_config`); `base_file`:
+    its dict base from there instead (before the sweep's root holds it)."""
+    command = run.command
+    if base_file:
+        command = [f"--config={base_file}" if a.startswith("--config=") else a for a in command]
     result = subprocess.run(
-        [*run.command, "--print_config"], capture_output=True, text=True, env=subprocess_env()
+        [*command, "--print_config"], capture_output=True, text=True, env=subprocess_env()
     )
     if result.returncode != 0:
         raise SweepError(f"{run.name}: {result.stderr.strip().splitlines()[-1:]}")
@@ -219,8 +261,6 @@ def run_status(workdir: str, steps: int, entry: str) -> str:
     started: the workdir exists; new otherwise."""
     if not os.path.isdir(workdir):
         return "new"
-    from composer_jax.eval.run_records import read_records
-
     records = read_records(os.path.join(workdir, "metrics.jsonl"))
     done = max((r["step"] for r in records), default=-1) >= steps
     if entry == "rl":
@@ -235,12 +275,13 @@ def run_status(workdir: str, steps: int, entry: str) -> str:
 
 def prepare(spec: dict, root: str) -> list[Run]:
     """The plan with every run's config resolved (a bad override fails here, before anything
-    runs) and its status."""
+    runs or is written) and its status."""
     runs = plan(spec, root)
-    for run in runs:
-        cfg = resolve(run)
-        run.steps = cfg["steps"]
-        run.status = run_status(run.workdir, run.steps, spec["entry"])
+    with tempfile.TemporaryDirectory() as folder:
+        base_file = write_base(spec, folder)
+        for run in runs:
+            run.steps = resolve(run, base_file)["steps"]
+            run.status = run_status(run.workdir, run.steps, spec["entry"])
     return runs
 
 
@@ -366,6 +407,7 @@ def main(flag_values: dict) -> int:
             for run in runs:
                 print(f"{run.status:8} {run.name}: {shlex.join(run.command)}")
             return 0
+        write_base(spec, root)
         if flag_values["emit"].value == "slurm":
             path = emit_slurm(spec, runs, root, flag_values["parallel"].value)
             print(f"wrote {path}: sbatch {path}")
@@ -383,8 +425,6 @@ def main(flag_values: dict) -> int:
         + (f"; failed: {', '.join(failed)}" if failed else "")
     )
     if flag_values["compare"].value and not failed:
-        from composer_jax.eval import compare
-
         report = compare.compare_runs(
             [r.workdir for r in runs],
             flag_values["compare_out"].value or os.path.join(root, "compare"),

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from composer_jax import config as config_lib
+from composer_jax import presets
 from launch import sweep
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,14 +81,55 @@ def test_plan_resolves_each_run_as_its_entry_point_does(tmp_path):
         sweep.resolve(bad)
 
 
-def test_a_dict_base_is_written_and_loaded(tmp_path):
-    from composer_jax import config as config_lib
-    from composer_jax import presets
-
+def test_a_dict_base_resolves_before_it_is_written_to_the_root(tmp_path):
     base = config_lib.to_dict(presets.tiny())
     base["steps"] = 9
-    (run,) = sweep.plan(sweep.check_spec({"base": base}), str(tmp_path))
-    assert sweep.resolve(run)["steps"] == 9
+    s = sweep.check_spec({"base": base})
+    (run,) = sweep.prepare(s, str(tmp_path / "root"))
+    assert run.steps == 9
+    assert not (tmp_path / "root").exists()  # planning (a dry run) writes nothing
+    assert sweep.write_base(s, str(tmp_path / "root")) == str(tmp_path / "root" / sweep.BASE_FILE)
+    assert sweep.resolve(run)["steps"] == 9  # the runs' own --config
+
+
+def sweep_main(tmp_path, text, *flags):
+    """`launch.sweep` on a sweep file holding `text`: (exit status, stderr)."""
+    path = tmp_path / "a_sweep.py"
+    path.write_text(text)
+    command = [sys.executable, "-m", "launch.sweep", f"--sweep={path}", *flags]
+    result = subprocess.run(
+        command, capture_output=True, text=True, cwd=tmp_path, env=sweep.subprocess_env()
+    )
+    return result.returncode, result.stderr
+
+
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("def get_sweep(:\n", "a_sweep.py:1: SyntaxError"),
+        ("def get_sweep():\n    return {'base': 'tiny'}[0]\n", "a_sweep.py:2: KeyError"),
+        (
+            "def get_sweep():\n    return {'base': 'tiny', 'compare': {'metric': ['loss']}}\n",
+            "compare: unknown options ['metric']",
+        ),
+    ],
+    ids=["syntax error", "get_sweep raises", "unknown compare option"],
+)
+def test_a_broken_sweep_file_is_a_one_line_error_before_anything_is_written(tmp_path, text, needle):
+    code, stderr = sweep_main(tmp_path, text, f"--root={tmp_path / 'root'}")
+    assert code == 2 and needle in stderr, stderr
+    assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr
+    assert not (tmp_path / "root").exists()
+
+
+def test_a_dry_run_of_a_dict_base_writes_nothing(tmp_path):
+    text = (
+        "from composer_jax import presets\n"
+        "def get_sweep():\n    return {'base': presets.tiny(), 'seeds': [0, 1]}\n"
+    )
+    code, stderr = sweep_main(tmp_path, text, f"--root={tmp_path / 'root'}", "--dry_run")
+    assert code == 0, stderr
+    assert not (tmp_path / "root").exists()
 
 
 def write_metrics(workdir, steps):
