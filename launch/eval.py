@@ -7,6 +7,7 @@ windows under the run's tokenizer; prints total NLL, bits per byte and perplexit
 standard library.
 """
 
+import os
 import sys
 
 from absl import flags
@@ -16,10 +17,19 @@ from launch import cli, malloc
 _RUN = cli.define_run_folder("A pretraining run's folder.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
 _EVAL_DIR = flags.DEFINE_string("eval_dir", "", "Code to score (default: the standard library).")
-_WINDOW = flags.DEFINE_integer("window", 256, "Tokens per window.")
-_STRIDE = flags.DEFINE_integer("stride", 128, "New tokens scored per window.")
-_BATCH = flags.DEFINE_integer("batch_size", 8, "Windows per forward pass.")
-_MAX_BYTES = flags.DEFINE_integer("max_bytes", 200_000, "Score only this many bytes (0: all).")
+_WINDOW = flags.DEFINE_integer("window", 256, "Tokens per window.", lower_bound=1)
+_STRIDE = flags.DEFINE_integer("stride", 128, "New tokens scored per window.", lower_bound=1)
+_BATCH = flags.DEFINE_integer("batch_size", 8, "Windows per forward pass.", lower_bound=1)
+_MAX_BYTES = flags.DEFINE_integer(
+    "max_bytes", 200_000, "Score only this many bytes (0: all).", lower_bound=0
+)
+# Checked at parsing: the model loads (minutes at scale) before the text is read.
+flags.register_validator("eval_dir", lambda path: not path or os.path.isdir(path), "no such folder")
+flags.register_multi_flags_validator(
+    ["stride", "window"],
+    lambda values: values["stride"] <= values["window"],
+    "--stride must be at most --window (a window scores its last --stride tokens)",
+)
 
 
 def main(argv):

@@ -35,16 +35,28 @@ _SPLIT = flags.DEFINE_string(
     "split", "", "Split (default: the run's held-out split, else the source's evaluation split)."
 )
 _NUM_TASKS = flags.DEFINE_integer(
-    "num_tasks", 0, "Tasks to evaluate (0: all; 32 of an endless source)."
+    "num_tasks", 0, "Tasks to evaluate (0: all; 32 of an endless source).", lower_bound=0
 )
-_SAMPLES = flags.DEFINE_integer("samples", 4, "Episodes per task (K).")
+_SAMPLES = flags.DEFINE_integer("samples", 4, "Episodes per task (K).", lower_bound=1)
 _KS = flags.DEFINE_list("ks", ["1", "2", "4"], "k values of pass@k / best-of-k (<= samples).")
-_TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature.")
-_MAX_TURNS = flags.DEFINE_integer("max_turns", None, "Turns per episode (default: the run's).")
-_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", None, "Tokens per turn.")
-_CONTEXT_LEN = flags.DEFINE_integer("context_len", None, "Tokens per episode.")
-_NUM_SLOTS = flags.DEFINE_integer("num_slots", None, "Episodes decoded at once.")
-_ENV_WORKERS = flags.DEFINE_integer("env_workers", 4, "Environment steps run at once.")
+_TEMPERATURE = flags.DEFINE_float(
+    "temperature", 1.0, "Sampling temperature (0: greedy).", lower_bound=0
+)
+_MAX_TURNS = flags.DEFINE_integer(
+    "max_turns", None, "Turns per episode (default: the run's).", lower_bound=1
+)
+_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", None, "Tokens per turn.", lower_bound=1)
+_CONTEXT_LEN = flags.DEFINE_integer("context_len", None, "Tokens per episode.", lower_bound=1)
+_NUM_SLOTS = flags.DEFINE_integer("num_slots", None, "Episodes decoded at once.", lower_bound=1)
+_ENV_WORKERS = flags.DEFINE_integer(
+    "env_workers", 4, "Environment steps run at once.", lower_bound=1
+)
+# Checked at parsing: the model loads before the sampling settings are used.
+flags.register_validator(
+    "ks",
+    lambda ks: all(k.isdigit() and int(k) >= 1 for k in ks),
+    "expected whole numbers >= 1, comma-separated",
+)
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed (and the task source's).")
 _REQUIRE_SANDBOX = flags.DEFINE_bool(
     "require_sandbox", True, "Refuse to run model code without an isolating sandbox."

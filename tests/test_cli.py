@@ -317,6 +317,24 @@ CASES += [  # a bucket target the machine cannot write: refused before anything 
         None,
     ),
     ("export", "unknown scheme", ["--config.workdir={missing}", "--out=s3://b/x"], "--out: ", None),
+    # Refused at parsing, before a model loads: the scored text and the sampling settings.
+    ("eval", "no stride", ["--config.workdir={missing}", "--stride=0"], "--stride=0", None),
+    (
+        "eval",
+        "stride over window",
+        ["--config.workdir={missing}", "--window=8", "--stride=16"],
+        "--stride must be at most --window",
+        None,
+    ),
+    (
+        "eval",
+        "no such code",
+        ["--config.workdir={missing}", "--eval_dir={missing}/code"],
+        "--eval_dir={missing}/code: no such folder",
+        None,
+    ),
+    ("evaluate", "bad ks", ["--config.workdir={missing}", "--ks=1,x"], "--ks=", None),
+    ("evaluate", "no samples", ["--config.workdir={missing}", "--samples=0"], "--samples=0", None),
     (  # refused at parsing, before the model loads
         "export",
         "no shard size",
