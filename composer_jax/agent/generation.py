@@ -13,6 +13,7 @@ import dataclasses
 import numpy as np
 
 from composer_jax.infer import Completion
+from composer_jax.model.moe import UNROUTED
 from composer_jax.rl.batch import SegmentKind, Sequence
 
 
@@ -52,11 +53,11 @@ class Generation:
 
     def to_sequence(self, sample_index: int, num_moe_layers: int, k: int, flagged=()) -> Sequence:
         """The generation as a Sequence. Every position but the last is routed; the last token
-        predicts nothing and gets experts 0..k-1, as the packer gives padding. `flagged`: turns
+        predicts nothing and is `UNROUTED`, as the packer gives padding. `flagged`: turns
         (start, end, hint tokens) whose hinted teacher context is attached."""
         if len(self.routes) != len(self.tokens) - 1:
             raise RuntimeError(f"{len(self.routes)} routes for {len(self.tokens)} tokens")
-        filler = np.broadcast_to(np.arange(k, dtype=np.int32), (num_moe_layers, k))
+        filler = np.full((num_moe_layers, k), UNROUTED, np.int32)
         tokens = np.asarray(self.tokens, np.int32)
         teacher_tokens = teacher_index = None
         if flagged:

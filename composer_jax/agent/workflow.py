@@ -46,6 +46,7 @@ from composer_jax.envs import EnvConfig, StepResult, Task
 from composer_jax.envs.grading import protocol
 from composer_jax.envs.tools import ToolCallRecord
 from composer_jax.infer import Completion, SamplingParams
+from composer_jax.model.moe import UNROUTED
 from composer_jax.rl.batch import SegmentKind, Sequence
 
 log = logging.getLogger(__name__)
@@ -395,7 +396,7 @@ class AgentWorkflow:
         shape = (self.context.num_moe_layers, self.context.experts_per_token)
         episode.routes = episode.routes[: max(len(episode.tokens) - 1, 0)]
         while len(episode.routes) < len(episode.tokens) - 1:
-            episode.routes.append(np.zeros(shape, np.int32))
+            episode.routes.append(np.full(shape, UNROUTED, np.int32))
         self._finish(episode, {})
 
     def abandon(self, episode: AgentEpisode | None, task: Task, key: str) -> AgentEpisode:

@@ -25,6 +25,11 @@ from composer_jax.parallel import expert_parallel
 from composer_jax.parallel.mesh import current_layout
 from composer_jax.quant import moe_gemm
 
+# A forced expert index for a token the sampler never routed (a sequence's last token, which
+# predicts nothing, and padding): such a token takes the trainer's own choice, not counted as
+# replaced.
+UNROUTED = -1
+
 
 class ExpertBias(nnx.Variable):
     """Selection-only routing bias; updated by the balance rule, never by gradients."""
@@ -130,16 +135,19 @@ def route(
 
     Weights always come from the live unbiased scores of the chosen experts, so the router gets
     gradients under replay too. With `cfg.replay_min_ratio` > 0, implausible replayed experts are
-    replaced (see `filter_replayed_experts`). Returns (routing, replaced mask [B, T, k]).
+    replaced (see `filter_replayed_experts`); a token forced to `UNROUTED` takes its own choice.
+    Returns (routing, replaced mask [B, T, k]).
     """
     indices = _select_experts(scores_BTE, bias_E, cfg)
     replaced = jnp.zeros(indices.shape, jnp.bool_)
     if forced_indices_BTK is not None:
-        forced = forced_indices_BTK.astype(jnp.int32)
+        recorded_BT1 = (forced_indices_BTK >= 0).all(-1, keepdims=True)
+        forced = jnp.where(recorded_BT1, forced_indices_BTK.astype(jnp.int32), indices)
         if cfg.replay_min_ratio > 0:
             indices, replaced = filter_replayed_experts(
                 scores_BTE, forced, indices, cfg.replay_min_ratio
             )
+            replaced = replaced & recorded_BT1
         else:
             indices = forced
     weights = jnp.take_along_axis(scores_BTE, indices, axis=-1)

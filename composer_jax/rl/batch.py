@@ -18,6 +18,8 @@ import jax
 import numpy as np
 from flax import struct
 
+from composer_jax.model.moe import UNROUTED
+
 
 class SegmentKind(enum.IntEnum):
     """What a token is. Context carried over from an earlier generation (the prompt, a summary the
@@ -113,15 +115,15 @@ def _row_layout(places, lengths, num_rows, row_len):
 
 
 def _pack_router(sequences: list[Sequence], places, B: int, seq_len: int) -> np.ndarray | None:
-    """[L, B, T, k] router indices of the packed rows (padding routes to experts 0..k-1), or
-    None when no sequence has them."""
+    """[L, B, T, k] router indices of the packed rows (padding `UNROUTED`), or None when no
+    sequence has them."""
     with_router = [s.router_indices is not None for s in sequences]
     if not any(with_router):
         return None
     if not all(with_router):
         raise ValueError("either every sequence has router indices or none has")
     L, _, k = sequences[0].router_indices.shape
-    router = np.broadcast_to(np.arange(k, dtype=np.int32), (L, B, seq_len, k)).copy()
+    router = np.full((L, B, seq_len, k), UNROUTED, np.int32)
     for s, (row, offset) in zip(sequences, places):
         router[:, row, offset : offset + len(s)] = s.router_indices
     return router

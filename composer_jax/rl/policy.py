@@ -31,8 +31,11 @@ def trainer_logits(
         forced_indices_LBTK=forced,
         with_mtp=False,
     )
-    replay_slots = (batch.segment_ids_BT > 0).sum() * model.cfg.num_experts_per_tok
     replaced = out.replay_replaced_L
+    replay_slots = 0
+    if forced is not None and forced.shape[0]:  # the tokens the sampler routed
+        recorded_BT = (forced[0] >= 0).all(-1) & (batch.segment_ids_BT > 0)
+        replay_slots = recorded_BT.sum() * model.cfg.num_experts_per_tok
     metrics = {
         "router_replaced": replaced.sum(),
         "router_replace_rate": replaced.sum() / jnp.maximum(replay_slots * replaced.shape[0], 1),

@@ -12,6 +12,7 @@ from flax import nnx
 
 from composer_jax import presets
 from composer_jax.model import init_model
+from composer_jax.model.moe import UNROUTED
 from composer_jax.model.transformer import _run_layers, forward
 from composer_jax.rl import (
     RLObjectiveConfig,
@@ -110,32 +111,56 @@ def _moe_scores(model, batch):
     return jax.nn.sigmoid(block.mlp_norm(h) @ block.mlp.router[...])
 
 
+@jax.jit
+def _replayed(model, batch):
+    """(metrics, the experts used at the MoE layer, its router scores) of a replayed forward."""
+    _, metrics = trainer_logits(model, batch)
+    out = model(
+        batch.tokens_BT,
+        batch.positions_BT,
+        batch.segment_ids_BT,
+        forced_indices_LBTK=batch.router_indices_LBTK,
+        with_mtp=False,
+    )
+    return metrics, out.router_indices_LBTK[0], _moe_scores(model, batch)
+
+
+def _implausible(cfg, forced, scores):
+    kth_best = np.sort(scores, -1)[..., -cfg.num_experts_per_tok]
+    return np.take_along_axis(scores, forced, -1) < RATIO * kth_best[..., None]
+
+
 def test_perturbed_router_replaces_only_implausible_experts(setup):
     cfg, sampler, _, batch = setup
-    trainer = _perturbed(sampler)
-
-    @jax.jit
-    def replayed(model, batch):
-        _, metrics = trainer_logits(model, batch)
-        out = model(
-            batch.tokens_BT,
-            batch.positions_BT,
-            batch.segment_ids_BT,
-            forced_indices_LBTK=batch.router_indices_LBTK,
-            with_mtp=False,
-        )
-        return metrics, out.router_indices_LBTK[0], _moe_scores(model, batch)
-
-    metrics, used, scores = replayed(trainer, batch)
+    metrics, used, scores = _replayed(_perturbed(sampler), batch)
     forced = np.asarray(batch.router_indices_LBTK[0])
     used, scores = np.asarray(used), np.asarray(scores)
-    kth_best = np.sort(scores, -1)[..., -cfg.num_experts_per_tok]
-    implausible = np.take_along_axis(scores, forced, -1) < RATIO * kth_best[..., None]
+    implausible = _implausible(cfg, forced, scores)
     np.testing.assert_array_equal(used != forced, implausible)
     rate = float(metrics["router_replace_rate"])
     np.testing.assert_allclose(rate, implausible.mean(), rtol=1e-6)
     assert 0 < rate < 1
     print(f"router replace rate under perturbed router weights: {rate:.3f}")
+
+
+def test_an_unrouted_last_token_takes_the_trainers_own_experts_uncounted(setup):
+    """A sequence's last token predicts nothing and the sampler never routed it (`UNROUTED`, as
+    `Generation.to_sequence` leaves it): the trainer routes it by its own choice, and the replace
+    rate counts only the routed tokens."""
+    cfg, sampler, _, batch = setup
+    forced = np.asarray(batch.router_indices_LBTK).copy()
+    forced[:, :, -1] = UNROUTED
+    batch = batch.replace(router_indices_LBTK=jnp.asarray(forced))
+    for model in (sampler, _perturbed(sampler)):
+        own = model(batch.tokens_BT, batch.positions_BT, batch.segment_ids_BT, with_mtp=False)
+        metrics, used, scores = _replayed(model, batch)
+        used, scores = np.asarray(used), np.asarray(scores)
+        np.testing.assert_array_equal(used[:, -1], np.asarray(own.router_indices_LBTK[0])[:, -1])
+        implausible = _implausible(cfg, forced[0, :, :-1], scores[:, :-1])
+        np.testing.assert_array_equal(used[:, :-1] != forced[0, :, :-1], implausible)
+        rate = float(metrics["router_replace_rate"])
+        np.testing.assert_allclose(rate, implausible.mean(), rtol=1e-6)
+        assert (rate == 0) == (model is sampler)
 
 
 def test_rl_loss_jits_and_trains_the_router(setup):
