@@ -153,16 +153,18 @@ def module_name(path: str) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def referenced_modules(replay: dict) -> set[tuple[str, str | None]]:
-    """(module, import root) of every ["ref", ...] in the recorded inputs: what the replay's
-    tree must keep (a test module's helper passed as an argument, say)."""
-    found = set()
+def referenced_modules(replay: dict) -> dict[tuple[str, str | None], set[str]]:
+    """{(module, import root): the top-level names referred to} of every ["ref", ...] in the
+    recorded inputs: what the replay's tree must keep (a test module's helper passed as an
+    argument, say)."""
+    found: dict[tuple[str, str | None], set[str]] = {}
 
     def walk(data) -> None:
         if not isinstance(data, list):
             return
         if len(data) == 2 and data[0] == "ref" and isinstance(data[1], list):
-            found.add((data[1][0], data[1][2]))
+            module, qualname, import_root = data[1]
+            found.setdefault((module, import_root), set()).add(qualname.split(".")[0])
             return
         for item in data:
             walk(item)

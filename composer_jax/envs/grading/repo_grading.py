@@ -12,6 +12,7 @@ interpreter and the harness reads its verdict (see `harness.grade_pytest`).
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import hashlib
@@ -296,27 +297,33 @@ def grading_tree(pristine: dict[str, str], workspace: Path, grader: dict):
 
 
 @contextlib.contextmanager
-def replay_tree(root: Path, modules: set[tuple[str, str | None]]):
+def replay_tree(root: Path, modules: dict[tuple[str, str | None], set[str]]):
     """(a copy of the grading tree at `root` without its tests, conftests and other planted
     files, an empty folder): what a replay runs on, with the empty folder over the workspace, so
     the code it replays can read neither the tests' expected values nor anything the test run
-    left. Kept: the files of `modules` ((module, import root) a recorded input names; import
-    root None is the standard library) and of the packages above them."""
-    keep = set()
-    for module, import_root in modules:
+    left. Kept: the modules a recorded input names ((module, import root) -> the top-level names
+    it refers to; import root None is the standard library) and the packages above them, a test
+    module or package among them without its tests (`without_tests`)."""
+    keep: dict[str, set[str]] = {}  # path -> the names its replay copy must define
+    for (module, import_root), names in modules.items():
         if import_root is None:
             continue
         base = "" if import_root.strip("./") == "" else import_root.strip("/") + "/"
         parts = module.split(".")
         for depth in range(1, len(parts) + 1):
             stem = base + "/".join(parts[:depth])
-            keep.update((stem + ".py", stem + "/__init__.py"))
+            wanted = names if depth == len(parts) else set()
+            for path in (stem + ".py", stem + "/__init__.py"):
+                keep.setdefault(path, set()).update(wanted)
     files = {}
     for directory, _, names in os.walk(root):
         for name in names:
             relative = str((Path(directory) / name).relative_to(root))
             hidden = is_test_path(relative) or name in PLANTED_NAMES
-            if relative in keep or not (hidden or "__pycache__" in relative.split("/")):
+            if relative in keep and hidden:
+                source = (Path(directory) / name).read_bytes()
+                files[relative] = without_tests(source, keep[relative])
+            elif relative in keep or not (hidden or "__pycache__" in relative.split("/")):
                 files[relative] = (Path(directory) / name).read_bytes()
     folder = Path(tempfile.mkdtemp(prefix="replay_", dir=_trees_dir()))
     try:
@@ -325,6 +332,70 @@ def replay_tree(root: Path, modules: set[tuple[str, str | None]]):
         yield folder / "tree", folder / "empty"
     finally:
         _remove(folder)
+
+
+def without_tests(source: bytes, names: set[str]) -> bytes:
+    """A test module without its tests: the functions and classes pytest collects and the
+    module-level asserts go (at the top level and inside its if / try / with / for blocks)
+    unless the module's other code or `names` (the helpers a recorded input refers to) need them,
+    transitively. Everything else stays, so a helper keeps the module state it relies on; what
+    goes is where the expected values are, which a replayed candidate could otherwise read."""
+    tree = ast.parse(source)
+    tests = {s.name: s for s in _module_statements(tree.body) if _is_test(s)}
+    needed = set(names) | _loaded(s for s in _module_statements(tree.body) if not _is_test(s))
+    kept: set[str] = set()
+    while grown := (needed & set(tests)) - kept:
+        kept |= grown
+        needed |= _loaded(tests[name] for name in grown)
+    _drop(tree.body, lambda s: isinstance(s, ast.Assert) or (_is_test(s) and s.name not in kept))
+    return (ast.unparse(tree) + "\n").encode()
+
+
+def _is_test(statement: ast.stmt) -> bool:
+    """Whether pytest collects it: a `test*` function, a `Test*` class or a unittest case."""
+    if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return statement.name.startswith("test")
+    if isinstance(statement, ast.ClassDef):
+        bases = [ast.unparse(b).rsplit(".", 1)[-1] for b in statement.bases]
+        return statement.name.startswith("Test") or any(b.endswith("TestCase") for b in bases)
+    return False
+
+
+def _blocks(statement: ast.stmt) -> list[list[ast.stmt]]:
+    """The non-empty statement blocks of a compound statement that run at module level (an if,
+    try, with, for, while or match), none of a definition's."""
+    if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return []
+    blocks = [getattr(statement, f, None) for f in ("body", "orelse", "finalbody")]
+    blocks += [h.body for h in getattr(statement, "handlers", [])]
+    blocks += [c.body for c in getattr(statement, "cases", [])]
+    return [b for b in blocks if b]
+
+
+def _module_statements(body: list[ast.stmt]):
+    """The statements that run at module level: `body` and, recursively, its blocks."""
+    for statement in body:
+        yield statement
+        for block in _blocks(statement):
+            yield from _module_statements(block)
+
+
+def _loaded(statements) -> set[str]:
+    return {
+        n.id
+        for s in statements
+        for n in ast.walk(s)
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+    }
+
+
+def _drop(body: list[ast.stmt], unwanted) -> None:
+    """Removes the `unwanted` statements from `body` and its blocks in place (an emptied block
+    gets a `pass`)."""
+    body[:] = [s for s in body if not unwanted(s)] or [ast.Pass()]
+    for statement in body:
+        for block in _blocks(statement):
+            _drop(block, unwanted)
 
 
 def _regular_file(path: Path) -> bool:

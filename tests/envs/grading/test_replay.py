@@ -48,11 +48,21 @@ def evens(n):
     for i in range(n):
         if i % 2 == 0:
             yield i
+
+
+def apply_each(func, values):
+    return [func(v) for v in values]
 '''
 _TESTS = """
 import pytest
 
-from tinypkg.core import append_twice, depth, evens, first, scale
+from tinypkg.core import append_twice, apply_each, depth, evens, first, scale
+
+FACTOR = 2
+
+
+def double(x):
+    return FACTOR * x
 
 
 def test_scale():
@@ -80,6 +90,10 @@ def test_append_twice():
 
 def test_evens():
     assert list(evens(5)) == [0, 2, 4]
+
+
+def test_apply_each():
+    assert apply_each(double, [1, 2]) == [2, 4]
 """
 
 
@@ -340,3 +354,83 @@ def test_a_function_that_reads_the_tests_expected_values_at_run_time_scores_0(ba
     result = grade_solution(task, {path: reader}, backend=backend)
     assert result.reward == 0.0, (result.outcomes, result.scores)
     assert result.scores["replay_calls"] > 0 and result.scores["replay_matched"] == 0
+
+
+def test_a_test_module_a_recorded_input_names_is_kept_without_its_tests():
+    source = textwrap.dedent(_TESTS).encode()
+    kept = repo_grading.without_tests(source, {"double"}).decode()
+    assert "assert" not in kept and "def test_" not in kept
+    assert "FACTOR = 2\n\ndef double(x):\n    return FACTOR * x" in kept
+    # The module state a helper relies on stays: registries filled by decorators or statements,
+    # imports, blocks (emptied ones get a `pass`); a test a helper calls stays too.
+    helpers = textwrap.dedent(
+        """
+        import sys
+        import unittest
+        REGISTRY = {}
+        def register(f):
+            REGISTRY[f.__name__] = f
+            return f
+        @register
+        def inc(x):
+            return x + 1
+        REGISTRY["twice"] = lambda x: 2 * x
+        assert inc(1) == 2
+        if sys.version_info >= (3,):
+            def test_inside():
+                assert inc(2) == 3
+        class TestThing:
+            def test_a(self):
+                assert inc(0) == 1
+        class Cases(unittest.TestCase):
+            pass
+        def test_used():
+            return 5
+        def helper(x):
+            return REGISTRY["inc"](x) + REGISTRY["twice"](x) + test_used()
+        """
+    ).encode()
+    kept = repo_grading.without_tests(helpers, {"helper"}).decode()
+    assert "TestThing" not in kept and "Cases" not in kept and "test_inside" not in kept
+    assert "assert" not in kept and "if sys.version_info >= (3,):\n    pass" in kept
+    module = {}
+    exec(kept, module)
+    assert module["helper"](3) == 4 + 6 + 5
+
+
+_HELPER_READER = '''def apply_each(func, values):
+    """Nothing of the task: the answer the test expects, read from the module that defines the
+    helper a recorded input names (the replay must keep that module)."""
+    import ast
+    import os
+
+    for top, _, names in os.walk(os.getcwd()):
+        for name in names:
+            if name.startswith("test_") and name.endswith(".py"):
+                with open(os.path.join(top, name)) as handle:
+                    tree = ast.parse(handle.read())
+                for node in ast.walk(tree):
+                    if isinstance(node, ast.Compare) and isinstance(node.left, ast.Call):
+                        call = node.left
+                        if getattr(call.func, "id", "") == "apply_each" and len(call.args) == 2:
+                            if ast.literal_eval(call.args[1]) == values:
+                                return ast.literal_eval(node.comparators[0])
+    return None  # never the answer
+'''
+
+
+def test_a_function_that_reads_the_test_module_of_a_named_helper_scores_0(repository):
+    """A recorded input names a test module's helper (`double`), so the replay imports that
+    module: it holds the helper, never the tests and their expected values."""
+    task, why = repo_factory.attach_replay(task_of(repository, "apply_each"), backend="auto")
+    assert why == "kept"
+    (names,) = replay.referenced_modules(task.grader["replay"]).values()
+    assert names == {"double"}
+    path = task.metadata["path"]
+    assert grade_solution(task, task.oracle_files).reward == 1.0
+    stub = task.files[path]
+    start = stub.index("def apply_each(")
+    end = stub.index("raise NotImplementedError", start) + len("raise NotImplementedError\n")
+    result = grade_solution(task, {path: stub[:start] + _HELPER_READER + stub[end:]})
+    assert result.scores["replay_calls"] == 1 and result.scores["replay_matched"] == 0
+    assert result.reward == 0.0
