@@ -54,7 +54,7 @@ _ENV_WORKERS = flags.DEFINE_integer(
 # Checked at parsing: the model loads before the sampling settings are used.
 flags.register_validator(
     "ks",
-    lambda ks: all(k.isdigit() and int(k) >= 1 for k in ks),
+    lambda ks: all(k.isascii() and k.isdigit() and int(k) >= 1 for k in ks),
     "expected whole numbers >= 1, comma-separated",
 )
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed (and the task source's).")

@@ -91,9 +91,13 @@ def load_sweep_file(path: str) -> dict:
 
 def _line_in(path: str, error: Exception) -> str:
     """ ":<line>" of the sweep file where `error` was raised (its innermost frame there)."""
-    if isinstance(error, SyntaxError) and error.lineno:
-        return f":{error.lineno}"
     target = os.path.abspath(path)
+    if (
+        isinstance(error, SyntaxError)
+        and error.filename
+        and os.path.abspath(error.filename) == target
+    ):
+        return f":{error.lineno}"
     lines = [f.lineno for f in traceback.extract_tb(error.__traceback__) if f.filename == target]
     return f":{lines[-1]}" if lines else ""
 
@@ -214,9 +218,12 @@ def write_base(spec: dict, folder: str) -> str | None:
     if not isinstance(spec["base"], dict):
         return None
     path = os.path.join(folder, BASE_FILE)
-    os.makedirs(folder, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(spec["base"], f, indent=1)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(spec["base"], f, indent=1)
+    except OSError as error:
+        raise SweepError(f"cannot write the base config {path}: {error}") from error
     return path
 
 

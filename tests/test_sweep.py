@@ -122,6 +122,23 @@ def test_a_broken_sweep_file_is_a_one_line_error_before_anything_is_written(tmp_
     assert not (tmp_path / "root").exists()
 
 
+def test_a_broken_module_a_sweep_file_imports_is_named_where_the_sweep_imports_it(tmp_path):
+    (tmp_path / "helper.py").write_text("\n\n\ndef broken(:\n")
+    text = "import sys\nsys.path.insert(0, '.')\nimport helper\n"
+    code, stderr = sweep_main(tmp_path, text, f"--root={tmp_path / 'root'}")
+    assert code == 2 and "a_sweep.py:3: SyntaxError" in stderr and "helper.py" in stderr, stderr
+
+
+def test_an_unwritable_root_is_a_one_line_error(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    text = (
+        "from composer_jax import presets\ndef get_sweep():\n    return {'base': presets.tiny()}\n"
+    )
+    code, stderr = sweep_main(tmp_path, text, f"--root={tmp_path / 'a_file' / 'root'}")
+    assert code == 2 and "cannot write the base config" in stderr, stderr
+    assert len(stderr.strip().splitlines()) == 1
+
+
 def test_a_dry_run_of_a_dict_base_writes_nothing(tmp_path):
     text = (
         "from composer_jax import presets\n"
