@@ -172,6 +172,7 @@ class AgentEpisode(Generation):
     behaviour: dict[str, float] = dataclasses.field(default_factory=dict)
     trace: EpisodeBehaviour | None = None
     resume_from: int | None = None  # restored: the prefix's routes are already known
+    open_tab: str = ""  # the open tab as the last step's edits left it ("" if unedited)
     done: bool = False
 
 
@@ -272,6 +273,7 @@ class AgentWorkflow:
         self._check_feedback(episode, result)
         episode.calls += list(result.info.get("calls", ()))
         episode.counts, episode.reward = result.counts, result.reward
+        episode.open_tab = result.info.get("open_tab", "")
         if result.done:
             episode.flags, episode.grade = tuple(result.flags), result.info.get("grade")
             return self._finish(episode, result.info)
@@ -328,8 +330,9 @@ class AgentWorkflow:
         return Continue(appended, self.params_for(episode, summary=True, room=room))
 
     def _finish_summary(self, episode: AgentEpisode, completion: Completion) -> Action:
-        """Closes the generation with its summary; the next one starts from task + summary,
-        reusing the cached task prompt."""
+        """Closes the generation with its summary; the next one starts from task + summary (and
+        the open tab, where the episode edited it since the task showed it), reusing the cached
+        task prompt."""
         episode.add_turn(completion, np.full(len(completion.tokens), SegmentKind.SUMMARY, np.int32))
         summary = self.tokenizer.decode(completion.tokens)
         if not summary.endswith(SUMMARY_CLOSE):
@@ -338,7 +341,7 @@ class AgentWorkflow:
         episode.summaries += 1
         keep = len(episode.prompt_tokens)
         prefix_routes = episode.routes[:keep]
-        appended = self.tokenizer.encode(f"{SUMMARY_OPEN}{summary}\n")
+        appended = self.tokenizer.encode(f"{SUMMARY_OPEN}{summary}\n{episode.open_tab}")
         episode.clear()
         episode.hinted = []
         episode.add_context(episode.prompt_tokens, SegmentKind.PROMPT)

@@ -15,13 +15,14 @@ from composer_jax.envs.grading import protocol, repo_grading
 from composer_jax.envs.grading.monitors import MonitorFlag, RewardHackMonitor
 from composer_jax.envs.grading.task import GRADING_LIMITS, GradeResult, Task, grade
 from composer_jax.envs.sandbox.box import Sandbox, SandboxLimits, WorkspaceLimitError
-from composer_jax.envs.tasks.focus import open_tab
+from composer_jax.envs.tasks.focus import open_tab, tab_span
 from composer_jax.envs.tools.todo import TodoList
 from composer_jax.envs.tools.toolbox import (
     DEFAULT_TOOLS,
     TOOL_SPECS,
     ToolBox,
     ToolCallRecord,
+    ToolError,
     describe_tools,
 )
 
@@ -145,7 +146,26 @@ class Episode:
                 info["changes"] = self._finish()
                 info["grade"] = dataclasses.asdict(self.grade_result)
                 info["todo"] = self.tools.todo.as_json()
+            elif tab := self._edited_tab():
+                info["open_tab"] = tab
             return self._result(observation, info)
+
+    def _edited_tab(self) -> str:
+        """The open tab as the workspace holds the target's file now, when that differs from
+        the first observation's ("" otherwise, or when the file cannot be read as the tools
+        would read it): what a restarted generation is shown."""
+        span = tab_span(self.task, self.config.open_tab_lines)
+        if span is None:
+            return ""
+        try:
+            path = self.tools.resolve(span[0])  # never a link out of the workspace
+            if not path.is_file():  # deleted, or not a regular file (a FIFO would block)
+                return ""
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except (ToolError, OSError):
+            return ""
+        tab = open_tab(self.task, self.config.open_tab_lines, {span[0]: text})
+        return "" if tab == open_tab(self.task, self.config.open_tab_lines) else tab
 
     def snapshot(self) -> dict:
         """The state between two turns (workspace files, counts, call log, monitor flags), to

@@ -11,7 +11,7 @@ import pytest
 from composer_jax import agent, data, envs, presets
 from composer_jax.agent.oracle import MISTAKES, OracleEngine, OracleScript, plan_change
 from composer_jax.agent.sft import episode_examples, sft_examples
-from composer_jax.agent.workflow import SUMMARY_OPEN
+from composer_jax.agent.workflow import SUMMARY_CLOSE, SUMMARY_OPEN
 from composer_jax.config import ConfigError
 from composer_jax.envs.tools import tool_profile
 
@@ -107,6 +107,27 @@ def test_with_the_function_in_an_open_tab_the_script_edits_at_once():
     assert [o.reward for o in outcomes] == [1.0] * 2 and all(o.num_turns == 5 for o in outcomes)
     first = tokenizer.decode(outcomes[0].sequences[0].tokens)
     assert "Open in the editor: helpers/" in first and 'tool="search_code"' not in first
+
+
+def test_a_restart_after_an_edit_shows_the_open_tab_as_the_edit_left_it():
+    """A summary restarts the generation from the task's first observation, whose tab shows the
+    stub; once the episode has edited the function, the restart shows it as it is now."""
+    base = presets.rl_agent_tiny().rl
+    rl = dataclasses.replace(
+        base,
+        agent=dataclasses.replace(base.agent, open_tab_lines=40, summary_budget=1, max_summaries=2),
+    )
+    tokenizer = data.load_tokenizer("code_bpe_2k")
+    tasks = envs.load_task_source("builtin_repo:max_ops=2").take(2, "train", seed=5)
+    for task, outcome in zip(tasks, _played(rl, tasks, tokenizer)):
+        assert outcome.reward == 1.0 and outcome.summaries == 2
+        change = plan_change(task)
+        after = [
+            tokenizer.decode(s.tokens).rsplit(SUMMARY_CLOSE, 1)[1] for s in outcome.sequences[1:]
+        ]
+        assert "Open in the editor" not in after[0]  # the first summary came before the edit
+        assert after[1].startswith(f"\nOpen in the editor: {change.path}, lines ")
+        assert change.new in after[1] and "NotImplementedError" not in after[1]
 
 
 def test_episode_examples_train_on_the_agents_tokens_only(tmp_path):

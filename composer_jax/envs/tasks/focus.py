@@ -64,12 +64,15 @@ def find_function(source: str | None, qualname: str) -> ast.FunctionDef | None:
     )
 
 
-def _tab(task: Task, max_lines: int) -> tuple[str, int, int, int] | None:
-    """(path, first line, last line shown, last line of the function) of the open tab."""
+def _tab(
+    task: Task, max_lines: int, files: dict[str, str] | None = None
+) -> tuple[str, int, int, int] | None:
+    """(path, first line, last line shown, last line of the function) of the open tab, in
+    `files` (default: the task's)."""
     target = target_of(task)
     if max_lines <= 0 or target is None:
         return None
-    node = find_function(task.files.get(target.path), target.name)
+    node = find_function((task.files if files is None else files).get(target.path), target.name)
     if node is None:
         return None
     first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
@@ -91,11 +94,13 @@ def tab_shows_target(task: Task, max_lines: int) -> bool:
     return tab is not None and tab[2] == tab[3]
 
 
-def open_tab(task: Task, max_lines: int) -> str:
-    """The tab's text for the first observation ("" when there is none)."""
-    span = tab_span(task, max_lines)
-    if span is None:
+def open_tab(task: Task, max_lines: int, files: dict[str, str] | None = None) -> str:
+    """The tab's text ("" when there is none): in the first observation the task's files, later
+    `files`, the workspace as the episode's edits left it (what an editor shows)."""
+    files = task.files if files is None else files
+    tab = _tab(task, max_lines, files)
+    if tab is None:
         return ""
-    path, first, last = span
-    lines = task.files[path].splitlines(keepends=True)[first - 1 : last]
+    path, first, last, _ = tab
+    lines = files[path].splitlines(keepends=True)[first - 1 : last]
     return f"Open in the editor: {path}, lines {first}-{last}:\n{''.join(lines)}"

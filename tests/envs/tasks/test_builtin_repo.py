@@ -8,6 +8,7 @@ import pytest
 from composer_jax import envs
 from composer_jax.envs.tasks import builtin_repo
 from composer_jax.envs.tasks.builtin_tasks import function_name, random_spec, spec_of, split_of
+from composer_jax.envs.tasks.focus import open_tab
 
 SOURCE = "builtin_repo:max_ops=2"
 
@@ -43,6 +44,30 @@ def test_the_visible_test_runs_in_the_sandbox():
     with envs.Episode(task, config) as episode:
         result = episode.step(envs.render_call("run_tests", {}))
         assert "NotImplementedError" in result.observation and "exit code 1" in result.observation
+
+
+def test_a_step_that_edited_the_open_tab_returns_it_as_the_file_is_now(tmp_path):
+    task = envs.load_task_source(SOURCE).take(1, "train", seed=1)[0]
+    path = next(iter(task.oracle_files))
+    config = envs.EnvConfig(tools=("write_file",), open_tab_lines=40, require_isolation=False)
+    with envs.Episode(task, config) as episode:
+        unchanged = episode.step(
+            envs.render_call("write_file", {"path": "notes.txt", "content": ""})
+        )
+        assert "open_tab" not in unchanged.info  # the first observation's tab still holds
+        edited = episode.step(
+            envs.render_call("write_file", {"path": path, "content": task.oracle_files[path]})
+        )
+        tab = edited.info["open_tab"]
+        assert tab == open_tab(task, 40, task.oracle_files) != open_tab(task, 40)
+        assert tab.startswith(f"Open in the editor: {path}") and "NotImplementedError" not in tab
+        # A file swapped for a link out of the workspace is never read for the tab.
+        (tmp_path / "secret.py").write_text(task.oracle_files[path].replace("x", "SECRET"))
+        target = episode.sandbox.workspace / path
+        target.unlink()
+        target.symlink_to(tmp_path / "secret.py")
+        linked = episode.step(envs.render_call("write_file", {"path": "notes.txt", "content": ""}))
+        assert "open_tab" not in linked.info
 
 
 def _defined(task):
