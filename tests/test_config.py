@@ -73,6 +73,8 @@ BAD_EXPERIMENT_VALUES = [
     ("data.sft_tasks", 0),
     ("data.sft_feedback", 1.5),
     ("data.sft_feedback", 0.5),  # the preset's SFT style is "first_turn"
+    ("data.sft_repairs", -0.1),
+    ("data.sft_repairs", 0.5),  # the preset's SFT style is "first_turn"
     ("data.text_field", ""),
     ("mesh.ep", ("fsdp", "fsdp")),
     ("mesh.ep_quantize", "fp4"),

@@ -13,7 +13,9 @@ through the very workflow and environments RL uses.
 A script may also make one mistake (`mistake_rng`): a wrong version of one of its calls, of a
 kind a feedback detector flags (`MISTAKES`), right before the call it meant. The environment
 rejects it and the next turn is the right call, so the episode shows the detector's hint (in the
-teacher context) next to the turn that answers it (`agent.sft`).
+teacher context) next to the turn that answers it (`agent.sft`). And it may first edit a wrong
+body in (`repair`: its result off by one, `wrong_body`), so the visible tests fail, and then fix
+it and run them again: an episode that acts on a failing test, which RL can then reinforce.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import re
 
 import numpy as np
 
@@ -133,10 +136,25 @@ def mistaken_call(
     return choice, dict(args)
 
 
+def wrong_body(change: Change, stub: str) -> str | None:
+    """`change.new` with its last `return` one more (a number off by one; a TypeError for a
+    list or a string), which the visible tests fail, when it stays unique in the file once
+    edited in (so a repair can name it); else None."""
+    returns = list(re.finditer(r"^( *)return (.+)$", change.new, re.M))
+    if change.old is None or not returns:
+        return None
+    last = returns[-1]
+    line = f"{last.group(1)}return ({last.group(2)}) + 1"
+    wrong = change.new[: last.start()] + line + change.new[last.end() :]
+    edited = stub.replace(change.old, wrong, 1)
+    return wrong if edited.count(wrong) == 1 else None
+
+
 class OracleScript:
     """The turns of one solved episode, in order, with the tools of the profile; with
     `mistake_rng`, one of its calls is first made wrong, with a mistake of one of
-    `mistake_kinds`."""
+    `mistake_kinds`; with `repair`, its edit is first a wrong body that the visible tests fail
+    (where the tools and the change allow one; `self.repaired` says whether it is)."""
 
     def __init__(
         self,
@@ -145,6 +163,7 @@ class OracleScript:
         open_tab_lines: int = 0,
         mistake_rng: np.random.Generator | None = None,
         mistake_kinds: tuple[str, ...] = tuple(MISTAKES),
+        repair: bool = False,
     ):
         self.task, self.change = task, plan_change(task)
         self.steps: list[tuple[str, str, str]] = []  # (what it did, what it will do, the turn)
@@ -160,8 +179,26 @@ class OracleScript:
         planned = "todo" in tools
         if planned:
             self._add(("planned", "plan"), "todo", action="create", text=f"implement {c.name}")
+        tested = "run_tests" in tools and task.visible_test_command is not None
+        wrong = wrong_body(c, task.files[c.path]) if repair and tested else None
+        self.repaired = wrong is not None and "edit_file" in tools
+        self.mistakes: list[tuple[str, str]] = []  # (the mistaken turn, the right one)
+        if self.repaired:
+            self._add(
+                (f"edited {c.path}", f"edit {c.path}"),
+                "edit_file",
+                path=c.path,
+                old=c.old,
+                new=wrong,
+            )
+            self._add(("ran the tests: they fail", "run the tests"), "run_tests")
+            self.mistakes.append((self.steps[-2][2], ""))
         self._edit_step = len(self.steps)
-        if c.old is not None and "edit_file" in tools:
+        if self.repaired:
+            self._add(
+                (f"fixed {c.name}", f"fix {c.name}"), "edit_file", path=c.path, old=wrong, new=c.new
+            )
+        elif c.old is not None and "edit_file" in tools:
             self._add(
                 (f"edited {c.path}", f"edit {c.path}"),
                 "edit_file",
@@ -173,7 +210,6 @@ class OracleScript:
             self._add(
                 (f"wrote {c.path}", f"write {c.path}"), "write_file", path=c.path, content=c.new
             )
-        tested = "run_tests" in tools and task.visible_test_command is not None
         if tested:
             self._add(("ran the tests", "run the tests"), "run_tests")
         if planned:
@@ -184,9 +220,7 @@ class OracleScript:
         final = f"Implemented {c.name} in {c.path}; {how}"
         self.steps.append(("reported", "report", protocol.render_turn(final=final)))
         self.done = 0
-        # (the mistaken turn, the right one) of each mistake, and the step each one precedes.
-        self.mistakes: list[tuple[str, str]] = []
-        self._mistake_before: dict[int, str] = {}
+        self._mistake_before: dict[int, str] = {}  # a mistake's turn, by the step it precedes
         if mistake_rng is not None:
             self._plan_mistake(tools, mistake_kinds, mistake_rng)
 

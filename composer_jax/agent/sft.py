@@ -5,10 +5,11 @@ pairs the chat format renders. "episode": the scripted agent (`agent.oracle`) pl
 through the run's own workflow (`rl.agent`: its tools, turn limit, summary budget) in the real
 environment, so every context it learns from is one RL will show it (tool outputs, summary
 requests, restarts from task + summary); each generation of a solved episode is an example with
-the loss on the agent's tokens. With `data.sft_feedback` some scripted episodes make one mistake
-a feedback detector flags (`agent.oracle.MISTAKES`): the mistaken turn is left out of the loss,
-and each hinted one adds an example of the teacher context text-feedback distillation uses (the
-generation up to the turn, the detector's hint) answered by the call the script meant.
+the loss on the agent's tokens. With `data.sft_repairs` some first edit a wrong body in, fail
+the visible tests and fix it (the wrong edit is not learned). With `data.sft_feedback` some make
+one mistake a feedback detector flags (`agent.oracle.MISTAKES`): the mistaken turn is left out of
+the loss, and each hinted one adds an example of the teacher context text-feedback distillation
+uses (the generation up to the turn, the detector's hint) answered by the call the script meant.
 """
 
 from __future__ import annotations
@@ -46,11 +47,13 @@ def episode_examples(
     env_threads: int = 2,
     feedback: float = 0.0,
     seed: int = 0,
+    repairs: float = 0.0,
 ):
     """{"tokens", "loss_mask"} of every generation of the scripted agent's solved episodes, played
     in the RL sampler's slots and context (`rl.rollout`), the loss on the agent's tokens; a share
     `feedback` of the episodes (drawn with `seed`) makes one mistake, and adds the example of
-    its hinted teacher answered right (`feedback_examples`)."""
+    its hinted teacher answered right (`feedback_examples`); a share `repairs` first edits a
+    wrong body in, fails the tests and fixes it (the wrong edit left out of the loss)."""
     workflow, environment = build(
         agent,
         tokenizer,
@@ -59,7 +62,8 @@ def episode_examples(
         sampling=rollout_sampling(rollout),
         distill=feedback > 0,  # the hinted teacher contexts of the mistakes
     )
-    scripts = _scripts(tasks, environment, _mistake_kinds(agent, feedback), feedback, seed)
+    kinds = _mistake_kinds(agent, feedback)
+    scripts = _scripts(tasks, environment, kinds, feedback, seed, repairs)
     engine = OracleEngine(
         scripts,
         tokenizer,
@@ -95,12 +99,13 @@ def episode_examples(
             examples += [generation, *answered]
             hinted += len(answered)
     log.info(
-        "SFT episodes: %d generations of %d episodes (%d summaries, %d with a mistake; "
-        "%d hinted examples)",
+        "SFT episodes: %d generations of %d episodes (%d summaries, %d with a mistake, %d "
+        "repaired; %d hinted examples)",
         summaries + len(solved),
         len(solved),
         summaries,
-        sum(bool(s.mistakes) for _, s in solved),
+        sum(bool(s.mistakes) and not s.repaired for _, s in solved),
+        sum(s.repaired for _, s in solved),
         hinted,
     )
     return examples
@@ -118,11 +123,14 @@ def _mistake_kinds(agent: AgentConfig, feedback: float) -> tuple[str, ...]:
     return kinds
 
 
-def _scripts(tasks, environment, kinds: tuple[str, ...], feedback: float, seed: int) -> list:
+def _scripts(
+    tasks, environment, kinds: tuple[str, ...], feedback: float, seed: int, repairs: float = 0.0
+) -> list:
     """One script per task in `environment` (but a task whose solution the turn protocol
     cannot carry, left out with a warning); a share `feedback` of them (drawn with `seed`)
-    makes one mistake of `kinds`."""
+    makes one mistake of `kinds`, a share `repairs` repairs a wrong first edit."""
     rng = np.random.default_rng(seed)
+    repair_rng = np.random.default_rng([seed, 1])  # the mistakes' draws stay as they were
     scripts = []
     for task in tasks:
         mistake_rng = rng if rng.random() < feedback else None
@@ -134,6 +142,7 @@ def _scripts(tasks, environment, kinds: tuple[str, ...], feedback: float, seed: 
                     environment.open_tab_lines,
                     mistake_rng=mistake_rng,
                     mistake_kinds=kinds,
+                    repair=bool(repairs) and repair_rng.random() < repairs,
                 )
             )
         except UnrenderableError as error:
@@ -231,6 +240,7 @@ def sft_examples(cfg: ExperimentConfig) -> Callable[[Tokenizer], list]:
             tasks,
             feedback=cfg.data.sft_feedback,
             seed=cfg.seed,
+            repairs=cfg.data.sft_repairs,
         )
         if not examples:
             raise ConfigError(

@@ -129,6 +129,12 @@ def _check_training(cfg: ExperimentConfig) -> None:
         "data.sft_feedback",
         "needs data.sft_style 'episode' (the mistakes are made in scripted episodes)",
     )
+    _check(0 <= cfg.data.sft_repairs <= 1, "data.sft_repairs", "must lie in [0, 1]")
+    _check(
+        cfg.data.sft_repairs == 0 or cfg.data.sft_style == "episode",
+        "data.sft_repairs",
+        "needs data.sft_style 'episode' (the repairs are made in scripted episodes)",
+    )
     _check(bool(cfg.data.text_field), "data.text_field", "must name a field")
 
 

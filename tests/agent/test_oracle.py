@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from composer_jax import agent, data, envs, presets
-from composer_jax.agent.oracle import MISTAKES, OracleEngine, OracleScript, plan_change
+from composer_jax.agent.oracle import (
+    MISTAKES,
+    OracleEngine,
+    OracleScript,
+    plan_change,
+    wrong_body,
+)
 from composer_jax.agent.sft import episode_examples, sft_examples
 from composer_jax.agent.workflow import SUMMARY_CLOSE, SUMMARY_OPEN
 from composer_jax.config import ConfigError
@@ -48,7 +54,7 @@ def test_the_script_uses_only_the_tools_offered():
     assert [envs.parse_turn(t).calls[0].tool for _, _, t in bare.steps[:-1]] == ["write_file"]
 
 
-def _played(rl, tasks, tokenizer=TOKENIZER):
+def _played(rl, tasks, tokenizer=TOKENIZER, repair=False):
     model = presets.rl_tiny().model
     workflow, env = agent.build(
         rl.agent,
@@ -59,7 +65,7 @@ def _played(rl, tasks, tokenizer=TOKENIZER):
         distill=rl.objective.distill_coef > 0,
     )
     engine = OracleEngine(
-        [OracleScript(t, env.tools, env.open_tab_lines) for t in tasks],
+        [OracleScript(t, env.tools, env.open_tab_lines, repair=repair) for t in tasks],
         tokenizer,
         4,
         rl.rollout.context_len,
@@ -148,6 +154,46 @@ def test_episode_examples_train_on_the_agents_tokens_only(tmp_path):
         assert "<output" not in taught and "Tools:" not in taught
     first_turn = sft_examples(presets.rl_tiny())(TOKENIZER)
     assert isinstance(first_turn[0], tuple) and "write_file" in first_turn[0][1]
+
+
+def test_a_repaired_episode_fails_the_tests_fixes_the_body_and_learns_only_the_fix():
+    """With `repair` the script first edits a body whose result is off by one in: the visible
+    tests fail, the next generation (the preset's budget asks for a summary at the traceback)
+    sees the wrong body in its open tab, fixes it and tests again. The wrong edit is left out of
+    the loss; the fix is learned."""
+    cfg = presets.rl_agent_tiny()
+    tokenizer = data.load_tokenizer("code_bpe_2k")
+    tasks = envs.load_task_source(cfg.data.tasks).take(6, "train", seed=0)
+    env = agent.env_config(cfg.rl.agent)
+    scripts = [OracleScript(t, env.tools, env.open_tab_lines, repair=True) for t in tasks]
+    repaired = [t for t, s in zip(tasks, scripts) if s.repaired]
+    assert len(repaired) >= 3
+    outcomes = _played(cfg.rl, repaired, tokenizer, repair=True)
+    assert [o.reward for o in outcomes] == [1.0] * len(repaired)
+    for task, outcome in zip(repaired, outcomes):
+        change = plan_change(task)
+        wrong = wrong_body(change, task.files[change.path])
+        tests = [c for c in outcome.trace.tool_calls if c.tool == "run_tests"]
+        edits = [c.args for c in outcome.trace.tool_calls if c.tool == "edit_file"]
+        first = tokenizer.decode(outcome.sequences[0].tokens)
+        assert "[exit code 1]" in first.split('<output tool="run_tests">', 1)[1]
+        assert len(tests) == 2 and edits == [
+            {"path": change.path, "old": change.old, "new": wrong},
+            {"path": change.path, "old": wrong, "new": change.new},
+        ]
+    examples = episode_examples(
+        cfg.rl.agent, cfg.rl.rollout, cfg.model, tokenizer, repaired, repairs=1.0
+    )
+    taught = "".join(tokenizer.decode(e["tokens"][e["loss_mask"] == 1]) for e in examples)
+    shown = "".join(tokenizer.decode(e["tokens"]) for e in examples)
+    for task in repaired:
+        change = plan_change(task)
+        wrong = wrong_body(change, task.files[change.path])
+        fix = envs.render_call("edit_file", {"path": change.path, "old": wrong, "new": change.new})
+        mistake = envs.render_call(
+            "edit_file", {"path": change.path, "old": change.old, "new": wrong}
+        )
+        assert fix in taught and mistake in shown and mistake not in taught
 
 
 def test_episodes_that_do_not_fit_are_left_out_and_none_is_an_error():
