@@ -314,8 +314,9 @@ def test_the_expected_outcomes_cannot_be_read_from_inside_the_sandbox(backend):
     assert found == {"memory:control", "file:planted"}, found
 
 
-_READER = '''def frequencies(seq):
-    """Nothing of the task: the answer the tests expect, read from a test module at run time."""
+_READER = '''def NAME(PARAMS):
+    """Nothing of the task: the answer a test expects, read from a test module at run time (the
+    assert that calls NAME with this call's last argument)."""
     import ast
     import os
 
@@ -328,14 +329,27 @@ _READER = '''def frequencies(seq):
             for node in ast.walk(tree):
                 if isinstance(node, ast.Compare) and isinstance(node.left, ast.Call):
                     call = node.left
-                    if getattr(call.func, "id", "") == "frequencies" and len(call.args) == 1:
+                    if getattr(call.func, "id", "") == "NAME" and len(call.args) == ARITY:
                         try:
-                            if ast.literal_eval(call.args[0]) == seq:
+                            if ast.literal_eval(call.args[-1]) == LAST:
                                 return ast.literal_eval(node.comparators[0])
                         except ValueError:
                             pass
     return None  # never the answer
 '''
+
+
+def _reading(task, name: str, params: tuple[str, ...], where: str = "os.getcwd()") -> dict:
+    """The task's module with `name` a `_READER` of the test modules under `where`."""
+    path = task.metadata["path"]
+    stub = task.files[path]
+    start = stub.index(f"def {name}(")
+    end = stub.index("raise NotImplementedError", start) + len("raise NotImplementedError\n")
+    fields = {"NAME": name, "PARAMS": ", ".join(params), "ARITY": str(len(params))}
+    reader = _READER
+    for field, value in {**fields, "LAST": params[-1], "WHERE": where}.items():
+        reader = reader.replace(field, value)
+    return {path: stub[:start] + reader + stub[end:]}
 
 
 @pytest.mark.parametrize("backend", ISOLATING)
@@ -346,12 +360,7 @@ def test_a_function_that_reads_the_tests_expected_values_at_run_time_scores_0(ba
     task = next(
         t for t in read_task_set(shipped_sets()["toolz"]) if t.task_id.endswith(":frequencies")
     )
-    path = task.metadata["path"]
-    stub = task.files[path]
-    start = stub.index("def frequencies(")
-    end = stub.index("raise NotImplementedError", start) + len("raise NotImplementedError\n")
-    reader = stub[:start] + _READER.replace("WHERE", where) + stub[end:]
-    result = grade_solution(task, {path: reader}, backend=backend)
+    result = grade_solution(task, _reading(task, "frequencies", ("seq",), where), backend=backend)
     assert result.reward == 0.0, (result.outcomes, result.scores)
     assert result.scores["replay_calls"] > 0 and result.scores["replay_matched"] == 0
 
@@ -398,27 +407,6 @@ def test_a_test_module_a_recorded_input_names_is_kept_without_its_tests():
     assert module["helper"](3) == 4 + 6 + 5
 
 
-_HELPER_READER = '''def apply_each(func, values):
-    """Nothing of the task: the answer the test expects, read from the module that defines the
-    helper a recorded input names (the replay must keep that module)."""
-    import ast
-    import os
-
-    for top, _, names in os.walk(os.getcwd()):
-        for name in names:
-            if name.startswith("test_") and name.endswith(".py"):
-                with open(os.path.join(top, name)) as handle:
-                    tree = ast.parse(handle.read())
-                for node in ast.walk(tree):
-                    if isinstance(node, ast.Compare) and isinstance(node.left, ast.Call):
-                        call = node.left
-                        if getattr(call.func, "id", "") == "apply_each" and len(call.args) == 2:
-                            if ast.literal_eval(call.args[1]) == values:
-                                return ast.literal_eval(node.comparators[0])
-    return None  # never the answer
-'''
-
-
 def test_a_function_that_reads_the_test_module_of_a_named_helper_scores_0(repository):
     """A recorded input names a test module's helper (`double`), so the replay imports that
     module: it holds the helper, never the tests and their expected values."""
@@ -426,11 +414,7 @@ def test_a_function_that_reads_the_test_module_of_a_named_helper_scores_0(reposi
     assert why == "kept"
     (names,) = replay.referenced_modules(task.grader["replay"]).values()
     assert names == {"double"}
-    path = task.metadata["path"]
     assert grade_solution(task, task.oracle_files).reward == 1.0
-    stub = task.files[path]
-    start = stub.index("def apply_each(")
-    end = stub.index("raise NotImplementedError", start) + len("raise NotImplementedError\n")
-    result = grade_solution(task, {path: stub[:start] + _HELPER_READER + stub[end:]})
+    result = grade_solution(task, _reading(task, "apply_each", ("func", "values")))
     assert result.scores["replay_calls"] == 1 and result.scores["replay_matched"] == 0
     assert result.reward == 0.0
