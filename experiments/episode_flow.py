@@ -1,0 +1,128 @@
+r"""Whether an agent run's episodes act on a failing test, read back from its ledger.
+
+  python experiments/episode_flow.py runs/claims/agent128/seed=0 [RUN ...] [--json=PATH]
+
+Each sample's chain of generations (a summary restarts it) is decoded into turns, each with the
+context that followed it (tool outputs, a summary request). Counted per run, over every group in
+its ledger: samples; samples with a failing visible test (a `run_tests` output whose exit code
+is not 0); of those, the ones asked for a summary right at that output, the ones with an edit
+applied after it, and the ones that reached reward 1; samples with two or more applied edits
+(`edit_file` / `write_file` reported done), edits tried and applied in a restarted generation;
+and reward 1 among the samples whose first test passed. A run whose episodes make one attempt
+shows no applied edit after a failing test and no reward 1 after one.
+"""
+
+import collections
+import dataclasses
+import json
+import os
+import re
+
+import numpy as np
+from absl import app, flags
+
+from composer_jax.actor.ledger import GroupLedger
+from composer_jax.actor.samples import group_sequences
+from composer_jax.agent.workflow import SUMMARY_OPEN
+from composer_jax.train.runs import run_tokenizer
+
+_JSON = flags.DEFINE_string("json", "", "Also write the table as JSON to this path.")
+
+_TEST_EXIT = re.compile(r'<output tool="run_tests">.*?\[exit code (-?\d+)', re.S)
+_APPLIED = re.compile(r'<output tool="(?:edit_file|write_file)">(?:edited|wrote) ')
+_EDIT_CALL = re.compile(r'<call tool="(?:edit_file|write_file)">')
+COLUMNS = (
+    "samples",
+    "failing_test",
+    "summary_at_failure",
+    "edit_after_failure",
+    "reward_1_after_failure",
+    "two_applied_edits",
+    "edits_tried_after_restart",
+    "edits_applied_after_restart",
+    "first_test_passed",
+    "reward_1_first_test_passed",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    generation: int  # 0 until the first summary, then one more per restart
+    text: str  # what the policy wrote
+    after: str  # the context that followed it, up to the policy's next turn
+
+
+def chain_turns(sequences, decode) -> list[Turn]:
+    """The turns of one sample's generations, in order; `decode` turns token ids into text."""
+    turns = []
+    for generation, seq in enumerate(sequences):
+        mask = np.asarray(seq.policy_mask, np.int8)
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+        runs = list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
+        for i, (start, end) in enumerate(runs):
+            following = runs[i + 1][0] if i + 1 < len(runs) else len(seq.tokens)
+            text, after = decode(seq.tokens[start:end]), decode(seq.tokens[end:following])
+            turns.append(Turn(generation, text, after))
+    return turns
+
+
+def sample_flow(turns: list[Turn], reward: float) -> collections.Counter:
+    """The counts of one sample (see the module docstring)."""
+    counts = collections.Counter(samples=1)
+    exits = [
+        (i, int(m.group(1))) for i, t in enumerate(turns) for m in _TEST_EXIT.finditer(t.after)
+    ]
+    applied = [i for i, t in enumerate(turns) if _APPLIED.search(t.after)]
+    counts["two_applied_edits"] = len(applied) >= 2
+    restarted = [i for i, t in enumerate(turns) if t.generation > 0]
+    counts["edits_tried_after_restart"] = sum(
+        bool(_EDIT_CALL.search(turns[i].text)) for i in restarted
+    )
+    counts["edits_applied_after_restart"] = sum(i in applied for i in restarted)
+    failing = [i for i, code in exits if code != 0]
+    if failing:
+        first = failing[0]
+        counts["failing_test"] = 1
+        counts["summary_at_failure"] = turns[first].after.rstrip().endswith(SUMMARY_OPEN)
+        counts["edit_after_failure"] = any(i > first for i in applied)
+        counts["reward_1_after_failure"] = reward >= 1
+    if exits and exits[0][1] == 0:
+        counts["first_test_passed"] = 1
+        counts["reward_1_first_test_passed"] = reward >= 1
+    return counts
+
+
+def run_flow(workdir: str) -> dict[str, int]:
+    """The counts summed over every sample of the run's ledger."""
+    tokenizer = run_tokenizer(workdir)
+    ledger = GroupLedger(os.path.join(workdir, "ledger"))
+    total = collections.Counter()
+    for group_id in ledger:
+        group = ledger.load(group_id)
+        chains = collections.defaultdict(list)
+        for seq in group_sequences(group):
+            chains[seq.sample_index].append(seq)
+        for sample, chain in chains.items():
+            turns = chain_turns(chain, lambda ids: tokenizer.decode(np.asarray(ids).tolist()))
+            total += sample_flow(turns, float(group.rewards[sample]))
+    if not total["samples"]:
+        raise SystemExit(f"{workdir}: no samples in its ledger")
+    return {name: int(total[name]) for name in COLUMNS}
+
+
+def main(argv):
+    runs = argv[1:]
+    if not runs:
+        raise app.UsageError("name one or more RL run folders")
+    table = {run: run_flow(run) for run in runs}
+    print("| run | " + " | ".join(COLUMNS) + " |")
+    print("| --- | " + " | ".join("---:" for _ in COLUMNS) + " |")
+    for run, counts in table.items():
+        print(f"| {run} | " + " | ".join(str(counts[c]) for c in COLUMNS) + " |")
+    if _JSON.value:
+        with open(_JSON.value, "w") as f:
+            json.dump(table, f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,62 @@
+"""experiments/episode_flow.py on hand-made turns: a one-attempt sample (the failing test asks for
+a summary, the restart never edits) and a sample that fixes its body after a failing test; and
+the turns of a chain decoded from its policy mask."""
+
+import numpy as np
+
+from composer_jax import envs
+from composer_jax.rl import SegmentKind, Sequence
+from experiments import episode_flow
+from experiments.episode_flow import Turn
+
+EDIT = envs.render_call("edit_file", {"path": "a.py", "old": "x", "new": "y"})
+TESTS = envs.render_call("run_tests", {})
+EDITED = '\n<output tool="edit_file">edited a.py</output>\n'
+FAILED = '\n<output tool="run_tests">\nAssertionError\n[exit code 1]\n</output>\n'
+PASSED = '\n<output tool="run_tests">\nok\n[exit code 0]\n</output>\n'
+ASKED = "\n[context budget reached: summarise ...]\n<summary>"
+
+
+def test_a_one_attempt_sample_and_a_repaired_one_are_told_apart():
+    one_attempt = [
+        Turn(0, EDIT, EDITED),
+        Turn(0, TESTS, FAILED + ASKED),
+        Turn(0, "a summary</summary>", ""),
+        Turn(1, EDIT, '\n<output tool="edit_file">error: old text not found</output>\n'),
+        Turn(1, "<final>done</final>", ""),
+    ]
+    counts = episode_flow.sample_flow(one_attempt, 0.0)
+    assert counts["failing_test"] == counts["summary_at_failure"] == 1
+    assert counts["edits_tried_after_restart"] == 1 and not counts["edits_applied_after_restart"]
+    assert not counts["edit_after_failure"] and not counts["two_applied_edits"]
+    repaired = [
+        Turn(0, EDIT, EDITED),
+        Turn(0, TESTS, FAILED),
+        Turn(0, EDIT, EDITED),
+        Turn(0, TESTS, PASSED),
+        Turn(0, "<final>done</final>", ""),
+    ]
+    counts = episode_flow.sample_flow(repaired, 1.0)
+    assert counts["edit_after_failure"] == counts["reward_1_after_failure"] == 1
+    assert counts["two_applied_edits"] == 1 and not counts["summary_at_failure"]
+    assert not counts["first_test_passed"]
+    passed = episode_flow.sample_flow([Turn(0, TESTS, PASSED)], 1.0)
+    assert passed["first_test_passed"] == passed["reward_1_first_test_passed"] == 1
+    assert not passed["failing_test"]
+
+
+def test_a_chains_turns_come_from_its_policy_runs():
+    tokens = np.arange(10, dtype=np.int32)
+    policy = np.array([0, 0, 1, 1, 0, 0, 1, 0, 0, 0], bool)
+    seq = Sequence(
+        sample_index=0,
+        tokens=tokens,
+        kinds=np.full(10, SegmentKind.PROMPT, np.int32),
+        policy_mask=policy,
+        sampler_logprobs=np.zeros(10, np.float32),
+        policy_versions=np.zeros(10, np.int32),
+    )
+    decode = lambda ids: ",".join(str(i) for i in ids)  # noqa: E731
+    turns = episode_flow.chain_turns([seq, seq], decode)
+    assert turns[:2] == [Turn(0, "2,3", "4,5"), Turn(0, "6", "7,8,9")]
+    assert [t.generation for t in turns] == [0, 0, 1, 1]
