@@ -1,6 +1,6 @@
 r"""Whether an agent run's episodes act on a failing test, read back from its ledger.
 
-  python experiments/episode_flow.py runs/claims/agent128/seed=0 [RUN ...] [--json=PATH]
+  python experiments/episode_flow.py runs/claims/agent128/seed=0 [RUN ...] [--flow_json=PATH]
 
 Each sample's chain of generations (a summary restarts it) is decoded into turns, each with the
 context that followed it (tool outputs, a summary request). Counted per run, over every group in
@@ -26,7 +26,7 @@ from composer_jax.actor.samples import group_sequences
 from composer_jax.agent.workflow import SUMMARY_OPEN
 from composer_jax.train.runs import run_tokenizer
 
-_JSON = flags.DEFINE_string("json", "", "Also write the table as JSON to this path.")
+_JSON = flags.DEFINE_string("flow_json", "", "Also write the table as JSON to this path.")
 
 _TEST_EXIT = re.compile(r'<output tool="run_tests">.*?\[exit code (-?\d+)', re.S)
 _APPLIED = re.compile(r'<output tool="(?:edit_file|write_file)">(?:edited|wrote) ')
