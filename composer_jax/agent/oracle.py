@@ -182,7 +182,8 @@ class OracleScript:
         tested = "run_tests" in tools and task.visible_test_command is not None
         wrong = wrong_body(c, task.files[c.path]) if repair and tested else None
         self.repaired = wrong is not None and "edit_file" in tools
-        self.mistakes: list[tuple[str, str]] = []  # (the mistaken turn, the right one)
+        # (the mistaken turn, the right one: "" for a wrong edit, which a failing test answers)
+        self.mistakes: list[tuple[str, str]] = []
         if self.repaired:
             self._add(
                 (f"edited {c.path}", f"edit {c.path}"),
