@@ -8,6 +8,7 @@ I/O, which release the GIL); steps of one episode are serialised by its lock.
 
 import concurrent.futures
 import dataclasses
+import functools
 import random
 import threading
 
@@ -150,11 +151,17 @@ class Episode:
                 info["open_tab"] = tab
             return self._result(observation, info)
 
+    @functools.cached_property
+    def _first_tab(self) -> tuple[tuple[str, int, int] | None, str]:
+        """(span, text) of the first observation's open tab (fixed for the episode)."""
+        lines = self.config.open_tab_lines
+        return tab_span(self.task, lines), open_tab(self.task, lines)
+
     def _edited_tab(self) -> str:
         """The open tab as the workspace holds the target's file now, when that differs from
         the first observation's ("" otherwise, or when the file cannot be read as the tools
         would read it): what a restarted generation is shown."""
-        span = tab_span(self.task, self.config.open_tab_lines)
+        span, first = self._first_tab
         if span is None:
             return ""
         try:
@@ -164,8 +171,10 @@ class Episode:
             text = path.read_text(encoding="utf-8", errors="replace")
         except (ToolError, OSError):
             return ""
+        if text == self.task.files.get(span[0]):  # unedited: nothing to parse
+            return ""
         tab = open_tab(self.task, self.config.open_tab_lines, {span[0]: text})
-        return "" if tab == open_tab(self.task, self.config.open_tab_lines) else tab
+        return "" if tab == first else tab
 
     def snapshot(self) -> dict:
         """The state between two turns (workspace files, counts, call log, monitor flags), to
