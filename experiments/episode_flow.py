@@ -24,11 +24,11 @@ from absl import app, flags
 from composer_jax.actor.ledger import GroupLedger
 from composer_jax.actor.samples import group_sequences
 from composer_jax.agent.workflow import SUMMARY_OPEN
+from composer_jax.envs.tools import run_tests_exit_codes
 from composer_jax.train.runs import run_tokenizer
 
 _JSON = flags.DEFINE_string("flow_json", "", "Also write the table as JSON to this path.")
 
-_TEST_EXIT = re.compile(r'<output tool="run_tests">.*?\[exit code (-?\d+)', re.S)
 _APPLIED = re.compile(r'<output tool="(?:edit_file|write_file)">(?:edited|wrote) ')
 _EDIT_CALL = re.compile(r'<call tool="(?:edit_file|write_file)">')
 COLUMNS = (
@@ -69,9 +69,7 @@ def chain_turns(sequences, decode) -> list[Turn]:
 def sample_flow(turns: list[Turn], reward: float) -> collections.Counter:
     """The counts of one sample (see the module docstring)."""
     counts = collections.Counter(samples=1)
-    exits = [
-        (i, int(m.group(1))) for i, t in enumerate(turns) for m in _TEST_EXIT.finditer(t.after)
-    ]
+    exits = [(i, code) for i, t in enumerate(turns) for code in run_tests_exit_codes(t.after)]
     applied = [i for i, t in enumerate(turns) if _APPLIED.search(t.after)]
     counts["two_applied_edits"] = len(applied) >= 2
     restarted = [i for i, t in enumerate(turns) if t.generation > 0]

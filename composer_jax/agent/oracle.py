@@ -14,8 +14,9 @@ A script may also make one mistake (`mistake_rng`): a wrong version of one of it
 kind a feedback detector flags (`MISTAKES`), right before the call it meant. The environment
 rejects it and the next turn is the right call, so the episode shows the detector's hint (in the
 teacher context) next to the turn that answers it (`agent.sft`). And it may first edit a wrong
-body in (`repair`: its result off by one, `wrong_body`), so the visible tests fail, and then fix
-it and run them again: an episode that acts on a failing test, which RL can then reinforce.
+body in (`repair_rng`: one line of the solution changed, `wrong_body`), so the visible tests fail,
+and then fix that line alone and run them again: an episode that acts on a failing test, which
+RL can then reinforce.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import io
 import re
+import tokenize
 
 import numpy as np
 
@@ -47,6 +50,7 @@ class Change:
     line: int  # its first line in the task's file (1 without a function)
     end: int  # its last line there
     doc: str  # its docstring's first paragraph ("" without)
+    start: int  # `new`'s first line in the solution's file (0-based)
 
 
 def _hunk(before: list[str], after: list[str]) -> tuple[int, int, int, int]:
@@ -72,29 +76,44 @@ def _enclosing(source: str, line: int) -> tuple[str, int, int, str] | None:
     return found
 
 
+def unique_hunk(before_text: str, after_text: str) -> tuple[str, str, int, int] | None:
+    """(old, new, old's first line, new's first line; 0-based) of the region of `before_text`
+    that `after_text` changes, widened by the unchanged lines around it until `old` occurs
+    exactly once (a line above, else one below, else both, each step); None when only the
+    whole file does."""
+    before, after = before_text.splitlines(keepends=True), after_text.splitlines(keepends=True)
+    i1, i2, j1, j2 = _hunk(before, after)
+
+    def unique(start: int, end: int) -> bool:
+        old = "".join(before[start:end])
+        return bool(old) and before_text.count(old) == 1
+
+    while not unique(i1, i2):
+        if i1 == 0 and i2 == len(before):
+            return None
+        above, below = min(i1, 1), int(i2 < len(before))
+        if above and unique(i1 - 1, i2):
+            below = 0
+        elif below and unique(i1, i2 + 1):
+            above = 0
+        i1, j1, i2, j2 = i1 - above, j1 - above, i2 + below, j2 + below
+    return "".join(before[i1:i2]), "".join(after[j1:j2]), i1, j1
+
+
 def plan_change(task: Task) -> Change:
     """How the oracle solution differs from the task's files (the first changed file)."""
     path = next(p for p, text in sorted(task.oracle_files.items()) if task.files.get(p) != text)
     after_text = task.oracle_files[path]
     before_text = task.files.get(path)
-    if before_text is None:
-        return Change(path, None, after_text, path, 1, 1, "")
-    before, after = before_text.splitlines(keepends=True), after_text.splitlines(keepends=True)
-    i1, i2, j1, j2 = _hunk(before, after)
-    # Widen by the unchanged lines around it until the old text occurs exactly once.
-    while not ("".join(before[i1:i2]) and before_text.count("".join(before[i1:i2])) == 1):
-        if i1 == 0 and i2 == len(before):
-            return Change(path, None, after_text, path, 1, 1, "")
-        if i1 > 0:
-            i1, j1 = i1 - 1, j1 - 1
-        if i2 < len(before):
-            i2, j2 = i2 + 1, j2 + 1
-    old, new = "".join(before[i1:i2]), "".join(after[j1:j2])
-    enclosing = _enclosing(before_text, i1 + 1)
+    hunk = None if before_text is None else unique_hunk(before_text, after_text)
+    if hunk is None:
+        return Change(path, None, after_text, path, 1, 1, "", 0)
+    old, new, first, start = hunk
+    enclosing = _enclosing(before_text, first + 1)
     if enclosing is None:
-        return Change(path, old, new, path, 1, 1, "")
-    name, first, last, doc = enclosing
-    return Change(path, old, new, name, first, last, doc)
+        return Change(path, old, new, path, 1, 1, "", start)
+    name, line, last, doc = enclosing
+    return Change(path, old, new, name, line, last, doc, start)
 
 
 # Each kind of scripted mistake, and the feedback detector that flags it.
@@ -136,25 +155,110 @@ def mistaken_call(
     return choice, dict(args)
 
 
-def wrong_body(change: Change, stub: str) -> str | None:
-    """`change.new` with its last `return` one more (a number off by one; a TypeError for a
-    list or a string), which the visible tests fail, when it stays unique in the file once
-    edited in (so a repair can name it); else None."""
+# A repair's first, wrong body (`wrong_bodies`) changes one line of the solution in one of these
+# ways, so that what the failing test points at differs from episode to episode: the last
+# `return` one more (a number off by one; a TypeError for a list or a string), an operator or a
+# boolean swapped, a whole-number constant one more, a simple statement left out.
+WRONG_BODIES = ("off_by_one", "operator", "constant", "dropped_line")
+_SWAPS = {
+    "+": "-", "-": "+", "+=": "-=", "-=": "+=", "<": "<=", "<=": "<", ">": ">=", ">=": ">",
+    "==": "!=", "!=": "==", "and": "or", "or": "and", "True": "False", "False": "True",
+    "//": "/", "%": "//",
+}  # fmt: skip
+
+
+def wrong_bodies(change: Change, stub: str, solution: str) -> dict[str, list[str]]:
+    """The one-line wrong versions of `change.new` (`solution` is its file), by kind of
+    `WRONG_BODIES`: each parses once edited into `stub` in place of `change.old`. Only code is
+    changed: operators and constants come from the solution's tokens, a left-out statement from
+    its syntax tree (never a docstring, a `return` or a block's only statement)."""
+    if change.old is None or not change.new:
+        return {}
+    lines = change.new.splitlines(keepends=True)
+    rows = range(change.start + 1, change.start + len(lines) + 1)  # 1-based, in `solution`
+    found: dict[str, list[str]] = {kind: [] for kind in WRONG_BODIES}
+
+    def replaced(row: int, col: int, end: int, text: str | None) -> str:
+        """The body with `row`'s columns col:end replaced by `text` (None: the line left out)."""
+        i = row - rows[0]
+        line = [] if text is None else [lines[i][:col] + text + lines[i][end:]]
+        return "".join(lines[:i] + line + lines[i + 1 :])
+
     returns = list(re.finditer(r"^( *)return (.+)$", change.new, re.M))
-    if change.old is None or not returns:
+    if returns:
+        last = returns[-1]
+        line = f"{last.group(1)}return ({last.group(2)}) + 1"
+        found["off_by_one"].append(change.new[: last.start()] + line + change.new[last.end() :])
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(solution).readline))
+        tree = ast.parse(solution)
+    except (SyntaxError, tokenize.TokenError, ValueError, RecursionError):
+        tokens, tree = [], None
+    for tok in tokens:
+        (row, col), (end_row, end) = tok.start, tok.end
+        if row not in rows or end_row != row:
+            continue
+        if tok.type in (tokenize.OP, tokenize.NAME) and tok.string in _SWAPS:
+            found["operator"].append(replaced(row, col, end, _SWAPS[tok.string]))
+        elif tok.type == tokenize.NUMBER and tok.string.isdigit():
+            found["constant"].append(replaced(row, col, end, str(int(tok.string) + 1)))
+    for statement in _droppable(tree):
+        if statement.lineno in rows:
+            found["dropped_line"].append(replaced(statement.lineno, 0, 0, None))
+    return {
+        kind: [w for w in wrong if _parses(stub.replace(change.old, w, 1)) and w != change.new]
+        for kind, wrong in found.items()
+    }
+
+
+def _droppable(tree: ast.AST | None):
+    """The one-line statements that can be left out: not a block's only statement, a
+    `return`/`raise`, or a docstring."""
+    for node in ast.walk(tree) if tree is not None else ():
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(node, field, None)
+            if not isinstance(block, list) or len(block) < 2:
+                continue
+            for i, statement in enumerate(block):
+                docstring = (
+                    i == 0
+                    and isinstance(statement, ast.Expr)
+                    and isinstance(getattr(statement, "value", None), ast.Constant)
+                )
+                one_line = statement.lineno == statement.end_lineno
+                if (
+                    one_line
+                    and not docstring
+                    and not isinstance(statement, (ast.Return, ast.Raise))
+                ):
+                    yield statement
+
+
+def _parses(source: str) -> bool:
+    try:
+        ast.parse(source)
+    except (SyntaxError, ValueError, RecursionError):
+        return False
+    return True
+
+
+def wrong_body(change: Change, stub: str, solution: str, rng: np.random.Generator) -> str | None:
+    """One wrong body (`wrong_bodies`): a kind drawn with `rng` among those the change allows,
+    then one of its versions; None when there is none."""
+    found = {kind: wrong for kind, wrong in wrong_bodies(change, stub, solution).items() if wrong}
+    if not found:
         return None
-    last = returns[-1]
-    line = f"{last.group(1)}return ({last.group(2)}) + 1"
-    wrong = change.new[: last.start()] + line + change.new[last.end() :]
-    edited = stub.replace(change.old, wrong, 1)
-    return wrong if edited.count(wrong) == 1 else None
+    kinds = sorted(found)
+    wrong = found[kinds[rng.integers(len(kinds))]]
+    return wrong[rng.integers(len(wrong))]
 
 
 class OracleScript:
     """The turns of one solved episode, in order, with the tools of the profile; with
     `mistake_rng`, one of its calls is first made wrong, with a mistake of one of
-    `mistake_kinds`; with `repair`, its edit is first a wrong body that the visible tests fail
-    (where the tools and the change allow one; `self.repaired` says whether it is)."""
+    `mistake_kinds`; with `repair_rng`, its edit is first a wrong body (`wrong_body`, drawn with
+    it) that the visible tests run on, then fixed by the smallest edit (where the tools and the
+    change allow one; `self.repaired` says whether it is)."""
 
     def __init__(
         self,
@@ -163,7 +267,7 @@ class OracleScript:
         open_tab_lines: int = 0,
         mistake_rng: np.random.Generator | None = None,
         mistake_kinds: tuple[str, ...] = tuple(MISTAKES),
-        repair: bool = False,
+        repair_rng: np.random.Generator | None = None,
     ):
         self.task, self.change = task, plan_change(task)
         self.steps: list[tuple[str, str, str]] = []  # (what it did, what it will do, the turn)
@@ -180,10 +284,14 @@ class OracleScript:
         if planned:
             self._add(("planned", "plan"), "todo", action="create", text=f"implement {c.name}")
         tested = "run_tests" in tools and task.visible_test_command is not None
-        wrong = wrong_body(c, task.files[c.path]) if repair and tested else None
-        self.repaired = wrong is not None and "edit_file" in tools
+        stub, solution = task.files.get(c.path, ""), task.oracle_files[c.path]
+        wrong = None
+        if repair_rng is not None and tested and "edit_file" in tools:
+            wrong = wrong_body(c, stub, solution, repair_rng)
+        self.repaired = wrong is not None
         # (the mistaken turn, the right one: "" for a wrong edit, which a failing test answers)
         self.mistakes: list[tuple[str, str]] = []
+        self.fix: tuple[str, str] | None = None  # the repair's edit: the smallest unique hunk
         if self.repaired:
             self._add(
                 (f"edited {c.path}", f"edit {c.path}"),
@@ -194,10 +302,16 @@ class OracleScript:
             )
             self._add(("ran the tests: they fail", "run the tests"), "run_tests")
             self.mistakes.append((self.steps[-2][2], ""))
+            self.fix = unique_hunk(stub.replace(c.old, wrong, 1), solution)[:2]
         self._edit_step = len(self.steps)
-        if self.repaired:
+        if self.fix is not None:
+            old_lines, new_lines = self.fix
             self._add(
-                (f"fixed {c.name}", f"fix {c.name}"), "edit_file", path=c.path, old=wrong, new=c.new
+                (f"fixed {c.name}", f"fix {c.name}"),
+                "edit_file",
+                path=c.path,
+                old=old_lines,
+                new=new_lines,
             )
         elif c.old is not None and "edit_file" in tools:
             self._add(
@@ -255,9 +369,13 @@ class OracleScript:
         following = self.steps[self.done][1] if self.done < len(self.steps) else "nothing"
         doc = f": {c.doc}" if c.doc else ""
         # Before the edit, the code it will write: worked out here, with the file in view, so the
-        # next generation copies it instead of re-deriving it from a restated docstring.
-        before_edit = c.old is not None and self.done <= self._edit_step
-        plan = f"\nThe new body:\n{c.new}" if before_edit else ""
+        # next generation copies it instead of re-deriving it from a restated docstring. Before
+        # a repair's fix, the lines to change and what they become.
+        plan = ""
+        if c.old is not None and self.done <= self._edit_step:
+            plan = f"\nThe new body:\n{c.new}"
+            if self.fix is not None and self.done == self._edit_step:
+                plan = f"\nThe lines:\n{self.fix[0]}should be:\n{self.fix[1]}"
         return (
             f"{c.name} ({c.path}, lines {c.line}-{c.end}){doc}\nDone: {done}. Next: "
             f"{following}.{plan}</summary>"

@@ -34,6 +34,7 @@ from composer_jax.config import (
 )
 from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.envs.grading.protocol import UnrenderableError
+from composer_jax.envs.tools import run_tests_exit_codes
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,14 @@ def episode_examples(
             len(outcomes),
             sum(o.truncated for o in outcomes),
         )
+    # A wrong body the visible tests miss would teach fixing what a passing test answered.
+    kept = [(o, s) for o, s in solved if not s.repaired or _first_test_failed(o, tokenizer)]
+    if len(kept) < len(solved):
+        log.info(
+            "SFT episodes: %d repairs left out (the tests passed the wrong body)",
+            len(solved) - len(kept),
+        )
+    solved = kept
     summaries = sum(o.summaries for o, _ in solved)
     examples, hinted = [], 0
     repeats = IgnoredToolError.name in agent.feedback_detectors
@@ -109,6 +118,13 @@ def episode_examples(
         hinted,
     )
     return examples
+
+
+def _first_test_failed(outcome, tokenizer: Tokenizer) -> bool:
+    """Whether the episode's first `run_tests` reported a failure."""
+    transcript = "".join(tokenizer.decode(seq.tokens) for seq in outcome.sequences)
+    codes = run_tests_exit_codes(transcript)
+    return bool(codes) and codes[0] != 0
 
 
 def _mistake_kinds(agent: AgentConfig, feedback: float) -> tuple[str, ...]:
@@ -142,7 +158,7 @@ def _scripts(
                     environment.open_tab_lines,
                     mistake_rng=mistake_rng,
                     mistake_kinds=kinds,
-                    repair=bool(repairs) and repair_rng.random() < repairs,
+                    repair_rng=repair_rng if repairs and repair_rng.random() < repairs else None,
                 )
             )
         except UnrenderableError as error:

@@ -4,6 +4,7 @@ the profile offers (summaries included) and become SFT examples with the loss on
 scripted mistake is flagged by its detector, put right, and teaches the hint, not the mistake."""
 
 import dataclasses
+import difflib
 
 import numpy as np
 import pytest
@@ -11,11 +12,14 @@ import pytest
 from composer_jax import agent, data, envs, presets
 from composer_jax.agent.oracle import (
     MISTAKES,
+    Change,
     OracleEngine,
     OracleScript,
     plan_change,
-    wrong_body,
+    unique_hunk,
+    wrong_bodies,
 )
+from composer_jax.agent.sft import _scripts as sft_scripts
 from composer_jax.agent.sft import episode_examples, sft_examples
 from composer_jax.agent.workflow import SUMMARY_CLOSE, SUMMARY_OPEN
 from composer_jax.config import ConfigError
@@ -45,6 +49,57 @@ def test_the_change_is_the_removed_body_and_unique():
     assert twice.files[path].replace(widened.old, widened.new) == twice.oracle_files[path]
 
 
+_SOLUTION = (
+    "def f(xs, n):\n"
+    '    """Return True and 2 < 3 when it is."""\n'
+    "    total = 0\n"
+    "    for x in xs:\n"
+    "        total += x * 2\n"
+    "    if total > n and True:\n"
+    "        return total\n"
+    "    return total // 2\n"
+)
+_STUB = (
+    'def f(xs, n):\n    """Return True and 2 < 3 when it is."""\n    raise NotImplementedError\n'
+)
+
+
+def test_wrong_bodies_change_one_line_of_code_each():
+    """Each kind of wrong body changes one code line (a left-out statement drops one); the
+    docstring, a `return` and a block's only statement are never the line changed."""
+    old, new, _, start = unique_hunk(_STUB, _SOLUTION)
+    change = Change("m.py", old, new, "f", 1, 3, "", start)
+    found = wrong_bodies(change, _STUB, _SOLUTION)
+    changed = {}
+    for kind, wrong in found.items():
+        changed[kind] = set()
+        for body in wrong:
+            removed = [line for line in new.splitlines() if line not in body.splitlines()]
+            added = [line for line in body.splitlines() if line not in new.splitlines()]
+            assert len(removed) == 1 and len(added) <= 1, (kind, body)
+            changed[kind].add((removed[0].strip(), added[0].strip() if added else None))
+    assert changed["off_by_one"] == {("return total // 2", "return (total // 2) + 1")}
+    assert changed["operator"] == {
+        ("total += x * 2", "total -= x * 2"),
+        ("if total > n and True:", "if total >= n and True:"),
+        ("if total > n and True:", "if total > n or True:"),
+        ("if total > n and True:", "if total > n and False:"),
+        ("return total // 2", "return total / 2"),
+    }
+    assert changed["constant"] == {
+        ("total = 0", "total = 1"),
+        ("total += x * 2", "total += x * 3"),
+        ("return total // 2", "return total // 3"),
+    }
+    assert changed["dropped_line"] == {("total = 0", None)}
+    # A solution's hunk that is only a docstring and a `return` has no operator or line to drop.
+    doc_only = 'def g():\n    """a < b and True"""\n    return x\n'
+    g_stub = _STUB.replace("f(xs, n)", "g()")
+    old, new, _, start = unique_hunk(g_stub, doc_only)
+    only = wrong_bodies(Change("m.py", old, new, "g", 1, 3, "", start), g_stub, doc_only)
+    assert {kind for kind, wrong in only.items() if wrong} == {"off_by_one"}
+
+
 def test_the_script_uses_only_the_tools_offered():
     task = envs.load_task_source("builtin_repo").take(1, "train", seed=2)[0]
     full = [envs.parse_turn(t).calls for _, _, t in OracleScript(task, tool_profile("agent")).steps]
@@ -54,7 +109,7 @@ def test_the_script_uses_only_the_tools_offered():
     assert [envs.parse_turn(t).calls[0].tool for _, _, t in bare.steps[:-1]] == ["write_file"]
 
 
-def _played(rl, tasks, tokenizer=TOKENIZER, repair=False):
+def _played(rl, tasks, tokenizer=TOKENIZER, scripts=None):
     model = presets.rl_tiny().model
     workflow, env = agent.build(
         rl.agent,
@@ -65,7 +120,7 @@ def _played(rl, tasks, tokenizer=TOKENIZER, repair=False):
         distill=rl.objective.distill_coef > 0,
     )
     engine = OracleEngine(
-        [OracleScript(t, env.tools, env.open_tab_lines, repair=repair) for t in tasks],
+        scripts or [OracleScript(t, env.tools, env.open_tab_lines) for t in tasks],
         tokenizer,
         4,
         rl.rollout.context_len,
@@ -156,44 +211,50 @@ def test_episode_examples_train_on_the_agents_tokens_only(tmp_path):
     assert isinstance(first_turn[0], tuple) and "write_file" in first_turn[0][1]
 
 
-def test_a_repaired_episode_fails_the_tests_fixes_the_body_and_learns_only_the_fix():
-    """With `repair` the script first edits a body whose result is off by one in: the visible
+def test_a_repaired_episode_fails_the_tests_fixes_the_line_and_learns_only_the_fix():
+    """With `repair_rng` the script first edits in a body with one line wrong: the visible
     tests fail, the next generation (the preset's budget asks for a summary at the traceback)
-    sees the wrong body in its open tab, fixes it and tests again. The wrong edit is left out of
-    the loss; the fix is learned."""
+    sees the wrong body in its open tab, edits that line alone and tests again. The wrong edit
+    is left out of the loss; the fix is learned."""
     cfg = presets.rl_agent_tiny()
     tokenizer = data.load_tokenizer("code_bpe_2k")
-    tasks = envs.load_task_source(cfg.data.tasks).take(6, "train", seed=0)
+    tasks = envs.load_task_source(cfg.data.tasks).take(8, "train", seed=0)
     env = agent.env_config(cfg.rl.agent)
-    scripts = [OracleScript(t, env.tools, env.open_tab_lines, repair=True) for t in tasks]
-    repaired = [t for t, s in zip(tasks, scripts) if s.repaired]
-    assert len(repaired) >= 3
-    outcomes = _played(cfg.rl, repaired, tokenizer, repair=True)
-    assert [o.reward for o in outcomes] == [1.0] * len(repaired)
-    for task, outcome in zip(repaired, outcomes):
-        change = plan_change(task)
-        wrong = wrong_body(change, task.files[change.path])
-        tests = [c for c in outcome.trace.tool_calls if c.tool == "run_tests"]
+    # The scripts `episode_examples` plays below (seed 0, every one a repair where it can be).
+    scripts = [s for s in sft_scripts(tasks, env, (), 0.0, 0, repairs=1.0) if s.repaired]
+    assert len(scripts) >= 4
+    outcomes = _played(cfg.rl, [s.task for s in scripts], tokenizer, scripts)
+    assert [o.reward for o in outcomes] == [1.0] * len(scripts)
+    failed = single = 0
+    for script, outcome in zip(scripts, outcomes):
+        change, (fix_old, fix_new) = script.change, script.fix
         edits = [c.args for c in outcome.trace.tool_calls if c.tool == "edit_file"]
+        wrong = edits[0]["new"]
+        assert edits[0] == {"path": change.path, "old": change.old, "new": wrong}
+        assert edits[1] == {"path": change.path, "old": fix_old, "new": fix_new}
+        edited = script.task.files[change.path].replace(change.old, wrong, 1)
+        assert edited.count(fix_old) == 1
+        assert edited.replace(fix_old, fix_new) == script.task.oracle_files[change.path]
+        diff = list(difflib.ndiff(fix_old.splitlines(), fix_new.splitlines()))
+        assert sum(line[0] == "+" for line in diff) == 1  # one line put right
+        assert sum(line[0] == "-" for line in diff) <= 1
+        single += len(fix_old.splitlines()) == 1
         first = tokenizer.decode(outcome.sequences[0].tokens)
-        assert "[exit code 1]" in first.split('<output tool="run_tests">', 1)[1]
-        assert len(tests) == 2 and edits == [
-            {"path": change.path, "old": change.old, "new": wrong},
-            {"path": change.path, "old": wrong, "new": change.new},
-        ]
+        failed += "[exit code 1]" in first.split('<output tool="run_tests">', 1)[1]
+    assert failed >= 4 and single >= 1
     examples = episode_examples(
-        cfg.rl.agent, cfg.rl.rollout, cfg.model, tokenizer, repaired, repairs=1.0
+        cfg.rl.agent, cfg.rl.rollout, cfg.model, tokenizer, tasks, repairs=1.0
     )
     taught = "".join(tokenizer.decode(e["tokens"][e["loss_mask"] == 1]) for e in examples)
     shown = "".join(tokenizer.decode(e["tokens"]) for e in examples)
-    for task in repaired:
-        change = plan_change(task)
-        wrong = wrong_body(change, task.files[change.path])
-        fix = envs.render_call("edit_file", {"path": change.path, "old": wrong, "new": change.new})
-        mistake = envs.render_call(
-            "edit_file", {"path": change.path, "old": change.old, "new": wrong}
-        )
-        assert fix in taught and mistake in shown and mistake not in taught
+    kept = 0
+    for script, outcome in zip(scripts, outcomes):
+        edits = [c.args for c in outcome.trace.tool_calls if c.tool == "edit_file"]
+        mistake, fix = (envs.render_call("edit_file", args) for args in edits)
+        assert mistake not in taught
+        kept += fix in taught
+        assert (fix in taught) == (mistake in shown)  # a repair the tests missed is left out
+    assert kept == failed
 
 
 def test_episodes_that_do_not_fit_are_left_out_and_none_is_an_error():

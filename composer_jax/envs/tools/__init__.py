@@ -22,6 +22,7 @@ from composer_jax.envs.tools.toolbox import (
     describe_tools,
     register_tool,
     resolve_tool,
+    run_tests_exit_codes,
     tool_profile,
     unavailable_message,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "describe_tools",
     "register_tool",
     "resolve_tool",
+    "run_tests_exit_codes",
     "tool_profile",
     "unavailable_message",
 ]

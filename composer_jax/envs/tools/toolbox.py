@@ -16,6 +16,7 @@ import collections.abc
 import dataclasses
 import logging
 import os
+import re
 import shlex
 import time
 from collections.abc import Callable
@@ -455,6 +456,16 @@ def tool_profile(spec: str) -> tuple[str, ...]:
     if len(set(names)) != len(names):
         raise ValueError(f"tool profile {spec!r} names a tool twice")
     return names
+
+
+# The exit code `run_tests` reports, read back from a transcript (the turn protocol wraps the
+# output: `<output tool="run_tests">...[exit code N]`).
+_TEST_EXIT = re.compile(r'<output tool="run_tests">.*?\[exit code (-?\d+)', re.S)
+
+
+def run_tests_exit_codes(transcript: str) -> list[int]:
+    """The exit code of each `run_tests` output in a decoded transcript, in order."""
+    return [int(m.group(1)) for m in _TEST_EXIT.finditer(transcript)]
 
 
 def _format_result(result) -> str:
