@@ -57,19 +57,25 @@ def test_every_builtin_reward_reads_what_the_episode_did():
 
 
 @pytest.mark.parametrize(
-    "message, tests_run, score",
+    "message, exits, score",
     [
-        ("Implemented f in pkg/ops.py; ran the tests: they pass.", True, 1.0),
-        ("Changed ops.py. The tests pass.", False, 0.5),  # a claim with no test run behind it
-        ("Fixed f. Not tested: there are no visible tests.", False, 1.0),
-        ("Fixed f. Not tested.", True, 0.5),  # it did run them
-        ("Done.", True, 0.0),
-        ("Updated the code; tests pass.", True, 0.5),  # names nothing it changed
+        ("Implemented f in pkg/ops.py; ran the tests: they pass.", (0,), 1.0),
+        ("Changed ops.py. The tests pass.", (), 0.5),  # a claim with no test run behind it
+        ("Fixed f. Not tested: there are no visible tests.", (), 1.0),
+        ("Fixed f. Not tested.", (0,), 0.5),  # it did run them
+        ("Done.", (0,), 0.0),
+        ("Updated the code; tests pass.", (0,), 0.5),  # names nothing it changed
+        ("Implemented f; ran the tests: they pass.", (1,), 0.5),  # its only run failed
+        ("Implemented f; ran the tests: they pass.", (1, 0), 1.0),  # fixed, then passed
+        ("Implemented f; ran the tests: they pass.", (0, 1), 0.5),  # broke it after
+        ("Implemented f; the tests fail on the empty list.", (1,), 1.0),  # said as it is
     ],
 )
-def test_the_rubric_judges_what_changed_and_how_it_was_tested(message, tests_run, score):
-    calls = (_call("run_tests"),) if tests_run else (_call("read_file"),)
-    behaviour = EpisodeBehaviour(tool_calls=calls, final_message=message, changes=CHANGES)
+def test_the_rubric_judges_what_changed_and_how_it_was_tested(message, exits, score):
+    calls = tuple(ToolCallRecord("run_tests", {}, True, None, 0.0, 0, 0, code) for code in exits)
+    behaviour = EpisodeBehaviour(
+        tool_calls=calls or (_call("read_file"),), final_message=message, changes=CHANGES
+    )
     assert rubric_judge(behaviour) == score
     shell = EpisodeBehaviour(tool_calls=(_call("run_shell", command="python3 -m pytest -q"),))
     assert shell.tests_run

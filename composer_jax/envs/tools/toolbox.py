@@ -130,6 +130,7 @@ class ToolCallRecord:
     seconds: float
     input_bytes: int
     output_bytes: int
+    exit_code: int | None = None  # a command's (run_shell, run_tests); None for other tools
 
 
 class ToolError(Exception):
@@ -200,6 +201,7 @@ class ToolBox:
         self.max_output_bytes = max_output_bytes
         self.log: list[ToolCallRecord] = []
         self.todo = TodoList()
+        self._exit_code: int | None = None  # the running call's command's, for its record
 
     def describe(self) -> str:
         return describe_tools(tuple(self.tools))
@@ -207,7 +209,7 @@ class ToolBox:
     def call(self, tool: str, args: dict[str, str]) -> tuple[str, ToolCallRecord]:
         """Runs one call; returns the text for the agent and the log record."""
         start = time.monotonic()
-        error = None
+        error, self._exit_code = None, None
         try:
             output = self._run(tool, args)
         except (ToolError, WorkspaceLimitError) as failure:
@@ -226,10 +228,19 @@ class ToolBox:
             seconds=time.monotonic() - start,
             input_bytes=sum(len(v.encode("utf-8", "replace")) for v in args.values()),
             output_bytes=len(output.encode("utf-8", "replace")),
+            exit_code=self._exit_code,
         )
         self.log.append(record)
         log.debug("tool %s ok=%s %.3fs", tool, record.ok, record.seconds)
         return output, record
+
+    def command_output(self, result) -> str:
+        """A sandboxed command's output for the agent, its exit code kept for the call's record."""
+        self._exit_code = result.returncode
+        status = f"exit code {result.returncode}"
+        if result.killed_reason:
+            status += f" (killed: {result.killed_reason} limit)"
+        return f"{result.output}[{status}]"
 
     def _run(self, tool: str, args: dict[str, str]) -> str:
         if tool not in self.tools:
@@ -365,14 +376,14 @@ def _grep(box: ToolBox, pattern: str, path: str = ".") -> str:
     )
 )
 def _run_shell(box: ToolBox, command: str) -> str:
-    return _format_result(box.sandbox.run(command))
+    return box.command_output(box.sandbox.run(command))
 
 
 @register_tool(ToolSpec("run_tests", "Run the task's visible tests.", {}))
 def _run_tests(box: ToolBox) -> str:
     if box.test_command is None:
         raise ToolError("this task has no visible tests")
-    return _format_result(box.sandbox.run(box.test_command, extra_ro_binds=box.test_binds))
+    return box.command_output(box.sandbox.run(box.test_command, extra_ro_binds=box.test_binds))
 
 
 @register_tool(
@@ -466,13 +477,6 @@ _TEST_EXIT = re.compile(r'<output tool="run_tests">.*?\[exit code (-?\d+)', re.S
 def run_tests_exit_codes(transcript: str) -> list[int]:
     """The exit code of each `run_tests` output in a decoded transcript, in order."""
     return [int(m.group(1)) for m in _TEST_EXIT.finditer(transcript)]
-
-
-def _format_result(result) -> str:
-    status = f"exit code {result.returncode}"
-    if result.killed_reason:
-        status += f" (killed: {result.killed_reason} limit)"
-    return f"{result.output}[{status}]"
 
 
 def _truncate(text: str, max_bytes: int) -> str:

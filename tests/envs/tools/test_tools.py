@@ -2,7 +2,14 @@
 
 import pytest
 
-from composer_jax.envs import EnvConfig, Episode, builtin_tasks, render_call, render_turn
+from composer_jax.envs import (
+    EnvConfig,
+    Episode,
+    builtin_tasks,
+    render_call,
+    render_output,
+    render_turn,
+)
 from composer_jax.envs.environment import CUT_OFF_CALL
 from composer_jax.envs.sandbox import Sandbox
 from composer_jax.envs.tools import (
@@ -14,6 +21,7 @@ from composer_jax.envs.tools import (
     ToolError,
     ToolSpec,
     check_args,
+    run_tests_exit_codes,
     tool_profile,
 )
 
@@ -34,8 +42,12 @@ def test_file_tools(tools):
     assert tools.call("read_file", {"path": "/workspace/a.py"})[0].startswith("x = 3")
     assert tools.call("list_dir", {})[0].split() == ["a.py", "d/", "new/"]
     assert "d/b.txt:1:needle" in tools.call("grep", {"pattern": "nee+dle"})[0]
-    assert "tests-ok" in tools.call("run_tests", {})[0]
-    assert "exit code 3" in tools.call("run_shell", {"command": "exit 3"})[0]
+    output, record = tools.call("run_tests", {})
+    assert "tests-ok" in output and record.exit_code == 0
+    output, record = tools.call("run_shell", {"command": "exit 3"})
+    assert "exit code 3" in output and record.exit_code == 3
+    assert run_tests_exit_codes(render_output("run_tests", output)) == [3]
+    assert tools.call("list_dir", {})[1].exit_code is None
 
 
 @pytest.mark.parametrize(
