@@ -85,7 +85,13 @@ def make_repo_task(
 
     test_file = f"tests/test_{module}.py"
     value, result = example
-    visible = f"from {PACKAGE}.{module} import {name}\n\nassert {name}({value!r}) == {result!r}\nprint('ok')\n"
+    # As pytest's assertion rewriting would, a failure says what the call returned.
+    call = f"{name}({value!r})"
+    visible = (
+        f"from {PACKAGE}.{module} import {name}\n\ngot = {call}\nexpected = {result!r}\n"
+        f"assert got == expected, {call!r} + f' returned {{got!r}}, expected {{expected!r}}'\n"
+        "print('ok')\n"
+    )
     files = {
         "README.md": README,
         f"{PACKAGE}/__init__.py": '"""Small functions on text, lists and numbers."""\n',

@@ -38,12 +38,20 @@ def test_the_oracle_passes_and_the_stub_fails_every_hidden_case():
         assert envs.grade_solution(task, {}).reward == 0.0
 
 
-def test_the_visible_test_runs_in_the_sandbox():
+def test_the_visible_test_runs_in_the_sandbox_and_names_a_wrong_result():
     task = envs.load_task_source(SOURCE).take(1, "train", seed=1)[0]
-    config = envs.EnvConfig(tools=("run_tests",), require_isolation=False)
+    config = envs.EnvConfig(tools=("run_tests", "write_file"), require_isolation=False)
     with envs.Episode(task, config) as episode:
         result = episode.step(envs.render_call("run_tests", {}))
         assert "NotImplementedError" in result.observation and "exit code 1" in result.observation
+        # A wrong result is named with what was expected, as pytest's assertion rewriting would.
+        path, solved = next(iter(task.oracle_files.items()))
+        assert "\n    return x\n" in solved
+        wrong = solved.replace("\n    return x\n", "\n    return None\n")
+        episode.step(envs.render_call("write_file", {"path": path, "content": wrong}))
+        result = episode.step(envs.render_call("run_tests", {}))
+        assert "returned None, expected" in result.observation, result.observation
+        assert "exit code 1" in result.observation
 
 
 def test_a_step_that_edited_the_open_tab_returns_it_as_the_file_is_now(tmp_path):
