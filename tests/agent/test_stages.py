@@ -23,7 +23,7 @@ def scripts(task):
     """Turns that stop at each stage (by name), and a complete episode."""
     target = stages.target_of(task)
     test_file = next(text for path, text in task.files.items() if path.startswith("tests/test_"))
-    visible_answer = re.search(r"== (.*)\n", test_file).group(1)  # passes visible, not hidden
+    visible_answer = re.search(r"^expected = (.*)$", test_file, re.M).group(1)  # visible only
     read = envs.render_call("read_file", {"path": target.path})
 
     def edit(new):
