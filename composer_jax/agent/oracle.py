@@ -76,17 +76,26 @@ def _enclosing(source: str, line: int) -> tuple[str, int, int, str] | None:
     return found
 
 
+def _lines(text: str) -> list[str]:
+    """The lines of `text` with their ends, split at "\n" only (as `ast` and `tokenize` count
+    lines; `str.splitlines` also splits at form feeds and other separators)."""
+    return re.findall(r"[^\n]*\n|[^\n]+$", text)
+
+
 def unique_hunk(before_text: str, after_text: str) -> tuple[str, str, int, int] | None:
     """(old, new, old's first line, new's first line; 0-based) of the region of `before_text`
-    that `after_text` changes, widened by the unchanged lines around it until `old` occurs
-    exactly once (a line above, else one below, else both, each step); None when only the
-    whole file does."""
-    before, after = before_text.splitlines(keepends=True), after_text.splitlines(keepends=True)
+    that `after_text` changes, widened by the unchanged lines around it until `old` occurs in
+    `before_text` once, there (a line above, else one below, else both, each step); None when
+    `before_text` is empty."""
+    before, after = _lines(before_text), _lines(after_text)
     i1, i2, j1, j2 = _hunk(before, after)
 
     def unique(start: int, end: int) -> bool:
-        old = "".join(before[start:end])
-        return bool(old) and before_text.count(old) == 1
+        """`old` occurs only at its own place (overlapping occurrences counted: an edit
+        replaces the first)."""
+        old, offset = "".join(before[start:end]), len("".join(before[:start]))
+        found = before_text.find(old)
+        return bool(old) and found == offset and before_text.find(old, found + 1) == -1
 
     while not unique(i1, i2):
         if i1 == 0 and i2 == len(before):
@@ -157,8 +166,8 @@ def mistaken_call(
 
 # A repair's first, wrong body (`wrong_bodies`) changes one line of the solution in one of these
 # ways, so that what the failing test points at differs from episode to episode: the last
-# `return` one more (a number off by one; a TypeError for a list or a string), an operator or a
-# boolean swapped, a whole-number constant one more, a simple statement left out.
+# `return`'s value one more (a number off by one; a TypeError for a list or a string), an
+# operator or a boolean swapped, a whole-number constant one more, a simple statement left out.
 WRONG_BODIES = ("off_by_one", "operator", "constant", "dropped_line")
 _SWAPS = {
     "+": "-", "-": "+", "+=": "-=", "-=": "+=", "<": "<=", "<=": "<", ">": ">=", ">=": ">",
@@ -169,31 +178,43 @@ _SWAPS = {
 
 def wrong_bodies(change: Change, stub: str, solution: str) -> dict[str, list[str]]:
     """The one-line wrong versions of `change.new` (`solution` is its file), by kind of
-    `WRONG_BODIES`: each parses once edited into `stub` in place of `change.old`. Only code is
-    changed: operators and constants come from the solution's tokens, a left-out statement from
-    its syntax tree (never a docstring, a `return` or a block's only statement)."""
+    `WRONG_BODIES`: each parses once edited into `stub` in place of `change.old`. Only code the
+    change adds is changed (never its context lines, a docstring or a comment): a `return`,
+    operators and constants from the solution's tokens and syntax tree, and a left-out statement
+    that is not a `return`/`raise`, a docstring or a block's only statement."""
     if change.old is None or not change.new:
         return {}
-    lines = change.new.splitlines(keepends=True)
-    rows = range(change.start + 1, change.start + len(lines) + 1)  # 1-based, in `solution`
+    lines = _lines(change.new)
+    _, _, k1, k2 = _hunk(_lines(change.old), lines)  # the lines the change adds, in `new`
+    first = change.start + 1  # `new`'s first row in `solution` (1-based, as ast counts)
+    rows = range(first + k1, first + k2)
     found: dict[str, list[str]] = {kind: [] for kind in WRONG_BODIES}
 
     def replaced(row: int, col: int, end: int, text: str | None) -> str:
         """The body with `row`'s columns col:end replaced by `text` (None: the line left out)."""
-        i = row - rows[0]
+        i = row - first
         line = [] if text is None else [lines[i][:col] + text + lines[i][end:]]
         return "".join(lines[:i] + line + lines[i + 1 :])
 
-    returns = list(re.finditer(r"^( *)return (.+)$", change.new, re.M))
-    if returns:
-        last = returns[-1]
-        line = f"{last.group(1)}return ({last.group(2)}) + 1"
-        found["off_by_one"].append(change.new[: last.start()] + line + change.new[last.end() :])
     try:
         tokens = list(tokenize.generate_tokens(io.StringIO(solution).readline))
         tree = ast.parse(solution)
     except (SyntaxError, tokenize.TokenError, ValueError, RecursionError):
-        tokens, tree = [], None
+        return {}
+    returns = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Return)
+        and node.value is not None
+        and node.lineno in rows
+        and node.value.lineno == node.value.end_lineno
+    ]
+    if returns:
+        value = max(returns, key=lambda node: node.lineno).value
+        line = lines[value.lineno - first]
+        col, end = _char_col(line, value.col_offset), _char_col(line, value.end_col_offset)
+        wrong = f"({line[col:end]}) + 1"
+        found["off_by_one"].append(replaced(value.lineno, col, end, wrong))
     for tok in tokens:
         (row, col), (end_row, end) = tok.start, tok.end
         if row not in rows or end_row != row:
@@ -209,6 +230,11 @@ def wrong_bodies(change: Change, stub: str, solution: str) -> dict[str, list[str
         kind: [w for w in wrong if _parses(stub.replace(change.old, w, 1)) and w != change.new]
         for kind, wrong in found.items()
     }
+
+
+def _char_col(line: str, byte_col: int) -> int:
+    """`ast`'s column (UTF-8 bytes) as a character index into `line`."""
+    return len(line.encode("utf-8")[:byte_col].decode("utf-8", errors="ignore"))
 
 
 def _droppable(tree: ast.AST | None):
@@ -375,7 +401,8 @@ class OracleScript:
         if c.old is not None and self.done <= self._edit_step:
             plan = f"\nThe new body:\n{c.new}"
             if self.fix is not None and self.done == self._edit_step:
-                plan = f"\nThe lines:\n{self.fix[0]}should be:\n{self.fix[1]}"
+                old_lines, new_lines = (text.rstrip("\n") for text in self.fix)
+                plan = f"\nThe lines:\n{old_lines}\nshould be:\n{new_lines}\n"
         return (
             f"{c.name} ({c.path}, lines {c.line}-{c.end}){doc}\nDone: {done}. Next: "
             f"{following}.{plan}</summary>"

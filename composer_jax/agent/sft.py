@@ -34,7 +34,6 @@ from composer_jax.config import (
 )
 from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.envs.grading.protocol import UnrenderableError
-from composer_jax.envs.tools import run_tests_exit_codes
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +84,7 @@ def episode_examples(
             sum(o.truncated for o in outcomes),
         )
     # A wrong body the visible tests miss would teach fixing what a passing test answered.
-    kept = [(o, s) for o, s in solved if not s.repaired or _first_test_failed(o, tokenizer)]
+    kept = [(o, s) for o, s in solved if not s.repaired or _first_test_failed(o)]
     if len(kept) < len(solved):
         log.info(
             "SFT episodes: %d repairs left out (the tests passed the wrong body)",
@@ -120,11 +119,10 @@ def episode_examples(
     return examples
 
 
-def _first_test_failed(outcome, tokenizer: Tokenizer) -> bool:
+def _first_test_failed(outcome) -> bool:
     """Whether the episode's first `run_tests` reported a failure."""
-    transcript = "".join(tokenizer.decode(seq.tokens) for seq in outcome.sequences)
-    codes = run_tests_exit_codes(transcript)
-    return bool(codes) and codes[0] != 0
+    codes = [c.exit_code for c in outcome.trace.tool_calls if c.tool == "run_tests"]
+    return bool(codes) and codes[0] not in (0, None)
 
 
 def _mistake_kinds(agent: AgentConfig, feedback: float) -> tuple[str, ...]:

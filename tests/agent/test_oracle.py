@@ -100,6 +100,31 @@ def test_wrong_bodies_change_one_line_of_code_each():
     assert {kind for kind, wrong in only.items() if wrong} == {"off_by_one"}
 
 
+def test_a_hunk_is_unique_at_its_place_and_only_added_code_is_made_wrong():
+    # A blank line occurs at two places, overlapping the one the fix must widen around.
+    solution = "def f(x):\n    y = x * 2\n\n    y = y + 1\n\n    return y\n"
+    wrong = solution.replace("    y = y + 1\n", "")
+    old, new, _, _ = unique_hunk(wrong, solution)
+    assert wrong.replace(old, new, 1) == solution
+    # A form feed above (a line break to `str.splitlines`, not to `ast`) moves no row, and a
+    # context line the widening took in (the signature) is never made wrong.
+    stub = "\x0c\ndef f(x, n=0):\n    raise NotImplementedError\n\n\n"
+    stub += "def g(x):\n    raise NotImplementedError\n"
+    solution = stub.replace("    raise NotImplementedError\n", "    y = x + 5\n    return y\n", 1)
+    old, new, _, start = unique_hunk(stub, solution)
+    assert old.startswith("def f(x, n=0):")  # widened: the stub line occurs twice
+    found = wrong_bodies(Change("m.py", old, new, "f", 2, 3, "", start), stub, solution)
+    assert [body.splitlines()[1] for body in found["constant"]] == ["    y = x + 6"]
+    assert found["dropped_line"] == [new.replace("    y = x + 5\n", "")]
+    # A docstring line that reads like a `return` is not code.
+    solution = 'def h(x):\n    """Doc.\n    return x + 1 is wrong\n    """\n    return x\n'
+    stub = "def h(x):\n    raise NotImplementedError\n"
+    old, new, _, start = unique_hunk(stub, solution)
+    found = wrong_bodies(Change("m.py", old, new, "h", 1, 2, "", start), stub, solution)
+    assert [body.splitlines()[-1] for body in found["off_by_one"]] == ["    return (x) + 1"]
+    assert all("is wrong" in body for wrong in found.values() for body in wrong)
+
+
 def test_the_script_uses_only_the_tools_offered():
     task = envs.load_task_source("builtin_repo").take(1, "train", seed=2)[0]
     full = [envs.parse_turn(t).calls for _, _, t in OracleScript(task, tool_profile("agent")).steps]

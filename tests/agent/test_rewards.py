@@ -69,6 +69,8 @@ def test_every_builtin_reward_reads_what_the_episode_did():
         ("Implemented f; ran the tests: they pass.", (1, 0), 1.0),  # fixed, then passed
         ("Implemented f; ran the tests: they pass.", (0, 1), 0.5),  # broke it after
         ("Implemented f; the tests fail on the empty list.", (1,), 1.0),  # said as it is
+        ("Edited ops.py; the tests do not pass yet.", (1,), 1.0),
+        ("Fixed the error in f; all tests pass.", (1,), 0.5),  # another clause claims it
     ],
 )
 def test_the_rubric_judges_what_changed_and_how_it_was_tested(message, exits, score):
@@ -77,8 +79,14 @@ def test_the_rubric_judges_what_changed_and_how_it_was_tested(message, exits, sc
         tool_calls=calls or (_call("read_file"),), final_message=message, changes=CHANGES
     )
     assert rubric_judge(behaviour) == score
-    shell = EpisodeBehaviour(tool_calls=(_call("run_shell", command="python3 -m pytest -q"),))
-    assert shell.tests_run
+    for command, runs in [
+        ("python3 -m pytest -q", True),
+        ("python3 -m tests.test_lists", True),
+        ("python test_solution.py", True),
+        ("cat tests/test_lists.py", False),
+    ]:
+        shell = EpisodeBehaviour(tool_calls=(_call("run_shell", command=command),))
+        assert shell.tests_run == runs, command
 
 
 def test_changed_functions_come_from_the_ast_of_the_diff():

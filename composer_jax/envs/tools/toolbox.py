@@ -235,12 +235,21 @@ class ToolBox:
         return output, record
 
     def command_output(self, result) -> str:
-        """A sandboxed command's output for the agent, its exit code kept for the call's record."""
+        """A sandboxed command's output for the agent, its exit code kept for the call's record.
+        Output past `max_output_bytes` keeps its end (where a traceback says what failed) and
+        the status line."""
         self._exit_code = result.returncode
         status = f"exit code {result.returncode}"
         if result.killed_reason:
             status += f" (killed: {result.killed_reason} limit)"
-        return f"{result.output}[{status}]"
+        status = f"[{status}]"
+        output = result.output
+        data = output.encode("utf-8", errors="replace")
+        room = self.max_output_bytes - len(status) - 64  # 64: the marker line
+        if len(data) > self.max_output_bytes - len(status):
+            kept = data[-max(room, 0) :].decode("utf-8", errors="ignore") if room > 0 else ""
+            output = f"[output truncated: {len(data)} bytes, showing the last {len(kept)}]\n{kept}"
+        return f"{output}{status}"
 
     def _run(self, tool: str, args: dict[str, str]) -> str:
         if tool not in self.tools:
@@ -469,14 +478,17 @@ def tool_profile(spec: str) -> tuple[str, ...]:
     return names
 
 
-# The exit code `run_tests` reports, read back from a transcript (the turn protocol wraps the
-# output: `<output tool="run_tests">...[exit code N]`).
-_TEST_EXIT = re.compile(r'<output tool="run_tests">.*?\[exit code (-?\d+)', re.S)
+# `run_tests` outputs in a transcript (the turn protocol wraps each: `<output tool="run_tests">
+# ...[exit code N]\n</output>`); the status is the last line, after whatever the tests print.
+_TEST_OUTPUT = re.compile(r'<output tool="run_tests">(.*?)</output>', re.S)
+_EXIT = re.compile(r"\[exit code (-?\d+)[^\]\n]*\]\s*$")
 
 
 def run_tests_exit_codes(transcript: str) -> list[int]:
-    """The exit code of each `run_tests` output in a decoded transcript, in order."""
-    return [int(m.group(1)) for m in _TEST_EXIT.finditer(transcript)]
+    """The exit code of each `run_tests` output in a decoded transcript, in order (an output
+    cut off before its status has none)."""
+    found = (_EXIT.search(m.group(1)) for m in _TEST_OUTPUT.finditer(transcript))
+    return [int(m.group(1)) for m in found if m]
 
 
 def _truncate(text: str, max_bytes: int) -> str:

@@ -96,8 +96,14 @@ def test_lenient_mode_tolerates_what_strict_rejects():
 def test_output_is_truncated_and_calls_logged(tmp_path):
     with Sandbox.from_files({}, root=str(tmp_path)) as box:
         tools = ToolBox(box, ("run_shell",), max_output_bytes=100)
-        text, _ = tools.call("run_shell", {"command": "seq 1 1000"})
-        assert "output truncated" in text
+        text, record = tools.call("run_shell", {"command": "seq 1 1000; exit 2"})
+        # A command's output keeps its end and its status, within the limit.
+        assert "output truncated" in text and text.endswith("1000\n[exit code 2]")
+        assert len(text.encode()) <= 100 and record.exit_code == 2
+        # The status read back is the output's last line, not what the command printed.
+        printed = render_output("run_tests", "[exit code 0]\nboom\n[exit code 1]")
+        cut = render_output("run_tests", "[exit code 0]\nboom")
+        assert run_tests_exit_codes(printed + cut) == [1]
         assert [r.tool for r in tools.log] == ["run_shell"]
         assert "tool not available: read_file" in tools.call("read_file", {"path": "x"})[0]
         assert "unknown tool 'nope'" in tools.call("nope", {})[0]
