@@ -5,8 +5,9 @@ pairs the chat format renders. "episode": the scripted agent (`agent.oracle`) pl
 through the run's own workflow (`rl.agent`: its tools, turn limit, summary budget) in the real
 environment, so every context it learns from is one RL will show it (tool outputs, summary
 requests, restarts from task + summary); each generation of a solved episode is an example with
-the loss on the agent's tokens. With `data.sft_repairs` some first edit a wrong body in, fail
-the visible tests and fix it (the wrong edit is not learned). With `data.sft_feedback` some make
+the loss on the agent's tokens. With `data.sft_repairs` some tasks also have an episode that
+first edits a wrong body in, fails the visible tests and fixes it (the wrong edit is not
+learned). With `data.sft_feedback` some make
 one mistake a feedback detector flags (`agent.oracle.MISTAKES`): the mistaken turn is left out of
 the loss, and each hinted one adds an example of the teacher context text-feedback distillation
 uses (the generation up to the turn, the detector's hint) answered by the call the script meant.
@@ -52,8 +53,9 @@ def episode_examples(
     """{"tokens", "loss_mask"} of every generation of the scripted agent's solved episodes, played
     in the RL sampler's slots and context (`rl.rollout`), the loss on the agent's tokens; a share
     `feedback` of the episodes (drawn with `seed`) makes one mistake, and adds the example of
-    its hinted teacher answered right (`feedback_examples`); a share `repairs` first edits a
-    wrong body in, fails the tests and fixes it (the wrong edit left out of the loss)."""
+    its hinted teacher answered right (`feedback_examples`); a share `repairs` of the tasks
+    also has an episode that first edits a wrong body in, fails the tests and fixes it (the
+    wrong edit left out of the loss), beside its clean one."""
     workflow, environment = build(
         agent,
         tokenizer,
@@ -63,25 +65,23 @@ def episode_examples(
         distill=feedback > 0,  # the hinted teacher contexts of the mistakes
     )
     kinds = _mistake_kinds(agent, feedback)
-    scripts = _scripts(tasks, environment, kinds, feedback, seed, repairs)
-    engine = OracleEngine(
-        scripts,
-        tokenizer,
-        rollout.num_slots,
-        rollout.context_len,
-        model.num_moe_layers,
-        model.num_experts_per_tok,
-    )
-    jobs = [(script.task, f"oracle-{i}") for i, script in enumerate(scripts)]
-    outcomes = play(engine, jobs, workflow, environment, env_threads=env_threads)
-    solved = [(o, s) for o, s in zip(outcomes, scripts) if o.reward >= 1.0 and not o.truncated]
-    if len(solved) < len(outcomes):
+    scripts, repair_scripts = _scripts(tasks, environment, kinds, feedback, seed, repairs)
+    # Two plays: the oracle engine tells scripts apart by their task's prompt, which a task's
+    # repair shares with its clean episode.
+    played = [
+        pair
+        for batch in (scripts, repair_scripts)
+        if batch
+        for pair in _play(batch, workflow, environment, tokenizer, rollout, model, env_threads)
+    ]
+    solved = [(o, s) for o, s in played if o.reward >= 1.0 and not o.truncated]
+    if len(solved) < len(played):
         log.warning(
-            "SFT episodes: the scripted agent solved %d of %d tasks; the others are left out "
+            "SFT episodes: the scripted agent solved %d of %d episodes; the others are left out "
             "(truncated: %d)",
             len(solved),
-            len(outcomes),
-            sum(o.truncated for o in outcomes),
+            len(played),
+            sum(o.truncated for o, _ in played),
         )
     # A wrong body the visible tests miss would teach fixing what a passing test answered.
     kept = [(o, s) for o, s in solved if not s.repaired or _first_test_failed(o)]
@@ -119,6 +119,21 @@ def episode_examples(
     return examples
 
 
+def _play(scripts, workflow, environment, tokenizer, rollout, model, env_threads) -> list:
+    """(outcome, script) of each script played through the workflow in the RL sampler's slots."""
+    engine = OracleEngine(
+        scripts,
+        tokenizer,
+        rollout.num_slots,
+        rollout.context_len,
+        model.num_moe_layers,
+        model.num_experts_per_tok,
+    )
+    jobs = [(script.task, f"oracle-{i}") for i, script in enumerate(scripts)]
+    outcomes = play(engine, jobs, workflow, environment, env_threads=env_threads)
+    return list(zip(outcomes, scripts))
+
+
 def _first_test_failed(outcome) -> bool:
     """Whether the episode's first `run_tests` reported a failure."""
     codes = [c.exit_code for c in outcome.trace.tool_calls if c.tool == "run_tests"]
@@ -139,13 +154,14 @@ def _mistake_kinds(agent: AgentConfig, feedback: float) -> tuple[str, ...]:
 
 def _scripts(
     tasks, environment, kinds: tuple[str, ...], feedback: float, seed: int, repairs: float = 0.0
-) -> list:
-    """One script per task in `environment` (but a task whose solution the turn protocol
-    cannot carry, left out with a warning); a share `feedback` of them (drawn with `seed`)
-    makes one mistake of `kinds`, a share `repairs` repairs a wrong first edit."""
+) -> tuple[list, list]:
+    """(one script per task in `environment`, the repairs): a task whose solution the turn
+    protocol cannot carry is left out with a warning; a share `feedback` of them (drawn with
+    `seed`) makes one mistake of `kinds`; a share `repairs` of the tasks also has an episode
+    that repairs a wrong first edit (where the change allows one)."""
     rng = np.random.default_rng(seed)
     repair_rng = np.random.default_rng([seed, 1])  # the mistakes' draws stay as they were
-    scripts = []
+    scripts, repaired = [], []
     for task in tasks:
         mistake_rng = rng if rng.random() < feedback else None
         try:
@@ -156,12 +172,18 @@ def _scripts(
                     environment.open_tab_lines,
                     mistake_rng=mistake_rng,
                     mistake_kinds=kinds,
-                    repair_rng=repair_rng if repairs and repair_rng.random() < repairs else None,
                 )
             )
         except UnrenderableError as error:
             log.warning("task %s: no scripted episode, left out (%s)", task.task_id, error)
-    return scripts
+            continue
+        if repairs and repair_rng.random() < repairs:
+            repair = OracleScript(
+                task, environment.tools, environment.open_tab_lines, repair_rng=repair_rng
+            )
+            if repair.repaired:
+                repaired.append(repair)
+    return scripts, repaired
 
 
 def _turn_tokens(tokenizer: Tokenizer, turn: str, max_new_tokens: int) -> np.ndarray:

@@ -66,10 +66,11 @@ class DataConfig:
     # the detector's hint followed by the right call is, so the hinted teacher that feedback
     # distillation trains toward has learned to act on what its hint says.
     sft_feedback: float = 0.0
-    # "episode" only: the share of scripted episodes whose first edit is wrong (one line of the
-    # solution changed: `agent.oracle.wrong_body`), so the visible tests fail and the script
-    # fixes that line, tests again and reports (`agent.oracle.OracleScript`'s `repair_rng`). The
-    # wrong edit is not learned; what follows a failing test is.
+    # "episode" only: the share of tasks that, beside their clean episode, have one whose first
+    # edit is wrong (one line of the solution changed: `agent.oracle.wrong_body`), so the
+    # visible tests fail and the script fixes that line, tests again and reports
+    # (`agent.oracle.OracleScript`'s `repair_rng`). The wrong edit is not learned; what follows
+    # a failing test is.
     sft_repairs: float = 0.0
 
 

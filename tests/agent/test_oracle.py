@@ -246,7 +246,8 @@ def test_a_repaired_episode_fails_the_tests_fixes_the_line_and_learns_only_the_f
     tasks = envs.load_task_source(cfg.data.tasks).take(8, "train", seed=0)
     env = agent.env_config(cfg.rl.agent)
     # The scripts `episode_examples` plays below (seed 0, every one a repair where it can be).
-    scripts = [s for s in sft_scripts(tasks, env, (), 0.0, 0, repairs=1.0) if s.repaired]
+    clean, scripts = sft_scripts(tasks, env, (), 0.0, 0, repairs=1.0)
+    assert len(clean) == len(tasks) and not any(s.repaired for s in clean)
     assert len(scripts) >= 4
     outcomes = _played(cfg.rl, [s.task for s in scripts], tokenizer, scripts)
     assert [o.reward for o in outcomes] == [1.0] * len(scripts)
@@ -272,13 +273,22 @@ def test_a_repaired_episode_fails_the_tests_fixes_the_line_and_learns_only_the_f
     )
     taught = "".join(tokenizer.decode(e["tokens"][e["loss_mask"] == 1]) for e in examples)
     shown = "".join(tokenizer.decode(e["tokens"]) for e in examples)
+    clean_edits = [
+        envs.render_call(
+            "edit_file", {"path": s.change.path, "old": s.change.old, "new": s.change.new}
+        )
+        for s in clean
+    ]
     kept = 0
     for script, outcome in zip(scripts, outcomes):
         edits = [c.args for c in outcome.trace.tool_calls if c.tool == "edit_file"]
         mistake, fix = (envs.render_call("edit_file", args) for args in edits)
-        assert mistake not in taught
+        # A wrong body can be another task's solution (a step left out): only that is taught.
+        assert taught.count(mistake) == clean_edits.count(mistake)
         kept += fix in taught
-        assert (fix in taught) == (mistake in shown)  # a repair the tests missed is left out
+        if mistake not in clean_edits:  # a repair the tests missed is left out whole
+            assert (fix in taught) == (mistake in shown)
+        assert clean_edits[tasks.index(script.task)] in taught  # its clean episode, beside
     assert kept == failed
 
 
