@@ -35,7 +35,7 @@ from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.envs import Task
 from composer_jax.envs.grading import protocol
 from composer_jax.envs.tasks import focus
-from composer_jax.envs.tools import TOOLS, resolve_tool
+from composer_jax.envs.tools import TOOLS, resolve_tool, run_tests_outputs
 from composer_jax.infer import Completion, SamplingParams
 
 
@@ -387,26 +387,39 @@ class OracleScript:
         self.done += 1
         return self.steps[step][2]
 
-    def summary(self) -> str:
+    def summary(self, context: str = "") -> str:
         """What a fresh start from the task needs: where the function is, what its docstring
-        says, what is done and what comes next, and before the edit the code to write."""
+        says, what is done and what comes next, and before the edit the code to write. Before a
+        repair's fix, what the failing test said (read from `context`, the generation so far)
+        and the lines the fix writes: the lines it replaces are left to the open tab, so the fix
+        is learned as copying them from the file, not from the summary."""
         c = self.change
         done = ", ".join(did for did, _, _ in self.steps[: self.done]) or "nothing yet"
         following = self.steps[self.done][1] if self.done < len(self.steps) else "nothing"
         doc = f": {c.doc}" if c.doc else ""
         # Before the edit, the code it will write: worked out here, with the file in view, so the
-        # next generation copies it instead of re-deriving it from a restated docstring. Before
-        # a repair's fix, the lines to change and what they become.
+        # next generation copies it instead of re-deriving it from a restated docstring.
         plan = ""
         if c.old is not None and self.done <= self._edit_step:
             plan = f"\nThe new body:\n{c.new}"
             if self.fix is not None and self.done == self._edit_step:
-                old_lines, new_lines = (text.rstrip("\n") for text in self.fix)
-                plan = f"\nThe lines:\n{old_lines}\nshould be:\n{new_lines}\n"
+                failure = failing_test_line(context)
+                said = f"\nThe tests fail: {failure}" if failure else ""
+                plan = f"{said}\nThe fix writes:\n{self.fix[1].rstrip(chr(10))}\n"
         return (
             f"{c.name} ({c.path}, lines {c.line}-{c.end}){doc}\nDone: {done}. Next: "
             f"{following}.{plan}</summary>"
         )
+
+
+def failing_test_line(transcript: str) -> str:
+    """The last line the last `run_tests` output printed before its status ("" without one):
+    the exception, or the assertion's message."""
+    outputs = run_tests_outputs(transcript)
+    lines = (
+        [line.strip() for line in outputs[-1][0].splitlines() if line.strip()] if outputs else []
+    )
+    return lines[-1] if lines else ""
 
 
 @dataclasses.dataclass
@@ -471,8 +484,9 @@ class OracleEngine:
         done, self._running = self._running, []
         for rid in done:
             request = self._requests[rid]
-            asks_summary = self.tokenizer.decode(request.context).endswith(SUMMARY_OPEN)
-            text = request.script.summary() if asks_summary else request.script.next_turn()
+            decoded = self.tokenizer.decode(request.context)
+            asks_summary = decoded.endswith(SUMMARY_OPEN)
+            text = request.script.summary(decoded) if asks_summary else request.script.next_turn()
             # As the engine: at most max_new_tokens (a cut turn fails, and its episode is left
             # out of SFT).
             tokens = list(self.tokenizer.encode(text))[: request.params.max_new_tokens]

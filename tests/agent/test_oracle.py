@@ -15,6 +15,7 @@ from composer_jax.agent.oracle import (
     Change,
     OracleEngine,
     OracleScript,
+    failing_test_line,
     plan_change,
     unique_hunk,
     wrong_bodies,
@@ -251,7 +252,7 @@ def test_a_repaired_episode_fails_the_tests_fixes_the_line_and_learns_only_the_f
     assert len(scripts) >= 4
     outcomes = _played(cfg.rl, [s.task for s in scripts], tokenizer, scripts)
     assert [o.reward for o in outcomes] == [1.0] * len(scripts)
-    failed = single = 0
+    failed = single = at_failure = 0
     for script, outcome in zip(scripts, outcomes):
         change, (fix_old, fix_new) = script.change, script.fix
         edits = [c.args for c in outcome.trace.tool_calls if c.tool == "edit_file"]
@@ -267,7 +268,16 @@ def test_a_repaired_episode_fails_the_tests_fixes_the_line_and_learns_only_the_f
         single += len(fix_old.splitlines()) == 1
         first = tokenizer.decode(outcome.sequences[0].tokens)
         failed += "[exit code 1]" in first.split('<output tool="run_tests">', 1)[1]
-    assert failed >= 4 and single >= 1
+        # A summary at the failure says what failed and what the fix writes, and leaves the
+        # lines it replaces to the open tab.
+        summary = first[first.rfind(SUMMARY_OPEN) :]
+        if "The fix writes:" in summary:
+            assert f"The tests fail: {failing_test_line(first)}" in summary
+            assert fix_new.rstrip() in summary
+            replaced = set(fix_old.splitlines()) - set(fix_new.splitlines())
+            assert not any(line in summary for line in replaced)
+            at_failure += 1
+    assert failed >= 4 and single >= 1 and at_failure >= 2
     examples = episode_examples(
         cfg.rl.agent, cfg.rl.rollout, cfg.model, tokenizer, tasks, repairs=1.0
     )

@@ -23,6 +23,7 @@ from composer_jax.envs.tools.toolbox import (
     register_tool,
     resolve_tool,
     run_tests_exit_codes,
+    run_tests_outputs,
     tool_profile,
     unavailable_message,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "register_tool",
     "resolve_tool",
     "run_tests_exit_codes",
+    "run_tests_outputs",
     "tool_profile",
     "unavailable_message",
 ]

@@ -484,11 +484,20 @@ _TEST_OUTPUT = re.compile(r'<output tool="run_tests">(.*?)</output>', re.S)
 _EXIT = re.compile(r"\[exit code (-?\d+)[^\]\n]*\]\s*$")
 
 
+def run_tests_outputs(transcript: str) -> list[tuple[str, int | None]]:
+    """(what the tests printed, the exit code: None when the output was cut off before its
+    status) of each `run_tests` output in a decoded transcript, in order."""
+    found = []
+    for output in _TEST_OUTPUT.finditer(transcript):
+        text = output.group(1)
+        status = _EXIT.search(text)
+        found.append((text[: status.start()], int(status.group(1))) if status else (text, None))
+    return found
+
+
 def run_tests_exit_codes(transcript: str) -> list[int]:
-    """The exit code of each `run_tests` output in a decoded transcript, in order (an output
-    cut off before its status has none)."""
-    found = (_EXIT.search(m.group(1)) for m in _TEST_OUTPUT.finditer(transcript))
-    return [int(m.group(1)) for m in found if m]
+    """The exit code of each `run_tests` output in a decoded transcript that shows one."""
+    return [code for _, code in run_tests_outputs(transcript) if code is not None]
 
 
 def _truncate(text: str, max_bytes: int) -> str:

@@ -22,6 +22,7 @@ from composer_jax.envs.tools import (
     ToolSpec,
     check_args,
     run_tests_exit_codes,
+    run_tests_outputs,
     tool_profile,
 )
 
@@ -104,6 +105,10 @@ def test_output_is_truncated_and_calls_logged(tmp_path):
         printed = render_output("run_tests", "[exit code 0]\nboom\n[exit code 1]")
         cut = render_output("run_tests", "[exit code 0]\nboom")
         assert run_tests_exit_codes(printed + cut) == [1]
+        assert run_tests_outputs(printed + cut) == [
+            ("\n[exit code 0]\nboom\n", 1),
+            ("\n[exit code 0]\nboom\n", None),
+        ]
         assert [r.tool for r in tools.log] == ["run_shell"]
         assert "tool not available: read_file" in tools.call("read_file", {"path": "x"})[0]
         assert "unknown tool 'nope'" in tools.call("nope", {})[0]
