@@ -7,8 +7,10 @@ context that followed it (tool outputs, a summary request). Counted per run, ove
 its ledger: samples; samples with a failing visible test (a `run_tests` output whose exit code
 is not 0); of those, the ones asked for a summary right at that output, the ones with an edit
 applied after it, and the ones that reached reward 1; samples with two or more applied edits
-(`edit_file` / `write_file` reported done), edits tried and applied in a restarted generation;
-and reward 1 among the samples whose first test passed. A run whose episodes make one attempt
+(`edit_file` / `write_file` reported done), edits tried and applied in a restarted generation
+and, of those that did not apply, the ones whose `old` the file did not hold once, the ones cut
+off by the turn budget and the ones missing an argument; and reward 1 among the samples whose
+first test passed. A run whose episodes make one attempt
 shows no applied edit after a failing test and no reward 1 after one.
 """
 
@@ -24,6 +26,7 @@ from absl import app, flags
 from composer_jax.actor.ledger import GroupLedger
 from composer_jax.actor.samples import group_sequences
 from composer_jax.agent.workflow import SUMMARY_OPEN
+from composer_jax.envs.environment import CUT_OFF_CALL
 from composer_jax.envs.tools import run_tests_exit_codes
 from composer_jax.train.runs import run_tokenizer
 
@@ -31,6 +34,12 @@ _JSON = flags.DEFINE_string("flow_json", "", "Also write the table as JSON to th
 
 _APPLIED = re.compile(r'<output tool="(?:edit_file|write_file)">(?:edited|wrote) ')
 _EDIT_CALL = re.compile(r'<call tool="(?:edit_file|write_file)">')
+# Why an edit tried after a restart did not apply, by the error the environment answered.
+_EDIT_ERRORS = {
+    "restart_edit_old_not_once": re.compile(r"`old` must occur exactly once"),
+    "restart_edit_cut_off": re.compile(re.escape(CUT_OFF_CALL)),
+    "restart_edit_missing_argument": re.compile(r"(?:edit|write)_file: missing argument"),
+}
 COLUMNS = (
     "samples",
     "failing_test",
@@ -40,6 +49,9 @@ COLUMNS = (
     "two_applied_edits",
     "edits_tried_after_restart",
     "edits_applied_after_restart",
+    "restart_edit_old_not_once",
+    "restart_edit_cut_off",
+    "restart_edit_missing_argument",
     "first_test_passed",
     "reward_1_first_test_passed",
 )
@@ -77,6 +89,11 @@ def sample_flow(turns: list[Turn], reward: float) -> collections.Counter:
         bool(_EDIT_CALL.search(turns[i].text)) for i in restarted
     )
     counts["edits_applied_after_restart"] = sum(i in applied for i in restarted)
+    for name, error in _EDIT_ERRORS.items():
+        counts[name] = sum(
+            bool(_EDIT_CALL.search(turns[i].text) and error.search(turns[i].after))
+            for i in restarted
+        )
     failing = [i for i, code in exits if code != 0]
     if failing:
         first = failing[0]

@@ -5,6 +5,7 @@ the turns of a chain decoded from its policy mask."""
 import numpy as np
 
 from composer_jax import envs
+from composer_jax.envs.environment import CUT_OFF_CALL
 from composer_jax.rl import SegmentKind, Sequence
 from experiments import episode_flow
 from experiments.episode_flow import Turn
@@ -15,6 +16,7 @@ EDITED = '\n<output tool="edit_file">edited a.py</output>\n'
 FAILED = '\n<output tool="run_tests">\nAssertionError\n[exit code 1]\n</output>\n'
 PASSED = '\n<output tool="run_tests">\nok\n[exit code 0]\n</output>\n'
 ASKED = "\n[context budget reached: summarise ...]\n<summary>"
+NOT_ONCE = "error: `old` must occur exactly once in a.py, found 0"
 
 
 def test_a_one_attempt_sample_and_a_repaired_one_are_told_apart():
@@ -22,12 +24,17 @@ def test_a_one_attempt_sample_and_a_repaired_one_are_told_apart():
         Turn(0, EDIT, EDITED),
         Turn(0, TESTS, FAILED + ASKED),
         Turn(0, "a summary</summary>", ""),
-        Turn(1, EDIT, '\n<output tool="edit_file">error: old text not found</output>\n'),
+        Turn(1, EDIT, f'\n<output tool="edit_file">{NOT_ONCE}</output>\n'),
         Turn(1, "<final>done</final>", ""),
     ]
     counts = episode_flow.sample_flow(one_attempt, 0.0)
     assert counts["failing_test"] == counts["summary_at_failure"] == 1
     assert counts["edits_tried_after_restart"] == 1 and not counts["edits_applied_after_restart"]
+    assert counts["restart_edit_old_not_once"] == 1 and not counts["restart_edit_cut_off"]
+    missing = f'\n<output tool="edit_file">error: edit_file: missing argument {"new"!r}</output>\n'
+    cut = f'\n<output tool="edit_file">{CUT_OFF_CALL}</output>\n'
+    failed = episode_flow.sample_flow([Turn(1, EDIT, missing), Turn(1, EDIT, cut)], 0.0)
+    assert failed["restart_edit_missing_argument"] == failed["restart_edit_cut_off"] == 1
     assert not counts["edit_after_failure"] and not counts["two_applied_edits"]
     repaired = [
         Turn(0, EDIT, EDITED),
