@@ -300,7 +300,7 @@ class OracleScript:
         self._calls: dict[int, tuple[str, dict[str, str]]] = {}  # step -> its call
         c = self.change
         short = c.name.rsplit(".", 1)[-1]
-        shown = focus.tab_shows_target(task, open_tab_lines)
+        shown = self._tab_shows_target = focus.tab_shows_target(task, open_tab_lines)
         if "search_code" in tools and c.old is not None and not shown:
             self._add(("found it", "find it"), "search_code", query=short)
         if "read_file" in tools and not shown:
@@ -397,29 +397,42 @@ class OracleScript:
         done = ", ".join(did for did, _, _ in self.steps[: self.done]) or "nothing yet"
         following = self.steps[self.done][1] if self.done < len(self.steps) else "nothing"
         doc = f": {c.doc}" if c.doc else ""
+        where = f"{c.name} ({c.path}, lines {c.line}-{c.end})"
+        if self.fix is not None and self.done == self._edit_step:
+            return f"{where}\nDone: {done}. Next: {following}.{self._fix_plan(context)}</summary>"
         # Before the edit, the code it will write: worked out here, with the file in view, so the
         # next generation copies it instead of re-deriving it from a restated docstring.
         plan = ""
         if c.old is not None and self.done <= self._edit_step:
             plan = f"\nThe new body:\n{c.new}"
-            if self.fix is not None and self.done == self._edit_step:
-                failure = failing_test_line(context)
-                said = f"\nThe tests fail: {failure}" if failure else ""
-                plan = f"{said}\nThe fix writes:\n{self.fix[1].rstrip(chr(10))}\n"
-        return (
-            f"{c.name} ({c.path}, lines {c.line}-{c.end}){doc}\nDone: {done}. Next: "
-            f"{following}.{plan}</summary>"
-        )
+        return f"{where}{doc}\nDone: {done}. Next: {following}.{plan}</summary>"
+
+    def _fix_plan(self, context: str) -> str:
+        """A repair's plan at the failing test, inside the summary's token budget (the docstring
+        is in the restarted tab): the lines the fix writes, then what the test printed last
+        (cut short, and where the budget cuts the summary). The lines it replaces are left to
+        the open tab where it shows the function, so the fix learns to copy them from the file."""
+        old, new = (text.rstrip("\n") for text in self.fix)
+        plan = "" if self._tab_shows_target else f"\nThe lines:\n{old}"
+        plan += f"\nThe fix writes:\n{new}"
+        failure = failing_test_line(context)
+        return plan + (f"\nThe tests failed: {failure[:100]}" if failure else "")
+
+
+# A line naming what was raised: `TypeError: ...`, `AssertionError: ...`, pytest's `E   ...`.
+_RAISED = re.compile(r"^(?:E\s+)?[\w.]*(?:Error|Exception|Exit|Interrupt)\b")
 
 
 def failing_test_line(transcript: str) -> str:
-    """The last line the last `run_tests` output printed before its status ("" without one):
-    the exception, or the assertion's message."""
+    """What the last `run_tests` output says failed ("" when it passed or shows no status): its
+    last line naming an exception (the assertion's message for a failed assert; pytest's `E`
+    line), else its last line."""
     outputs = run_tests_outputs(transcript)
-    lines = (
-        [line.strip() for line in outputs[-1][0].splitlines() if line.strip()] if outputs else []
-    )
-    return lines[-1] if lines else ""
+    if not outputs or outputs[-1][1] in (0, None):
+        return ""
+    lines = [line.strip() for line in outputs[-1][0].splitlines() if line.strip()]
+    raised = [line for line in lines if _RAISED.match(line)]
+    return (raised or lines or [""])[-1]
 
 
 @dataclasses.dataclass

@@ -126,6 +126,21 @@ def test_a_hunk_is_unique_at_its_place_and_only_added_code_is_made_wrong():
     assert all("is wrong" in body for wrong in found.values() for body in wrong)
 
 
+def test_the_failing_test_line_is_what_was_raised():
+    pytest_output = (
+        "F\n    assert f(2) == 5\nE   AssertionError: assert 4 == 5\n1 failed in 0.05s\n"
+    )
+    script_output = 'Traceback ...\n    x + 1\nTypeError: can only concatenate str (not "int")\n'
+    for printed, code, line in [
+        (pytest_output, 1, "E   AssertionError: assert 4 == 5"),
+        (script_output, 1, 'TypeError: can only concatenate str (not "int")'),
+        ("ok\n", 0, ""),  # it passed: nothing failed
+        ("boom\n", 2, "boom"),  # nothing raised: the last line
+    ]:
+        transcript = envs.render_output("run_tests", f"{printed}[exit code {code}]")
+        assert failing_test_line(transcript) == line
+
+
 def test_the_script_uses_only_the_tools_offered():
     task = envs.load_task_source("builtin_repo").take(1, "train", seed=2)[0]
     full = [envs.parse_turn(t).calls for _, _, t in OracleScript(task, tool_profile("agent")).steps]
@@ -252,7 +267,7 @@ def test_a_repaired_episode_fails_the_tests_fixes_the_line_and_learns_only_the_f
     assert len(scripts) >= 4
     outcomes = _played(cfg.rl, [s.task for s in scripts], tokenizer, scripts)
     assert [o.reward for o in outcomes] == [1.0] * len(scripts)
-    failed = single = at_failure = 0
+    failed = single = at_failure = told = 0
     for script, outcome in zip(scripts, outcomes):
         change, (fix_old, fix_new) = script.change, script.fix
         edits = [c.args for c in outcome.trace.tool_calls if c.tool == "edit_file"]
@@ -268,16 +283,17 @@ def test_a_repaired_episode_fails_the_tests_fixes_the_line_and_learns_only_the_f
         single += len(fix_old.splitlines()) == 1
         first = tokenizer.decode(outcome.sequences[0].tokens)
         failed += "[exit code 1]" in first.split('<output tool="run_tests">', 1)[1]
-        # A summary at the failure says what failed and what the fix writes, and leaves the
-        # lines it replaces to the open tab.
+        # A summary at the failure holds, within its token budget, the lines the fix writes
+        # and leaves the lines it replaces to the open tab; what failed follows, room allowing.
         summary = first[first.rfind(SUMMARY_OPEN) :]
-        if "The fix writes:" in summary:
-            assert f"The tests fail: {failing_test_line(first)}" in summary
-            assert fix_new.rstrip() in summary
+        if f"Next: fix {change.name}." in summary:
+            assert f"The fix writes:\n{fix_new.rstrip()}\n" in summary, summary
             replaced = set(fix_old.splitlines()) - set(fix_new.splitlines())
             assert not any(line in summary for line in replaced)
+            assert failing_test_line(first) and failing_test_line(first) not in fix_new
+            told += f"The tests failed: {failing_test_line(first)}" in summary
             at_failure += 1
-    assert failed >= 4 and single >= 1 and at_failure >= 2
+    assert failed >= 4 and single >= 1 and at_failure >= 2 and told >= 1
     examples = episode_examples(
         cfg.rl.agent, cfg.rl.rollout, cfg.model, tokenizer, tasks, repairs=1.0
     )
