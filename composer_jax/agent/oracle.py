@@ -237,10 +237,10 @@ def _char_col(line: str, byte_col: int) -> int:
     return len(line.encode("utf-8")[:byte_col].decode("utf-8", errors="ignore"))
 
 
-def _droppable(tree: ast.AST | None):
+def _droppable(tree: ast.AST):
     """The one-line statements that can be left out: not a block's only statement, a
     `return`/`raise`, or a docstring."""
-    for node in ast.walk(tree) if tree is not None else ():
+    for node in ast.walk(tree):
         for field in ("body", "orelse", "finalbody"):
             block = getattr(node, field, None)
             if not isinstance(block, list) or len(block) < 2:
@@ -314,11 +314,10 @@ class OracleScript:
         wrong = None
         if repair_rng is not None and tested and "edit_file" in tools:
             wrong = wrong_body(c, stub, solution, repair_rng)
-        self.repaired = wrong is not None
         # (the mistaken turn, the right one: "" for a wrong edit, which a failing test answers)
         self.mistakes: list[tuple[str, str]] = []
         self.fix: tuple[str, str] | None = None  # the repair's edit: the smallest unique hunk
-        if self.repaired:
+        if wrong is not None:
             self._add(
                 (f"edited {c.path}", f"edit {c.path}"),
                 "edit_file",
@@ -365,6 +364,10 @@ class OracleScript:
         if mistake_rng is not None:
             self._plan_mistake(tools, mistake_kinds, mistake_rng)
 
+    @property
+    def repaired(self) -> bool:
+        return self.fix is not None
+
     def _add(self, what: tuple[str, str], tool: str, **args: str) -> None:
         self._calls[len(self.steps)] = (tool, args)
         self.steps.append((*what, protocol.render_call(tool, args)))
@@ -409,8 +412,8 @@ class OracleScript:
 
     def _fix_plan(self, context: str) -> str:
         """A repair's plan at the failing test, inside the summary's token budget (the docstring
-        is in the restarted tab): the lines the fix writes, then what the test printed last
-        (cut short, and where the budget cuts the summary). The lines it replaces are left to
+        is in the restarted tab): the lines the fix writes, then what the test raised (cut
+        short, and where the budget cuts the summary). The lines it replaces are left to
         the open tab where it shows the function, so the fix learns to copy them from the file."""
         old, new = (text.rstrip("\n") for text in self.fix)
         plan = "" if self._tab_shows_target else f"\nThe lines:\n{old}"

@@ -243,13 +243,7 @@ class ToolBox:
         if result.killed_reason:
             status += f" (killed: {result.killed_reason} limit)"
         status = f"[{status}]"
-        output = result.output
-        data = output.encode("utf-8", errors="replace")
-        room = self.max_output_bytes - len(status) - 64  # 64: the marker line
-        if len(data) > self.max_output_bytes - len(status):
-            kept = data[-max(room, 0) :].decode("utf-8", errors="ignore") if room > 0 else ""
-            output = f"[output truncated: {len(data)} bytes, showing the last {len(kept)}]\n{kept}"
-        return f"{output}{status}"
+        return _truncate_head(result.output, self.max_output_bytes - len(status)) + status
 
     def _run(self, tool: str, args: dict[str, str]) -> str:
         if tool not in self.tools:
@@ -498,6 +492,15 @@ def run_tests_outputs(transcript: str) -> list[tuple[str, int | None]]:
 def run_tests_exit_codes(transcript: str) -> list[int]:
     """The exit code of each `run_tests` output in a decoded transcript that shows one."""
     return [code for _, code in run_tests_outputs(transcript) if code is not None]
+
+
+def _truncate_head(text: str, max_bytes: int) -> str:
+    """`text` within `max_bytes`, its end kept (the marker line takes at most 64 of them)."""
+    data = text.encode("utf-8", errors="replace")
+    if len(data) <= max_bytes:
+        return text
+    kept = data[len(data) - max(max_bytes - 64, 0) :].decode("utf-8", errors="ignore")
+    return f"[output truncated: {len(data)} bytes, showing the last {len(kept)}]\n{kept}"
 
 
 def _truncate(text: str, max_bytes: int) -> str:
