@@ -89,14 +89,15 @@ _OPS = (
     _Op("list", "reverse it", "x = x[::-1]", slug="reverse"),
     _Op("list", "sort it", "x = sorted(x)", slug="sort"),
     _Op("list", "take the first {0} items", "x = x[:{0}]", ((1, 2, 3),), slug="head{0}"),
-    _Op("list->int", "take the sum", "x = sum(x)", slug="sum"),
+    # A name is never a builtin's: `def sum(x): x = sum(x)` would call itself.
+    _Op("list->int", "take the sum", "x = sum(x)", slug="total"),
     _Op("list->int", "take the length", "x = len(x)", slug="length"),
     _Op("int", "multiply it by {0}", "x = x * {0}", ((2, 3, 7, -1),), slug="times{0}"),
     _Op("int", "add {0}", "x = x + {0}", ((1, 4, 10, -5),), slug="plus{0}"),
     _Op("int", "take it modulo {0}", "x = x % {0}", ((3, 5, 7),), slug="mod{0}"),
     _Op("int", "integer-divide it by {0}", "x = x // {0}", ((2, 3, 10),), slug="div{0}"),
     _Op("int", "square it", "x = x * x", slug="square"),
-    _Op("int", "take its absolute value", "x = abs(x)", slug="abs"),
+    _Op("int", "take its absolute value", "x = abs(x)", slug="absolute"),
 )
 _INPUT_NAMES = {"str": "a string", "list": "a list of ints", "int": "an int"}
 
@@ -153,7 +154,7 @@ def _name_part(value) -> str:
 
 def function_name(spec: FunctionSpec) -> str:
     """A name that says what the function does, one part per transform with its parameters
-    (e.g. replace_ax_upper, scale3_sum): distinct functions get distinct names."""
+    (e.g. replace_ax_upper, scale3_total): distinct functions get distinct names."""
     parts = [_OPS[i].slug.format(*(_name_part(p) for p in params)) for i, params in spec.steps]
     return "_".join(parts)
 

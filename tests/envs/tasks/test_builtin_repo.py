@@ -2,12 +2,22 @@
 cases; deterministic, split by function (neighbours too), solved by the oracle, failed by the stub."""
 
 import ast
+import builtins
+import keyword
+import random
 
 import pytest
 
 from composer_jax import envs
 from composer_jax.envs.tasks import builtin_repo
-from composer_jax.envs.tasks.builtin_tasks import function_name, random_spec, spec_of, split_of
+from composer_jax.envs.tasks.builtin_tasks import (
+    _OPS,
+    FunctionSpec,
+    function_name,
+    random_spec,
+    spec_of,
+    split_of,
+)
 from composer_jax.envs.tasks.focus import open_tab
 
 SOURCE = "builtin_repo:max_ops=2"
@@ -36,6 +46,20 @@ def test_the_oracle_passes_and_the_stub_fails_every_hidden_case():
     for task in envs.load_task_source(SOURCE).take(4, "train", seed=0):
         assert envs.grade_solution(task, task.oracle_files).reward == 1.0
         assert envs.grade_solution(task, {}).reward == 0.0
+
+
+def test_no_function_is_named_as_a_builtin_its_body_would_call_itself_through():
+    """A one-step function is named by its step alone: `sum` would shadow the builtin its body
+    calls, recurse, and leave a task that its own oracle fails."""
+    for index, op in enumerate(_OPS):
+        spec = FunctionSpec(op.kind.split("->")[0], ((index, tuple(p[0] for p in op.params)),))
+        name = function_name(spec)
+        assert not hasattr(builtins, name) and not keyword.iskeyword(name), name
+    total = next(i for i, op in enumerate(_OPS) if op.code == "x = sum(x)")
+    task = builtin_repo.make_repo_task(
+        FunctionSpec("list", ((total, ()),)), random.Random(0), "sum-task", 2, 1
+    )
+    assert envs.grade_solution(task, task.oracle_files).reward == 1.0
 
 
 def test_the_visible_test_runs_in_the_sandbox_and_names_a_wrong_result():
