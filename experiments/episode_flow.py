@@ -6,11 +6,12 @@ Each sample's chain of generations (a summary restarts it) is decoded into turns
 context that followed it (tool outputs, a summary request). Counted per run, over every group in
 its ledger: samples; samples with a failing visible test (a `run_tests` output whose exit code
 is not 0); of those, the ones asked for a summary right at that output, the ones with an edit
-applied after it, and the ones that reached reward 1; samples with two or more applied edits
-(`edit_file` / `write_file` reported done), edits tried and applied in a restarted generation
-and, of those that did not apply, the ones whose `old` the file did not hold once, the ones cut
-off by the turn budget and the ones missing an argument; and reward 1 among the samples whose
-first test passed. A run whose episodes make one attempt
+applied after it, the ones whose summary there states a fix ("The fix writes:", as a repair's
+scripted summary does) and the ones that reached reward 1; samples with two or more applied
+edits (`edit_file` / `write_file` reported done), edits tried and applied in a restarted
+generation, the ones whose `new` is the fix their summary stated and, of those that did not
+apply, the ones whose `old` the file did not hold once, the ones cut off by the turn budget and
+the ones missing an argument; and reward 1 among the samples whose first test passed. A run whose episodes make one attempt
 shows no applied edit after a failing test and no reward 1 after one.
 """
 
@@ -23,6 +24,7 @@ import re
 import numpy as np
 from absl import app, flags
 
+from composer_jax import envs
 from composer_jax.actor.ledger import GroupLedger
 from composer_jax.actor.samples import group_sequences
 from composer_jax.agent.workflow import SUMMARY_OPEN
@@ -40,15 +42,19 @@ _EDIT_ERRORS = {
     "restart_edit_cut_off": re.compile(re.escape(CUT_OFF_CALL)),
     "restart_edit_missing_argument": re.compile(r"(?:edit|write)_file: missing argument"),
 }
+# The fix a summary states: the indented (function body) lines after "The fix writes:".
+_PLANNED_FIX = re.compile(r"The fix writes:\n((?:[ \t][^\n]*(?:\n|$))+)")
 COLUMNS = (
     "samples",
     "failing_test",
     "summary_at_failure",
+    "fix_planned_at_failure",
     "edit_after_failure",
     "reward_1_after_failure",
     "two_applied_edits",
     "edits_tried_after_restart",
     "edits_applied_after_restart",
+    "restart_edits_as_planned",
     "restart_edit_old_not_once",
     "restart_edit_cut_off",
     "restart_edit_missing_argument",
@@ -89,6 +95,7 @@ def sample_flow(turns: list[Turn], reward: float) -> collections.Counter:
         bool(_EDIT_CALL.search(turns[i].text)) for i in restarted
     )
     counts["edits_applied_after_restart"] = sum(i in applied for i in restarted)
+    counts["restart_edits_as_planned"] = sum(_edits_as_planned(turns, i) for i in restarted)
     for name, error in _EDIT_ERRORS.items():
         counts[name] = sum(
             bool(_EDIT_CALL.search(turns[i].text) and error.search(turns[i].after))
@@ -98,13 +105,33 @@ def sample_flow(turns: list[Turn], reward: float) -> collections.Counter:
     if failing:
         first = failing[0]
         counts["failing_test"] = 1
-        counts["summary_at_failure"] = turns[first].after.rstrip().endswith(SUMMARY_OPEN)
+        counts["summary_at_failure"] = asked = turns[first].after.rstrip().endswith(SUMMARY_OPEN)
+        counts["fix_planned_at_failure"] = asked and _planned_fix(turns[first + 1 :]) is not None
         counts["edit_after_failure"] = any(i > first for i in applied)
         counts["reward_1_after_failure"] = reward >= 1
     if exits and exits[0][1] == 0:
         counts["first_test_passed"] = 1
         counts["reward_1_first_test_passed"] = reward >= 1
     return counts
+
+
+def _planned_fix(turns: list[Turn]) -> str | None:
+    """The fix stated by the first of `turns` (a summary), None when it states none."""
+    planned = _PLANNED_FIX.search(turns[0].text) if turns else None
+    return planned.group(1).strip("\n") if planned else None
+
+
+def _edits_as_planned(turns: list[Turn], i: int) -> int:
+    """How many edits of turn `i` write the fix its generation's summary stated."""
+    summaries = [j for j in range(i) if turns[j].generation == turns[i].generation - 1]
+    planned = _planned_fix(turns[summaries[-1] :]) if summaries else None
+    if planned is None:
+        return 0
+    calls = envs.parse_turn(turns[i].text).calls
+    return sum(
+        call.tool == "edit_file" and call.args.get("new", "").strip("\n") == planned
+        for call in calls
+    )
 
 
 def run_flow(workdir: str) -> dict[str, int]:

@@ -52,6 +52,31 @@ def test_a_one_attempt_sample_and_a_repaired_one_are_told_apart():
     assert not passed["failing_test"]
 
 
+def test_a_fix_stated_in_the_summary_is_told_from_the_edit_that_follows():
+    """The summary at the failing test states the fix; the restarted edit writes it or not."""
+    fix = "    x = x.upper()\n    return x"
+    summary = f"f (a.py)\nDone: ran the tests: they fail. Next: fix f.\nThe fix writes:\n{fix}\n"
+    planned = envs.render_call("edit_file", {"path": "a.py", "old": "    return x", "new": fix})
+    turns = [
+        Turn(0, TESTS, FAILED + ASKED),
+        Turn(0, summary + "The tests failed: AssertionError</summary>", ""),
+        Turn(1, EDIT, f'\n<output tool="edit_file">{NOT_ONCE}</output>\n'),
+        Turn(1, planned, EDITED),
+        Turn(1, TESTS, PASSED + ASKED),
+        Turn(1, "f (a.py)\nDone: fixed f. Next: report.</summary>", ""),
+        Turn(2, planned, EDITED),  # its summary stated no fix
+    ]
+    counts = episode_flow.sample_flow(turns, 1.0)
+    assert counts["fix_planned_at_failure"] == 1
+    assert counts["restart_edits_as_planned"] == 1
+    assert counts["edits_tried_after_restart"] == 3
+    cut = [Turn(0, TESTS, FAILED + ASKED), Turn(0, summary + "The tests", ""), Turn(1, planned, "")]
+    counts = episode_flow.sample_flow(cut, 0.0)
+    assert counts["fix_planned_at_failure"] == counts["restart_edits_as_planned"] == 1
+    unplanned = [Turn(0, TESTS, FAILED + ASKED), Turn(0, "f (a.py)\nNext: fix f.</summary>", "")]
+    assert not episode_flow.sample_flow(unplanned, 0.0)["fix_planned_at_failure"]
+
+
 def test_a_chains_turns_come_from_its_policy_runs():
     tokens = np.arange(10, dtype=np.int32)
     policy = np.array([0, 0, 1, 1, 0, 0, 1, 0, 0, 0], bool)
