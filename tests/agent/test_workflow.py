@@ -1,6 +1,7 @@
 """One episode implementation: the asynchronous actor loop and `agent.play` run the same workflow
 and produce the same episodes (tokens, summaries, feedback turns, teacher contexts), first with a
-scripted policy whose every turn depends on the request's seed, then with a real model."""
+scripted policy whose every turn depends on the request's seed, then with a real model; a long
+tool output at a summary request leaves the summary its budget."""
 
 import dataclasses
 import random
@@ -155,3 +156,45 @@ def test_the_actor_loop_and_play_sample_the_same_tokens_with_a_real_model(tmp_pa
     assert all(o.summaries >= 1 for o in outcomes)
     summary = [s for o in outcomes for s in o.sequences if (s.kinds == SegmentKind.SUMMARY).any()]
     assert summary and all(s.policy_mask[s.kinds == SegmentKind.SUMMARY].all() for s in summary)
+
+
+def test_a_long_output_at_the_summary_request_is_cut_to_leave_the_summary_its_budget():
+    """A traceback that takes the context near its end would leave the summary a few tokens: the
+    fewest lines of the output after its opening are cut (marked), its end kept."""
+    cfg = AgentConfig(max_turns=8, summary_budget=300, summary_max_tokens=100)
+    workflow, _ = agent.build(
+        cfg,
+        TOKENIZER,
+        MODEL_CFG,
+        max_len=768,
+        sampling=agent.rollout_sampling(RolloutConfig()),
+        distill=False,
+    )
+    frames = [f'  File "/workspace/a.py", line {i}, in f\n    x = f(x)' for i in range(6)]
+    traceback = "\n".join(["Traceback (most recent call last):", *frames])
+    observation = envs.render_output(
+        "run_tests", f"{traceback}\nRecursionError: maximum recursion depth\n[exit code 1]"
+    )
+
+    def summary_request(context_tokens: int):
+        episode = agent.AgentEpisode(key="k", task_id="t")
+        episode.add_context([ord("a")] * context_tokens, SegmentKind.PROMPT)
+        action = workflow.on_result(episode, envs.StepResult(observation, False, 0.0, {}, (), {}))
+        return action, TOKENIZER.decode(action.appended)
+
+    action, appended = summary_request(100)  # room for the whole output and the summary
+    assert observation in appended and action.params.max_new_tokens == 100
+    action, appended = summary_request(300)
+    assert action.params.max_new_tokens == 100 and appended.endswith(SUMMARY_OPEN)
+    cut = int(re.search(r"\[(\d+) lines cut to leave room for the summary\]", appended).group(1))
+    assert appended.startswith('\n<output tool="run_tests">\n[')
+    assert "RecursionError: maximum recursion depth\n[exit code 1]\n</output>" in appended
+    kept = observation.split("\n")
+    assert appended.count("x = f(x)") == sum("x = f(x)" in line for line in kept[1 + cut :])
+    assert 0 < cut < len(kept) - 4
+    room = 768 - 300 - len(TOKENIZER.encode(appended)) - 1
+    assert 100 <= room < 100 + len(kept[cut]) + 1  # one line fewer cut would not leave 100
+    action, appended = summary_request(500)  # no cut gives the budget: all but the end is cut
+    body = appended.split("\n")[2:5]
+    assert body == [f"[{len(kept) - 4} lines cut to leave room for the summary]", *kept[-3:-1]]
+    assert 8 <= action.params.max_new_tokens < 100

@@ -21,6 +21,7 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 FINAL_OPEN, FINAL_CLOSE = "<final>", "</final>"
 CALL_OPEN, CALL_CLOSE = "<call", "</call>"
 ARG_OPEN, ARG_CLOSE = "<arg", "</arg>"
+OUTPUT_OPEN, OUTPUT_CLOSE = "<output", "</output>"
 _MAX_HEADER = 200
 
 
@@ -102,7 +103,7 @@ def render_turn(
 
 def render_output(tool: str, text: str) -> str:
     """The environment's reply to one call."""
-    return f'<output tool="{tool}">{_wrap(text)}</output>'
+    return f'{OUTPUT_OPEN} tool="{tool}">{_wrap(text)}{OUTPUT_CLOSE}'
 
 
 def _attribute(header: str, name: str) -> str | None:
