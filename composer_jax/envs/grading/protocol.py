@@ -22,6 +22,7 @@ FINAL_OPEN, FINAL_CLOSE = "<final>", "</final>"
 CALL_OPEN, CALL_CLOSE = "<call", "</call>"
 ARG_OPEN, ARG_CLOSE = "<arg", "</arg>"
 OUTPUT_OPEN, OUTPUT_CLOSE = "<output", "</output>"
+ESCAPED_OUTPUT_CLOSE = "<\\/output>"
 _MAX_HEADER = 200
 
 
@@ -102,7 +103,10 @@ def render_turn(
 
 
 def render_output(tool: str, text: str) -> str:
-    """The environment's reply to one call."""
+    """The environment's reply to one call. A closing tag in the text (a program may print one)
+    is written `<\\/output>`: an output ends only where the environment ends it, so nothing the
+    tests print can pass for another output and its status."""
+    text = text.replace(OUTPUT_CLOSE, ESCAPED_OUTPUT_CLOSE)
     return f'{OUTPUT_OPEN} tool="{tool}">{_wrap(text)}{OUTPUT_CLOSE}'
 
 
