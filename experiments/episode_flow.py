@@ -27,7 +27,7 @@ from absl import app, flags
 from composer_jax import envs
 from composer_jax.actor.ledger import GroupLedger
 from composer_jax.actor.samples import group_sequences
-from composer_jax.agent.workflow import SUMMARY_OPEN
+from composer_jax.agent.workflow import SUMMARY_CLOSE, SUMMARY_OPEN
 from composer_jax.envs.environment import CUT_OFF_CALL
 from composer_jax.envs.tools import run_tests_exit_codes
 from composer_jax.train.runs import run_tokenizer
@@ -42,8 +42,6 @@ _EDIT_ERRORS = {
     "restart_edit_cut_off": re.compile(re.escape(CUT_OFF_CALL)),
     "restart_edit_missing_argument": re.compile(r"(?:edit|write)_file: missing argument"),
 }
-# The fix a summary states: the indented (function body) lines after "The fix writes:".
-_PLANNED_FIX = re.compile(r"The fix writes:\n((?:[ \t][^\n]*(?:\n|$))+)")
 COLUMNS = (
     "samples",
     "failing_test",
@@ -116,21 +114,25 @@ def sample_flow(turns: list[Turn], reward: float) -> collections.Counter:
 
 
 def _planned_fix(turns: list[Turn]) -> str | None:
-    """The fix stated by the first of `turns` (a summary), None when it states none."""
-    planned = _PLANNED_FIX.search(turns[0].text) if turns else None
-    return planned.group(1).strip("\n") if planned else None
+    """The fix stated by the first of `turns` (a summary): its indented (function body) lines,
+    blank lines among them kept, after "The fix writes:"; None when it states none."""
+    _, stated, rest = turns[0].text.partition("The fix writes:\n") if turns else ("", "", "")
+    lines = []
+    for line in rest.split(SUMMARY_CLOSE, 1)[0].split("\n"):
+        if line.strip() and not line[0].isspace():
+            break
+        lines.append(line)
+    fix = "\n".join(lines).strip("\n")
+    return fix if stated and fix else None
 
 
-def _edits_as_planned(turns: list[Turn], i: int) -> int:
-    """How many edits of turn `i` write the fix its generation's summary stated."""
+def _edits_as_planned(turns: list[Turn], i: int) -> bool:
+    """Whether turn `i` edits in the fix its generation's summary stated."""
     summaries = [j for j in range(i) if turns[j].generation == turns[i].generation - 1]
     planned = _planned_fix(turns[summaries[-1] :]) if summaries else None
-    if planned is None:
-        return 0
-    calls = envs.parse_turn(turns[i].text).calls
-    return sum(
+    return planned is not None and any(
         call.tool == "edit_file" and call.args.get("new", "").strip("\n") == planned
-        for call in calls
+        for call in envs.parse_turn(turns[i].text).calls
     )
 
 

@@ -422,10 +422,6 @@ class OracleScript:
         return plan + (f"\nThe tests failed: {failure[:100]}" if failure else "")
 
 
-# A line naming what was raised: `TypeError: ...`, `AssertionError: ...`, pytest's `E   ...`.
-_RAISED = re.compile(r"^(?:E\s+)?[\w.]*(?:Error|Exception|Exit|Interrupt)\b")
-
-
 def failing_test_line(transcript: str) -> str:
     """What the last `run_tests` output says failed ("" when it passed or shows no status): its
     last line naming an exception (the assertion's message for a failed assert; pytest's `E`
@@ -434,7 +430,7 @@ def failing_test_line(transcript: str) -> str:
     if not outputs or outputs[-1][1] in (0, None):
         return ""
     lines = [line.strip() for line in outputs[-1][0].splitlines() if line.strip()]
-    raised = [line for line in lines if _RAISED.match(line)]
+    raised = [line for line in lines if protocol.RAISED_LINE.match(line)]
     return (raised or lines or [""])[-1]
 
 

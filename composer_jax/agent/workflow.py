@@ -52,6 +52,7 @@ from composer_jax.rl.batch import SegmentKind, Sequence
 log = logging.getLogger(__name__)
 
 SUMMARY_OPEN, SUMMARY_CLOSE = "<summary>", "</summary>"
+_CUT_NOTE = "[{} lines cut to leave room for the summary]"
 SUMMARY_NOTE = (
     "\n[context budget reached: summarise the task and your progress for a fresh start]\n"
 )
@@ -192,35 +193,6 @@ class Workflow(Protocol):
     def outcome(self, episode) -> EpisodeOutcome: ...
 
 
-# The lines of a tool output kept below its opening tag when it is cut to make room for a summary:
-# the last lines say how it ended (pytest's summary, the exception raised, the exit code).
-_KEPT_OUTPUT_LINES = 2
-
-
-def _output_body(observation: str) -> tuple[list[str], int, int]:
-    """(the observation's lines, where the last multi-line output's body starts, its length)."""
-    lines = observation.split("\n")
-    openers = [i for i, line in enumerate(lines) if line.startswith(protocol.OUTPUT_OPEN)]
-    if not openers or lines[-1] != protocol.OUTPUT_CLOSE or openers[-1] == len(lines) - 1:
-        return lines, 0, 0
-    start = openers[-1] + 1
-    return lines, start, len(lines) - 1 - start
-
-
-def _cuttable_lines(observation: str) -> int:
-    """How many lines of the last output may be cut (all but its last `_KEPT_OUTPUT_LINES`)."""
-    return max(_output_body(observation)[2] - _KEPT_OUTPUT_LINES, 0)
-
-
-def _without_first_lines(observation: str, cut: int) -> str:
-    """The observation with the first `cut` lines of its last output's body replaced by a note."""
-    if not cut:
-        return observation
-    lines, start, _ = _output_body(observation)
-    note = f"[{cut} lines cut to leave room for the summary]"
-    return "\n".join([*lines[:start], note, *lines[start + cut :]])
-
-
 class AgentWorkflow:
     """The built-in agent: turns of tool calls until a final message or the turn limit, a
     summary whenever a generation's context reaches `rl.agent.summary_budget` (the next generation
@@ -358,26 +330,29 @@ class AgentWorkflow:
     def _summary_request(self, episode: AgentEpisode, observation: str, generated):
         """(the segments that append the tool output and ask for the summary, the room they
         leave it). Where a long output would leave the summary less than its budget, the fewest
-        lines of the last output after its opening line are cut that give it the budget (all
-        that can be, where none does): its end, the status and what was raised, is kept."""
+        first lines of the last output are cut that give it the budget (as many as may be, where
+        none does, if that leaves more room than no cut): its end stays (`cut_output_head`)."""
 
         def request(cut: int):
-            text = _without_first_lines(observation, cut)
+            text = protocol.cut_output_head(observation, cut, _CUT_NOTE)
             segments = self.chat.after_turn(
                 text, generated, note=SUMMARY_NOTE, assistant_prefix=SUMMARY_OPEN
             )
             room = self.max_len - len(episode.tokens) - sum(len(s.ids) for s in segments) - 1
             return segments, room
 
-        segments, room = request(0)
-        budget, most = self.agent.summary_max_tokens, _cuttable_lines(observation)
-        if room >= budget or not most:
-            return segments, room
-        low, high = 1, most  # the fewest lines to cut: the room grows with each line cut
+        uncut = request(0)
+        budget, most = self.agent.summary_max_tokens, protocol.cuttable_output_lines(observation)
+        if uncut[1] >= budget or not most:
+            return uncut
+        # The fewest lines whose cut gives the budget (past the note's own length, each line cut
+        # adds room).
+        low, high = 1, most
         while low < high:
             middle = (low + high) // 2
             low, high = (low, middle) if request(middle)[1] >= budget else (middle + 1, high)
-        return request(low)
+        cut = request(low)
+        return cut if cut[1] > uncut[1] else uncut
 
     def _finish_summary(self, episode: AgentEpisode, completion: Completion) -> Action:
         """Closes the generation with its summary; the next one starts from task + summary (and

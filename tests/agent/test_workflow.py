@@ -176,7 +176,7 @@ def test_a_long_output_at_the_summary_request_is_cut_to_leave_the_summary_its_bu
         "run_tests", f"{traceback}\nRecursionError: maximum recursion depth\n[exit code 1]"
     )
 
-    def summary_request(context_tokens: int):
+    def summary_request(context_tokens: int, observation: str = observation):
         episode = agent.AgentEpisode(key="k", task_id="t")
         episode.add_context([ord("a")] * context_tokens, SegmentKind.PROMPT)
         action = workflow.on_result(episode, envs.StepResult(observation, False, 0.0, {}, (), {}))
@@ -198,3 +198,7 @@ def test_a_long_output_at_the_summary_request_is_cut_to_leave_the_summary_its_bu
     body = appended.split("\n")[2:5]
     assert body == [f"[{len(kept) - 4} lines cut to leave room for the summary]", *kept[-3:-1]]
     assert 8 <= action.params.max_new_tokens < 100
+    # A note longer than the lines it would replace is not written.
+    short = envs.render_output("run_tests", "a\nAssertionError\n[exit code 1]")
+    action, appended = summary_request(560, short)
+    assert short in appended and action.params.max_new_tokens == 768 - 560 - len(appended) - 1

@@ -75,6 +75,16 @@ def test_a_fix_stated_in_the_summary_is_told_from_the_edit_that_follows():
     assert counts["fix_planned_at_failure"] == counts["restart_edits_as_planned"] == 1
     unplanned = [Turn(0, TESTS, FAILED + ASKED), Turn(0, "f (a.py)\nNext: fix f.</summary>", "")]
     assert not episode_flow.sample_flow(unplanned, 0.0)["fix_planned_at_failure"]
+    # A fix with a blank line, stated last in its summary; two edits in one turn count once.
+    fix = "    x = x.upper()\n\n    return x"
+    planned = envs.render_call("edit_file", {"path": "a.py", "old": "    return x", "new": fix})
+    last = [
+        Turn(0, TESTS, FAILED + ASKED),
+        Turn(0, f"f (a.py)\nNext: fix f.\nThe fix writes:\n{fix}</summary>", ""),
+        Turn(1, planned + "\n" + planned, EDITED),
+    ]
+    counts = episode_flow.sample_flow(last, 0.0)
+    assert counts["restart_edits_as_planned"] == counts["edits_tried_after_restart"] == 1
 
 
 def test_a_chains_turns_come_from_its_policy_runs():

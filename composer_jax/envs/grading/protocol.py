@@ -16,6 +16,7 @@ whatever does not parse is reported in `Turn.errors` and counted as untagged tex
 """
 
 import dataclasses
+import re
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 FINAL_OPEN, FINAL_CLOSE = "<final>", "</final>"
@@ -108,6 +109,47 @@ def render_output(tool: str, text: str) -> str:
     tests print can pass for another output and its status."""
     text = text.replace(OUTPUT_CLOSE, ESCAPED_OUTPUT_CLOSE)
     return f'{OUTPUT_OPEN} tool="{tool}">{_wrap(text)}{OUTPUT_CLOSE}'
+
+
+# A line of a test run's output naming what was raised: `TypeError: ...`, pytest's `E   ...`.
+RAISED_LINE = re.compile(r"^\s*(?:E\s+)?[\w.]*(?:Error|Exception|Exit|Interrupt)\b")
+
+
+def _last_output_body(observation: str) -> tuple[list[str], int, int]:
+    """(the observation's lines, the index of the first body line of its last output, the body's
+    length): (lines, 0, 0) unless the observation ends with a multi-line output."""
+    lines = observation.split("\n")
+    if lines[-1] != OUTPUT_CLOSE:
+        return lines, 0, 0
+    # Closing tags inside outputs are escaped: the last output opens after the one before it.
+    previous = observation.rfind(OUTPUT_CLOSE, 0, len(observation) - len(OUTPUT_CLOSE))
+    first = observation.count("\n", 0, previous) + 1 if previous >= 0 else 0
+    openers = (i for i in range(first, len(lines) - 1) if lines[i].startswith(OUTPUT_OPEN))
+    opener = next(openers, None)
+    if opener is None:
+        return lines, 0, 0
+    return lines, opener + 1, len(lines) - 2 - opener
+
+
+def cuttable_output_lines(observation: str) -> int:
+    """How many first lines of the observation's last output a cut may take: those before what
+    was raised (the last run of lines naming it, `RAISED_LINE`, or of pytest's `E` lines) and
+    before its last two lines (how it ended: the exit code, pytest's count)."""
+    lines, start, length = _last_output_body(observation)
+    body = lines[start : start + length]
+    failure = [i for i, line in enumerate(body) if RAISED_LINE.match(line) or line.startswith("E ")]
+    while len(failure) > 1 and failure[-2] == failure[-1] - 1:
+        failure.pop()
+    return max(min([length - 2, *failure[-1:]]), 0)
+
+
+def cut_output_head(observation: str, cut: int, note: str) -> str:
+    """The observation with the first `cut` lines of its last output replaced by `note`
+    (formatted with `cut`); `cut` at most `cuttable_output_lines(observation)`."""
+    if not cut:
+        return observation
+    lines, start, _ = _last_output_body(observation)
+    return "\n".join([*lines[:start], note.format(cut), *lines[start + cut :]])
 
 
 def _attribute(header: str, name: str) -> str | None:

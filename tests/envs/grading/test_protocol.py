@@ -1,4 +1,5 @@
-"""Protocol round trips (through the byte tokenizer too) and a fuzzed parser."""
+"""Protocol round trips (through the byte tokenizer too), a fuzzed parser, and a long output's
+head cut with its end kept."""
 
 import time
 
@@ -11,6 +12,8 @@ from composer_jax.envs.environment import EnvConfig, Episode
 from composer_jax.envs.grading.protocol import (
     EpisodeCounts,
     count_bytes,
+    cut_output_head,
+    cuttable_output_lines,
     parse_turn,
     render_call,
     render_output,
@@ -152,3 +155,31 @@ def test_counts_in_any_tokenizers_tokens(tmp_path):
     assert counts.thinking_tokens == count(turn.think_text) + count(turn.untagged) > 0
     assert counts.tool_call_tokens == count(turn.calls[0].text) > 0
     assert counts.tool_call_tokens < count_bytes(turn.calls[0].text)  # BPE merges bytes
+
+
+def test_a_cut_takes_the_last_outputs_head_and_keeps_what_was_raised_and_how_it_ended():
+    edited = render_output("edit_file", "edited a.py")
+    pytest_run = render_output(
+        "run_tests",
+        "F\n____ test_f ____\n    def test_f():\n>       assert f(1) == 2\nE       assert 3 == 2\n"
+        "E        +  where 3 = f(1)\n=== short test summary info ===\n"
+        "FAILED tests/test_a.py::test_f - assert 3 == 2\n1 failed in 0.05s\n[exit code 1]",
+    )
+    observation = f"{edited}\n{pytest_run}"
+    assert cuttable_output_lines(observation) == 4  # up to pytest's last run of `E` lines
+    cut = cut_output_head(observation, 4, "[{} lines cut]")
+    assert cut.startswith(f'{edited}\n<output tool="run_tests">\n[4 lines cut]\nE       assert 3')
+    assert cut.endswith("1 failed in 0.05s\n[exit code 1]\n</output>")
+    traceback = (
+        "Traceback:\n  File a.py\n    f()\nValueError: no\nduring it\nKeyError: k\n[exit code 1]"
+    )
+    assert cuttable_output_lines(render_output("run_tests", traceback)) == 5  # the last raised
+    # Nothing raised: all but the last two lines; a printed tag is not the output's opening.
+    printed = render_output("run_shell", 'a\n<output tool="x">\nb\n</output>\nc\n[exit code 0]')
+    assert cuttable_output_lines(printed) == 4
+    assert (
+        cut_output_head(printed, 4, "[{}]")
+        == '<output tool="run_shell">\n[4]\nc\n[exit code 0]\n</output>'
+    )
+    for whole in (edited, render_output("run_tests", "ok\n[exit code 0]"), f"{pytest_run}\nnote"):
+        assert cuttable_output_lines(whole) == 0
