@@ -11,8 +11,9 @@ scripted summary does) and the ones that reached reward 1; samples with two or m
 edits (`edit_file` / `write_file` reported done), edits tried and applied in a restarted
 generation, the ones whose `new` is the fix their summary stated and, of those that did not
 apply, the ones whose `old` the file did not hold once, the ones cut off by the turn budget and
-the ones missing an argument; and reward 1 among the samples whose first test passed. A run whose episodes make one attempt
-shows no applied edit after a failing test and no reward 1 after one.
+the ones missing an argument; and reward 1 among the samples whose first test passed. A run
+whose episodes make one attempt shows no applied edit after a failing test and no reward 1
+after one.
 """
 
 import collections

@@ -52,10 +52,11 @@ from composer_jax.rl.batch import SegmentKind, Sequence
 log = logging.getLogger(__name__)
 
 SUMMARY_OPEN, SUMMARY_CLOSE = "<summary>", "</summary>"
-_CUT_NOTE = "[{} lines cut to leave room for the summary]"
 SUMMARY_NOTE = (
     "\n[context budget reached: summarise the task and your progress for a fresh start]\n"
 )
+# Where the first lines of a long tool output gave way to the summary's budget.
+_CUT_NOTE = "[{} lines cut to leave room for the summary]"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,10 +9,12 @@ Plain tags a small byte-level model can learn:
     </arg></call>
     <final>message to the user</final>
 
-The environment answers each call with `<output tool="NAME">text</output>`. A multi-line value is
-written between newlines that the parser strips, so `render` and `parse_turn` are inverses. The
-parser scans forward with `str.find` only (linear time, no regex backtracking) and never raises:
-whatever does not parse is reported in `Turn.errors` and counted as untagged text.
+The environment answers each call with `<output tool="NAME">text</output>` (a closing tag inside
+the text escaped as `<\\/output>`, so an output ends only where the environment ends it). A
+multi-line value is written between newlines that the parser strips, so `render` and
+`parse_turn` are inverses. The parser scans forward with `str.find` only (linear time, no regex
+backtracking) and never raises: whatever does not parse is reported in `Turn.errors` and counted
+as untagged text.
 """
 
 import dataclasses
