@@ -7,7 +7,9 @@ context that followed it (tool outputs, a summary request). Counted per run, ove
 its ledger: samples; samples with a failing visible test (a `run_tests` output whose exit code
 is not 0); of those, the ones asked for a summary right at that output, the ones with an edit
 applied after it, the ones whose summary there states a fix ("The fix writes:", as a repair's
-scripted summary does) and the ones that reached reward 1; samples with two or more applied
+scripted summary does), the ones whose summary begins with the function the prompt asks for (as
+every scripted summary does: a name carried through the summary) and the ones that reached
+reward 1; samples with two or more applied
 edits (`edit_file` / `write_file` reported done), edits tried and applied in a restarted
 generation, the ones whose `new` is the fix their summary stated and, of those that did not
 apply, the ones whose `old` the file did not hold once, the ones cut off by the turn budget and
@@ -43,11 +45,15 @@ _EDIT_ERRORS = {
     "restart_edit_cut_off": re.compile(re.escape(CUT_OFF_CALL)),
     "restart_edit_missing_argument": re.compile(r"(?:edit|write)_file: missing argument"),
 }
+# The function a repository task asks for (`builtin_repo`'s prompt), whose name a summary's first
+# line repeats.
+_FUNCTION = re.compile(r"The body of `(\w+)`")
 COLUMNS = (
     "samples",
     "failing_test",
     "summary_at_failure",
     "fix_planned_at_failure",
+    "summary_names_function",
     "edit_after_failure",
     "reward_1_after_failure",
     "two_applied_edits",
@@ -69,6 +75,12 @@ class Turn:
     after: str  # the context that followed it, up to the policy's next turn
 
 
+def _first_turn(seq) -> int:
+    """Where the policy's first turn begins: the prompt is what precedes it."""
+    written = np.flatnonzero(np.asarray(seq.policy_mask))
+    return int(written[0]) if written.size else len(seq.tokens)
+
+
 def chain_turns(sequences, decode) -> list[Turn]:
     """The turns of one sample's generations, in order; `decode` turns token ids into text."""
     turns = []
@@ -83,8 +95,9 @@ def chain_turns(sequences, decode) -> list[Turn]:
     return turns
 
 
-def sample_flow(turns: list[Turn], reward: float) -> collections.Counter:
-    """The counts of one sample (see the module docstring)."""
+def sample_flow(turns: list[Turn], reward: float, function: str = "") -> collections.Counter:
+    """The counts of one sample (see the module docstring); `function`: the name of the
+    function its task asks for, where the prompt names one."""
     counts = collections.Counter(samples=1)
     exits = [(i, code) for i, t in enumerate(turns) for code in run_tests_exit_codes(t.after)]
     applied = [i for i, t in enumerate(turns) if _APPLIED.search(t.after)]
@@ -106,6 +119,8 @@ def sample_flow(turns: list[Turn], reward: float) -> collections.Counter:
         counts["failing_test"] = 1
         counts["summary_at_failure"] = asked = turns[first].after.rstrip().endswith(SUMMARY_OPEN)
         counts["fix_planned_at_failure"] = asked and _planned_fix(turns[first + 1 :]) is not None
+        summary = turns[first + 1].text if asked and first + 1 < len(turns) else ""
+        counts["summary_names_function"] = bool(function) and summary.startswith(f"{function} (")
         counts["edit_after_failure"] = any(i > first for i in applied)
         counts["reward_1_after_failure"] = reward >= 1
     if exits and exits[0][1] == 0:
@@ -148,8 +163,10 @@ def run_flow(workdir: str) -> dict[str, int]:
         for seq in group_sequences(group):
             chains[seq.sample_index].append(seq)
         for sample, chain in chains.items():
-            turns = chain_turns(chain, lambda ids: tokenizer.decode(np.asarray(ids).tolist()))
-            total += sample_flow(turns, float(group.rewards[sample]))
+            decode = lambda ids: tokenizer.decode(np.asarray(ids).tolist())  # noqa: E731
+            turns = chain_turns(chain, decode)
+            named = _FUNCTION.search(decode(chain[0].tokens[: _first_turn(chain[0])]))
+            total += sample_flow(turns, float(group.rewards[sample]), named[1] if named else "")
     if not total["samples"]:
         raise SystemExit(f"{workdir}: no samples in its ledger")
     return {name: int(total[name]) for name in COLUMNS}

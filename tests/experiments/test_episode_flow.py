@@ -66,8 +66,9 @@ def test_a_fix_stated_in_the_summary_is_told_from_the_edit_that_follows():
         Turn(1, "f (a.py)\nDone: fixed f. Next: report.</summary>", ""),
         Turn(2, planned, EDITED),  # its summary stated no fix
     ]
-    counts = episode_flow.sample_flow(turns, 1.0)
-    assert counts["fix_planned_at_failure"] == 1
+    counts = episode_flow.sample_flow(turns, 1.0, function="f")
+    assert counts["fix_planned_at_failure"] == counts["summary_names_function"] == 1
+    assert not episode_flow.sample_flow(turns, 1.0, function="g")["summary_names_function"]
     assert counts["restart_edits_as_planned"] == 1
     assert counts["edits_tried_after_restart"] == 3
     cut = [Turn(0, TESTS, FAILED + ASKED), Turn(0, summary + "The tests", ""), Turn(1, planned, "")]
