@@ -9,13 +9,12 @@ is not 0); of those, the ones asked for a summary right at that output, the ones
 applied after it, the ones whose summary there states a fix ("The fix writes:", as a repair's
 scripted summary does), the ones whose summary begins with the function the prompt asks for (as
 every scripted summary does: a name carried through the summary) and the ones that reached
-reward 1; samples with two or more applied
-edits (`edit_file` / `write_file` reported done), edits tried and applied in a restarted
-generation, the ones whose `new` is the fix their summary stated and, of those that did not
-apply, the ones whose `old` the file did not hold once, the ones cut off by the turn budget and
-the ones missing an argument; and reward 1 among the samples whose first test passed. A run
-whose episodes make one attempt shows no applied edit after a failing test and no reward 1
-after one.
+reward 1; samples with two or more applied edits (`edit_file` / `write_file` reported done),
+edits tried and applied in a restarted generation, the ones whose `new` is the fix their summary
+stated and, of those that did not apply, the ones whose `old` the file did not hold once, the
+ones cut off by the turn budget and the ones missing an argument; and reward 1 among the samples
+whose first test passed. A run whose episodes make one attempt shows no applied edit after a
+failing test and no reward 1 after one.
 """
 
 import collections
@@ -118,8 +117,8 @@ def sample_flow(turns: list[Turn], reward: float, function: str = "") -> collect
         first = failing[0]
         counts["failing_test"] = 1
         counts["summary_at_failure"] = asked = turns[first].after.rstrip().endswith(SUMMARY_OPEN)
-        counts["fix_planned_at_failure"] = asked and _planned_fix(turns[first + 1 :]) is not None
         summary = turns[first + 1].text if asked and first + 1 < len(turns) else ""
+        counts["fix_planned_at_failure"] = _planned_fix(summary) is not None
         counts["summary_names_function"] = bool(function) and summary.startswith(f"{function} (")
         counts["edit_after_failure"] = any(i > first for i in applied)
         counts["reward_1_after_failure"] = reward >= 1
@@ -129,10 +128,10 @@ def sample_flow(turns: list[Turn], reward: float, function: str = "") -> collect
     return counts
 
 
-def _planned_fix(turns: list[Turn]) -> str | None:
-    """The fix stated by the first of `turns` (a summary): its indented (function body) lines,
-    blank lines among them kept, after "The fix writes:"; None when it states none."""
-    _, stated, rest = turns[0].text.partition("The fix writes:\n") if turns else ("", "", "")
+def _planned_fix(summary: str) -> str | None:
+    """The fix a summary states: its indented (function body) lines, blank lines among them
+    kept, after "The fix writes:"; None when it states none."""
+    _, stated, rest = summary.partition("The fix writes:\n")
     lines = []
     for line in rest.split(SUMMARY_CLOSE, 1)[0].split("\n"):
         if line.strip() and not line[0].isspace():
@@ -145,7 +144,7 @@ def _planned_fix(turns: list[Turn]) -> str | None:
 def _edits_as_planned(turns: list[Turn], i: int) -> bool:
     """Whether turn `i` edits in the fix its generation's summary stated."""
     summaries = [j for j in range(i) if turns[j].generation == turns[i].generation - 1]
-    planned = _planned_fix(turns[summaries[-1] :]) if summaries else None
+    planned = _planned_fix(turns[summaries[-1]].text) if summaries else None
     return planned is not None and any(
         call.tool == "edit_file" and call.args.get("new", "").strip("\n") == planned
         for call in envs.parse_turn(turns[i].text).calls
