@@ -158,7 +158,10 @@ class AgentEpisode(Generation):
     # Turns (start, end, hint tokens) a feedback detector flagged: their teacher context has the
     # hint (text-feedback distillation).
     hinted: list[tuple[int, int, np.ndarray]] = dataclasses.field(default_factory=list)
-    turns: list[feedback.TurnRecord] = dataclasses.field(default_factory=list)
+    num_turns: int = 0
+    # The last turn of the current generation: what the detectors compare a turn with (none
+    # after a summary restart, whose context no longer holds it).
+    last_turn: feedback.TurnRecord | None = None
     feedback_counts: dict[str, int] = dataclasses.field(default_factory=dict)
     calls: list[ToolCallRecord] = dataclasses.field(default_factory=list)
     turn_span: tuple[int, int] = (0, 0)
@@ -298,14 +301,14 @@ class AgentWorkflow:
         if not self.detectors:
             return
         turn = feedback.TurnRecord(
-            index=len(episode.turns),
+            index=episode.num_turns,
             text=episode.turn_text,
             calls=tuple(result.info.get("calls", ())),
             observation=result.observation,
             available_tools=tuple(self.context.env_config.tools),
         )
-        previous = episode.turns[-1] if episode.turns else None
-        episode.turns.append(turn)
+        previous, episode.last_turn = episode.last_turn, turn
+        episode.num_turns += 1
         hints = feedback.check_turn(self.detectors, turn, previous)
         if not hints:
             return
@@ -369,7 +372,7 @@ class AgentWorkflow:
         prefix_routes = episode.routes[:keep]
         appended = self.tokenizer.encode(f"{SUMMARY_OPEN}{summary}\n{episode.open_tab}")
         episode.clear()
-        episode.hinted = []
+        episode.hinted, episode.last_turn = [], None
         episode.add_context(episode.prompt_tokens, SegmentKind.PROMPT)
         episode.add_context(appended, SegmentKind.PROMPT)  # carried over: counted once, as context
         # The kept prefix is cached with its routes; the restart prefills (and routes) only the

@@ -1,7 +1,8 @@
 """One episode implementation: the asynchronous actor loop and `agent.play` run the same workflow
 and produce the same episodes (tokens, summaries, feedback turns, teacher contexts), first with a
 scripted policy whose every turn depends on the request's seed, then with a real model; a long
-tool output at a summary request leaves the summary its budget."""
+tool output at a summary request leaves the summary its budget; no feedback detector compares a
+turn with one from before a summary restart."""
 
 import dataclasses
 import random
@@ -26,6 +27,7 @@ TOKENIZER = data.get_tokenizer("byte")
 MODEL_CFG = ModelConfig()
 BAD_CALL = envs.render_call("read_file", {"path": "solution.py", "lines": "3"})
 LOOK = envs.render_call("list_dir", {})
+FINAL = envs.render_turn(final="Done.")
 
 
 class SeededScript:
@@ -202,3 +204,37 @@ def test_a_long_output_at_the_summary_request_is_cut_to_leave_the_summary_its_bu
     short = envs.render_output("run_tests", "a\nAssertionError\n[exit code 1]")
     action, appended = summary_request(560, short)
     assert short in appended and action.params.max_new_tokens == 768 - 560 - len(appended) - 1
+
+
+def test_no_detector_compares_a_turn_with_one_from_before_a_summary_restart():
+    """A failed call, then a final message: without a summary between them the final message
+    ignores the error (flagged, hinted for distillation); after a summary restart the failed
+    call is gone from the context, so nothing is flagged and no teacher context is built."""
+    (task,) = envs.builtin_tasks(1, seed=61, max_ops=1)
+
+    def script(prompt: str, turn: int, seed: int) -> str:
+        if prompt.endswith(SUMMARY_OPEN):
+            return "The read failed.</summary>"
+        return FINAL if "<output" in prompt or "<summary>" in prompt else BAD_CALL
+
+    def played(summary_budget: int):
+        cfg = AgentConfig(max_turns=4, summary_budget=summary_budget, summary_max_tokens=48)
+        workflow, env = agent.build(
+            cfg,
+            TOKENIZER,
+            MODEL_CFG,
+            max_len=1024,
+            sampling=agent.rollout_sampling(RolloutConfig()),
+            distill=True,
+        )
+        args = dict(moe_layers=MODEL_CFG.num_moe_layers, k=MODEL_CFG.num_experts_per_tok)
+        engine = ScriptedEngine(script, TOKENIZER, num_slots=1, seeded=True, **args)
+        (outcome,) = agent.play(engine, [(task, "p0-s0-a0")], workflow, env, env_threads=1)
+        return outcome
+
+    straight = played(summary_budget=0)
+    assert straight.summaries == 0 and straight.feedback.get("ignored_tool_error") == 1
+    assert straight.sequences[-1].teacher_tokens is not None
+    restarted = played(summary_budget=1)
+    assert restarted.summaries == 1 and "ignored_tool_error" not in restarted.feedback
+    assert restarted.sequences[-1].teacher_tokens is None
