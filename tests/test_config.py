@@ -203,6 +203,12 @@ def test_decode_chunk_must_be_positive():
     C.validate_rl(C.RLConfig(rollout=C.RolloutConfig(decode_chunk=8)))
 
 
+def test_epochs_must_be_positive():
+    with pytest.raises(C.ConfigError, match=r"rl\.rollout\.epochs: must be positive"):
+        C.validate_rl(C.RLConfig(rollout=C.RolloutConfig(epochs=0)))
+    C.validate_rl(C.RLConfig(rollout=C.RolloutConfig(epochs=3)))
+
+
 def test_uniform_by_names_its_choices():
     with pytest.raises(C.ConfigError, match=r"rl\.rollout\.uniform_by: 'length' is not one of"):
         C.validate_rl(C.RLConfig(rollout=C.RolloutConfig(uniform_by="length")))

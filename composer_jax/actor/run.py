@@ -51,6 +51,7 @@ from composer_jax.actor.setup import (
     heldout_task_set,
     rl_num_prompts,
     rl_prompt_tasks,
+    rl_schedule,
     rl_task_source,
     store_dir,
     warm_start,
@@ -259,7 +260,7 @@ def _heldout_path(cfg) -> str:
 
 
 def _prompts(cfg) -> list[tuple[str, object]]:
-    """The epoch's prompts, named p00000, p00001, ..."""
+    """The run's prompts in the order it plays them (every epoch's), named p00000, p00001, ..."""
     num_prompts = rl_num_prompts(cfg)
     tasks = rl_prompt_tasks(cfg)
     if len(tasks) < num_prompts:
@@ -268,7 +269,7 @@ def _prompts(cfg) -> list[tuple[str, object]]:
             len(tasks),
             num_prompts,
         )
-    return [(f"p{i:05d}", task) for i, task in enumerate(tasks)]
+    return [(f"p{i:05d}", task) for i, task in enumerate(rl_schedule(cfg, tasks))]
 
 
 def _train(cfg, loop: _Loop, progress: bool) -> str | None:

@@ -9,6 +9,8 @@ import logging
 import os
 import time
 
+import numpy as np
+
 from composer_jax import agent, envs, interop
 from composer_jax import config as config_lib
 from composer_jax.envs import drawn_tasks, task_source
@@ -48,15 +50,27 @@ def rl_task_source(cfg: config_lib.ExperimentConfig) -> envs.TaskSource:
 
 
 def rl_num_prompts(cfg: config_lib.ExperimentConfig) -> int:
-    """Prompts of the RL epoch: `rl.rollout.num_prompts`, else steps x groups per step."""
-    return cfg.rl.rollout.num_prompts or cfg.steps * cfg.rl.rollout.groups_per_step
+    """Distinct prompts of the RL run: `rl.rollout.num_prompts`, else steps x groups per step
+    over the epochs (rounded up)."""
+    rollout = cfg.rl.rollout
+    return rollout.num_prompts or -(-cfg.steps * rollout.groups_per_step // rollout.epochs)
 
 
 def rl_prompt_tasks(cfg: config_lib.ExperimentConfig) -> list[envs.Task]:
-    """The RL epoch's prompts: `rl_num_prompts` training tasks of the RL source, seed
+    """The RL run's distinct prompts: `rl_num_prompts` training tasks of the RL source, seed
     cfg.seed + 1."""
     spec, field = _rl_tasks_field(cfg)
     return list(drawn_tasks(spec, field, rl_num_prompts(cfg), "train", cfg.seed + 1))
+
+
+def rl_schedule(cfg: config_lib.ExperimentConfig, tasks: list[envs.Task]) -> list[envs.Task]:
+    """The prompts in the order the run plays them: `rl.rollout.epochs` passes over `tasks`, the
+    first in their drawn order, pass e in an order drawn from (cfg.seed + 1, e)."""
+    order = list(tasks)
+    for epoch in range(1, cfg.rl.rollout.epochs):
+        permutation = np.random.default_rng([cfg.seed + 1, epoch]).permutation(len(tasks))
+        order += [tasks[i] for i in permutation]
+    return order
 
 
 def trained_prompts(cfg: config_lib.ExperimentConfig) -> set[str]:

@@ -90,11 +90,14 @@ class RolloutConfig:
     # A step slower than this counts as a hung worker; 0 derives it from the environment's
     # limits (the longest a turn of commands plus grading may legitimately take).
     env_timeout_s: float = 0.0
-    # Scheduling: one epoch over `num_prompts` distinct training tasks (0: steps x groups_per_step),
-    # `group_size` samples each; a step trains on `groups_per_step` finished groups.
+    # Scheduling: `epochs` passes over `num_prompts` distinct training tasks (0: steps x
+    # groups_per_step / epochs, rounded up), each pass in its own order, `group_size` samples a
+    # group; a step trains on `groups_per_step` finished groups. A later pass samples a prompt
+    # again under the policy its earlier groups trained.
     group_size: int = 4
     groups_per_step: int = 4
     num_prompts: int = 0
+    epochs: int = 1
     # A group's oldest token may lag the trained policy by at most `max_staleness` versions; older
     # groups are dropped or have their advantages scaled by stale_decay ** (lag - max_staleness).
     max_staleness: int = 2
@@ -325,6 +328,7 @@ def _check_rollout(cfg: RolloutConfig, where: str) -> None:
         "num_samplers",
         "group_size",
         "groups_per_step",
+        "epochs",
         "num_slots",
         "context_len",
         "max_new_tokens",

@@ -1,8 +1,15 @@
-"""The held-out check never plays a prompt the run trains on (SFT examples or RL prompts)."""
+"""The held-out check never plays a prompt the run trains on (SFT examples or RL prompts); the
+RL prompts' epochs."""
 
 import dataclasses
 
-from composer_jax.actor.setup import heldout_task_set, rl_prompt_tasks, trained_prompts
+from composer_jax.actor.setup import (
+    heldout_task_set,
+    rl_num_prompts,
+    rl_prompt_tasks,
+    rl_schedule,
+    trained_prompts,
+)
 from composer_jax.envs import task_source
 from composer_jax.presets import PRESETS
 
@@ -45,3 +52,31 @@ def test_a_pretraining_only_warm_start_excludes_only_rl_prompts():
     phases = tuple(dataclasses.replace(p, data="corpus") for p in cfg.train.phases)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, phases=phases))
     assert trained_prompts(cfg) == {t.prompt for t in rl_prompt_tasks(cfg)}
+
+
+def test_epochs_play_every_prompt_once_a_pass_each_pass_in_its_own_order():
+    cfg = _main_job(1)
+    cfg = dataclasses.replace(
+        cfg,
+        steps=5,
+        rl=dataclasses.replace(
+            cfg.rl, rollout=dataclasses.replace(cfg.rl.rollout, num_prompts=0, epochs=3)
+        ),
+    )
+    tasks = rl_prompt_tasks(cfg)
+    groups = cfg.steps * cfg.rl.rollout.groups_per_step
+    assert len(tasks) == rl_num_prompts(cfg) == -(-groups // 3)  # rounded up: every step fills
+    schedule = rl_schedule(cfg, tasks)
+    ids = [t.task_id for t in schedule]
+    passes = [ids[i * len(tasks) : (i + 1) * len(tasks)] for i in range(3)]
+    assert len(schedule) == 3 * len(tasks) >= groups
+    assert passes[0] == [t.task_id for t in tasks]
+    assert all(sorted(p) == sorted(passes[0]) for p in passes)
+    assert len({tuple(p) for p in passes}) == 3  # each pass in its own order
+    assert [t.task_id for t in rl_schedule(cfg, tasks)] == ids  # drawn from the seed
+    # The trained prompts, and so the held-out tasks, are the distinct ones.
+    assert trained_prompts(cfg) >= {t.prompt for t in tasks}
+    one = dataclasses.replace(
+        cfg, rl=dataclasses.replace(cfg.rl, rollout=dataclasses.replace(cfg.rl.rollout, epochs=1))
+    )
+    assert rl_num_prompts(one) == groups and rl_schedule(one, tasks) == tasks
