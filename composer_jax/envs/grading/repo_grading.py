@@ -461,3 +461,11 @@ def read_only_binds(root: Path) -> dict[str, str]:
     """What the grading command sees beyond the sandbox's system view, each at its host path."""
     paths = [str(root), pycache_dir(), *library_path(), *runner_libraries()]
     return {path: path for path in paths}
+
+
+def replay_binds(tree: Path) -> dict[str, str]:
+    """What a replay sees beyond the sandbox's system view: its tree and the libraries, not the
+    bytecode cache, which holds the tests' compiled modules with their expected values (the
+    replay runs with -B and needs none of it)."""
+    paths = [str(tree), *library_path(), *runner_libraries()]
+    return {path: path for path in paths}

@@ -185,7 +185,7 @@ def run_replay(
     `replay`)."""
     with repo_grading.replay_tree(root, replay.referenced_modules(calls)) as (tree, empty):
         command, stdin, marker = replay.command(tree, calls)
-        binds = {**repo_grading.read_only_binds(tree), str(empty): WORKSPACE_MOUNT}
+        binds = {**repo_grading.replay_binds(tree), str(empty): WORKSPACE_MOUNT}
         result = sandbox.run(
             command,
             stdin=stdin,

@@ -5,6 +5,7 @@ exception types) is rewarded; the replay's reply is decoded strictly."""
 
 import dataclasses
 import json
+import os
 import textwrap
 
 import pytest
@@ -363,6 +364,77 @@ def test_a_function_that_reads_the_tests_expected_values_at_run_time_scores_0(ba
     result = grade_solution(task, _reading(task, "frequencies", ("seq",), where), backend=backend)
     assert result.reward == 0.0, (result.outcomes, result.scores)
     assert result.scores["replay_calls"] > 0 and result.scores["replay_matched"] == 0
+
+
+_BYTECODE_READER = '''def NAME(*args, **kwargs):
+    """Nothing of the task: the value a test compares this call's result with, learnt by running
+    the tests' compiled modules found under WHERE, with NAME swapped for a probe."""
+    import marshal
+    import os
+    import sys
+    import unittest
+
+    learnt = []
+
+    class Answer:
+        def __init__(self, call):
+            self.call = call
+
+        def __eq__(self, other):
+            learnt.append((self.call, other))
+            return True
+
+    package = sys.modules["PACKAGE"]
+    original = package.NAME
+    package.NAME = lambda *a, **k: Answer((a, k))
+    try:
+        for top, _, names in os.walk(WHERE):
+            for name in names:
+                if not (name.startswith("test_") and name.endswith(".pyc")):
+                    continue
+                module = {"__name__": "read_" + name.split(".")[0]}
+                with open(os.path.join(top, name), "rb") as handle:
+                    try:
+                        exec(marshal.loads(handle.read()[16:]), module)
+                    except Exception:
+                        continue
+                for case in module.values():
+                    if isinstance(case, type) and issubclass(case, unittest.TestCase):
+                        for test, function in vars(case).items():
+                            code = getattr(function, "__code__", None)
+                            if test.startswith("test") and code and "NAME" in code.co_names:
+                                try:
+                                    getattr(case(test), test)()
+                                except Exception:
+                                    pass
+    finally:
+        package.NAME = original
+    return next((value for call, value in learnt if call == (args, kwargs)), None)
+'''
+
+
+@pytest.mark.parametrize("backend", ISOLATING)
+def test_a_function_that_runs_the_tests_compiled_modules_scores_0(backend):
+    """pytest caches the tests' bytecode (assertions rewritten, expected values in it) outside
+    the source roots; the replay, which decides the reward, must not see that cache (with it
+    bound, this reader scored 1.0)."""
+    task = next(
+        t
+        for t in read_task_set(shipped_sets()["more_itertools"])
+        if t.task_id.endswith(":dotproduct")
+    )
+    path = task.metadata["path"]
+    stub = task.files[path]
+    start = stub.index("def dotproduct(")
+    end = stub.index("raise NotImplementedError", start) + len("raise NotImplementedError\n")
+    where = os.path.dirname(repo_grading.pycache_dir())  # the host's temporary folder
+    reader = _BYTECODE_READER.replace("NAME", "dotproduct").replace("PACKAGE", "more_itertools")
+    reader = reader.replace("WHERE", repr(where))
+    result = grade_solution(task, {path: stub[:start] + reader + stub[end:]}, backend=backend)
+    # pytest passed it (the cache is there for pytest): only the replay stands between the
+    # reader and the reward.
+    assert set(result.outcomes.values()) == {"replay_mismatch"}, (result.outcomes, result.scores)
+    assert result.reward == 0.0 and result.scores["replay_matched"] == 0
 
 
 def test_a_test_module_a_recorded_input_names_is_kept_without_its_tests():
