@@ -260,7 +260,7 @@ def _heldout_path(cfg) -> str:
 
 
 def _prompts(cfg) -> list[tuple[str, object]]:
-    """The run's prompts in the order it plays them (every epoch's), named p00000, p00001, ..."""
+    """(prompt id, task) of every epoch, in the order the run plays them (`rl_schedule`)."""
     num_prompts = rl_num_prompts(cfg)
     tasks = rl_prompt_tasks(cfg)
     if len(tasks) < num_prompts:
@@ -269,7 +269,7 @@ def _prompts(cfg) -> list[tuple[str, object]]:
             len(tasks),
             num_prompts,
         )
-    return [(f"p{i:05d}", task) for i, task in enumerate(rl_schedule(cfg, tasks))]
+    return rl_schedule(cfg, tasks)
 
 
 def _train(cfg, loop: _Loop, progress: bool) -> str | None:

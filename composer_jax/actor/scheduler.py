@@ -1,11 +1,12 @@
 """The staleness policy and the prompt order, in one place.
 
-At scheduling time (`Scheduler`): one epoch over the prompts, each as a group of `group_size`
+At scheduling time (`Scheduler`): the run's prompts in order (`rl.rollout.epochs` passes over the
+distinct tasks, each pass's groups under their own prompt ids), each as a group of `group_size`
 samples, admitted only while the trainer version the group will meet (the current version plus
-the untrained groups ahead of it) is within `max_staleness` of the sampler's; dropped groups' prompts
-come back first in line as retries; later in the epoch a share of the groups goes to the hardest
-prompts seen, each as a fresh variant of the task (another instance of the same problem, a new
-prompt), so no prompt is ever trained twice.
+the untrained groups ahead of it) is within `max_staleness` of the sampler's; dropped groups'
+prompts come back first in line as retries; past half the prompts a share of the groups goes to
+the hardest prompts seen, each as a fresh variant of the task (another instance of the same
+problem, a new prompt), so no prompt id is ever trained twice.
 
 At training time (`next_groups`): groups whose oldest token still lags more than `max_staleness`
 are dropped (their prompt is scheduled again) or re-weighted, per `stale_policy`; with dynamic
@@ -106,8 +107,8 @@ class Scheduler:
         return admits_group(self.cfg, trainer_version, untrained, sampler_version)
 
     def next_group(self) -> GroupId | None:
-        """The next group; past half the epoch, a share of them revisits the hardest prompts as
-        fresh variants (when the task source makes them)."""
+        """The next group; past half the run's prompts, a share of them revisits the hardest
+        prompts as fresh variants (when the task source makes them)."""
         cfg = self.cfg
         used = self._num_prompts - len(self._queue)
         if (
@@ -130,7 +131,7 @@ class Scheduler:
         return self._queue.popleft() if self._queue else None
 
     def redispatch(self, group_ids: list[str]) -> None:
-        """The prompts of dropped groups go first in line again, so the epoch covers them (but
+        """The prompts of dropped groups go first in line again, so the run covers them (but
         a variant made by an earlier start, whose task is gone: its original was trained)."""
         for text in group_ids:
             prompt = GroupId.parse(text).prompt

@@ -63,13 +63,17 @@ def rl_prompt_tasks(cfg: config_lib.ExperimentConfig) -> list[envs.Task]:
     return list(drawn_tasks(spec, field, rl_num_prompts(cfg), "train", cfg.seed + 1))
 
 
-def rl_schedule(cfg: config_lib.ExperimentConfig, tasks: list[envs.Task]) -> list[envs.Task]:
-    """The prompts in the order the run plays them: `rl.rollout.epochs` passes over `tasks`, the
-    first in their drawn order, pass e in an order drawn from (cfg.seed + 1, e)."""
-    order = list(tasks)
+def rl_schedule(
+    cfg: config_lib.ExperimentConfig, tasks: list[envs.Task]
+) -> list[tuple[str, envs.Task]]:
+    """(prompt id, task) in the order the run plays them: `rl.rollout.epochs` passes over `tasks`,
+    the first in their drawn order, pass e in an order drawn from (cfg.seed + 1, e). Task i is
+    "p<i>" in the first pass and "p<i>e<e>" in pass e: an id names the same task when a resumed
+    run has more steps, and so more prompts (the draw keeps its first tasks)."""
+    order = [(f"p{i:05d}", task) for i, task in enumerate(tasks)]
     for epoch in range(1, cfg.rl.rollout.epochs):
         permutation = np.random.default_rng([cfg.seed + 1, epoch]).permutation(len(tasks))
-        order += [tasks[i] for i in permutation]
+        order += [(f"p{i:05d}e{epoch}", tasks[i]) for i in permutation]
     return order
 
 

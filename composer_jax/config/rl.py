@@ -93,7 +93,7 @@ class RolloutConfig:
     # Scheduling: `epochs` passes over `num_prompts` distinct training tasks (0: steps x
     # groups_per_step / epochs, rounded up), each pass in its own order, `group_size` samples a
     # group; a step trains on `groups_per_step` finished groups. A later pass samples a prompt
-    # again under the policy its earlier groups trained.
+    # again, as a new group (id p<i>e<pass>), mostly under a policy its earlier groups trained.
     group_size: int = 4
     groups_per_step: int = 4
     num_prompts: int = 0
@@ -110,7 +110,7 @@ class RolloutConfig:
     # differ, so almost none is skipped).
     skip_uniform_groups: bool = False
     uniform_by: str = "task"
-    # Later in the epoch, revisit the hardest prompts seen (most turns, then most thinking tokens):
+    # Later in the run, revisit the hardest prompts seen (most turns, then most thinking tokens):
     # this fraction of the scheduled groups is drawn from them once half the prompts are used.
     hard_prompt_fraction: float = 0.0
     # Groups started beyond the sampler's slots: their environments start and their prompts

@@ -54,29 +54,36 @@ def test_a_pretraining_only_warm_start_excludes_only_rl_prompts():
     assert trained_prompts(cfg) == {t.prompt for t in rl_prompt_tasks(cfg)}
 
 
-def test_epochs_play_every_prompt_once_a_pass_each_pass_in_its_own_order():
+def _with_epochs(steps: int, epochs: int):
     cfg = _main_job(1)
-    cfg = dataclasses.replace(
-        cfg,
-        steps=5,
-        rl=dataclasses.replace(
-            cfg.rl, rollout=dataclasses.replace(cfg.rl.rollout, num_prompts=0, epochs=3)
-        ),
-    )
+    rollout = dataclasses.replace(cfg.rl.rollout, num_prompts=0, epochs=epochs)
+    return dataclasses.replace(cfg, steps=steps, rl=dataclasses.replace(cfg.rl, rollout=rollout))
+
+
+def test_epochs_play_every_prompt_once_a_pass_each_pass_in_its_own_order():
+    cfg = _with_epochs(steps=5, epochs=3)
     tasks = rl_prompt_tasks(cfg)
     groups = cfg.steps * cfg.rl.rollout.groups_per_step
     assert len(tasks) == rl_num_prompts(cfg) == -(-groups // 3)  # rounded up: every step fills
     schedule = rl_schedule(cfg, tasks)
-    ids = [t.task_id for t in schedule]
-    passes = [ids[i * len(tasks) : (i + 1) * len(tasks)] for i in range(3)]
     assert len(schedule) == 3 * len(tasks) >= groups
-    assert passes[0] == [t.task_id for t in tasks]
-    assert all(sorted(p) == sorted(passes[0]) for p in passes)
-    assert len({tuple(p) for p in passes}) == 3  # each pass in its own order
-    assert [t.task_id for t in rl_schedule(cfg, tasks)] == ids  # drawn from the seed
-    # The trained prompts, and so the held-out tasks, are the distinct ones.
-    assert trained_prompts(cfg) >= {t.prompt for t in tasks}
-    one = dataclasses.replace(
-        cfg, rl=dataclasses.replace(cfg.rl, rollout=dataclasses.replace(cfg.rl.rollout, epochs=1))
-    )
-    assert rl_num_prompts(one) == groups and rl_schedule(one, tasks) == tasks
+    assert len({name for name, _ in schedule}) == len(schedule)  # a group id per pass
+    passes = [schedule[i * len(tasks) : (i + 1) * len(tasks)] for i in range(3)]
+    assert [task for _, task in passes[0]] == tasks
+    orders = [[task.task_id for _, task in p] for p in passes]
+    assert all(sorted(order) == sorted(orders[0]) for order in orders)
+    assert len({tuple(order) for order in orders}) == 3  # each pass in its own order
+    assert rl_schedule(cfg, tasks) == schedule  # drawn from the seed
+    one = _with_epochs(steps=5, epochs=1)
+    assert rl_num_prompts(one) == groups
+    assert rl_schedule(one, tasks) == [(f"p{i:05d}", task) for i, task in enumerate(tasks)]
+
+
+def test_a_longer_run_keeps_every_prompt_id_on_its_task():
+    """Resuming with more steps draws more distinct prompts: an id played before (the first
+    pass's and the later passes') still names the same task, so the ledger's groups stay true."""
+    short, longer = _with_epochs(steps=5, epochs=2), _with_epochs(steps=10, epochs=2)
+    before = dict(rl_schedule(short, rl_prompt_tasks(short)))
+    after = dict(rl_schedule(longer, rl_prompt_tasks(longer)))
+    assert len(after) > len(before)
+    assert all(after[name].task_id == task.task_id for name, task in before.items())

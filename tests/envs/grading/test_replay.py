@@ -431,10 +431,12 @@ def test_a_function_that_runs_the_tests_compiled_modules_scores_0(backend):
     reader = _BYTECODE_READER.replace("NAME", "dotproduct").replace("PACKAGE", "more_itertools")
     reader = reader.replace("WHERE", repr(where))
     result = grade_solution(task, {path: stub[:start] + reader + stub[end:]}, backend=backend)
-    # pytest passed it (the cache is there for pytest): only the replay stands between the
-    # reader and the reward.
+    # pytest passed it (the cache is there for pytest): only the replay, which ran and replied,
+    # stands between the reader and the reward.
     assert set(result.outcomes.values()) == {"replay_mismatch"}, (result.outcomes, result.scores)
     assert result.reward == 0.0 and result.scores["replay_matched"] == 0
+    assert "replay_void" not in result.scores
+    assert grade_solution(task, task.oracle_files, backend=backend).reward == 1.0
 
 
 def test_a_test_module_a_recorded_input_names_is_kept_without_its_tests():
