@@ -49,6 +49,14 @@ class SeededScript:
         return plan[min(done, len(plan) - 1)]
 
 
+def _build(cfg: AgentConfig, max_len: int, distill: bool, rollout=RolloutConfig()):
+    """(workflow, environment factory) of the agent config on the byte tokenizer."""
+    sampling = agent.rollout_sampling(rollout)
+    return agent.build(
+        cfg, TOKENIZER, MODEL_CFG, max_len=max_len, sampling=sampling, distill=distill
+    )
+
+
 def _async_episodes(cfg, sampler, tasks, tmp_path) -> dict[str, list]:
     """{task id: its group's sequences} from the actor loop, one group of each task."""
     ledger = GroupLedger(tmp_path / "ledger")
@@ -67,13 +75,8 @@ def _async_episodes(cfg, sampler, tasks, tmp_path) -> dict[str, list]:
 
 def _played(cfg, engine, tasks) -> dict[str, list]:
     """The same episodes through agent.play: the keys are the actor loop's episode ids."""
-    workflow, env = agent.build(
-        cfg.agent,
-        TOKENIZER,
-        MODEL_CFG,
-        max_len=cfg.rollout.context_len,
-        sampling=agent.rollout_sampling(cfg.rollout),
-        distill=cfg.objective.distill_coef > 0,
+    workflow, env = _build(
+        cfg.agent, cfg.rollout.context_len, cfg.objective.distill_coef > 0, cfg.rollout
     )
     jobs = [
         (task, f"p{i}-s{j}-a0")
@@ -164,14 +167,7 @@ def test_a_long_output_at_the_summary_request_is_cut_to_leave_the_summary_its_bu
     """A traceback that takes the context near its end would leave the summary a few tokens: the
     fewest lines of the output after its opening are cut (marked), its end kept."""
     cfg = AgentConfig(max_turns=8, summary_budget=300, summary_max_tokens=100)
-    workflow, _ = agent.build(
-        cfg,
-        TOKENIZER,
-        MODEL_CFG,
-        max_len=768,
-        sampling=agent.rollout_sampling(RolloutConfig()),
-        distill=False,
-    )
+    workflow, _ = _build(cfg, max_len=768, distill=False)
     frames = [f'  File "/workspace/a.py", line {i}, in f\n    x = f(x)' for i in range(6)]
     traceback = "\n".join(["Traceback (most recent call last):", *frames])
     observation = envs.render_output(
@@ -219,14 +215,7 @@ def test_no_detector_compares_a_turn_with_one_from_before_a_summary_restart():
 
     def played(summary_budget: int):
         cfg = AgentConfig(max_turns=4, summary_budget=summary_budget, summary_max_tokens=48)
-        workflow, env = agent.build(
-            cfg,
-            TOKENIZER,
-            MODEL_CFG,
-            max_len=1024,
-            sampling=agent.rollout_sampling(RolloutConfig()),
-            distill=True,
-        )
+        workflow, env = _build(cfg, max_len=1024, distill=True)
         args = dict(moe_layers=MODEL_CFG.num_moe_layers, k=MODEL_CFG.num_experts_per_tok)
         engine = ScriptedEngine(script, TOKENIZER, num_slots=1, seeded=True, **args)
         (outcome,) = agent.play(engine, [(task, "p0-s0-a0")], workflow, env, env_threads=1)
