@@ -265,7 +265,7 @@ def _prompts(cfg) -> list[tuple[str, object]]:
     tasks = rl_prompt_tasks(cfg)
     if len(tasks) < num_prompts:
         log.warning(
-            "the RL task source has %d training tasks, fewer than the %d prompts of the epoch",
+            "the RL task source has %d training tasks, fewer than the %d distinct prompts asked",
             len(tasks),
             num_prompts,
         )

@@ -458,9 +458,9 @@ def test_binds() -> dict[str, str]:
 
 
 def read_only_binds(root: Path) -> dict[str, str]:
-    """What the grading command sees beyond the sandbox's system view, each at its host path."""
-    paths = [str(root), pycache_dir(), *library_path(), *runner_libraries()]
-    return {path: path for path in paths}
+    """What the grading command sees beyond the sandbox's system view, each at its host path:
+    the replay's binds and the bytecode cache."""
+    return {**replay_binds(root), pycache_dir(): pycache_dir()}
 
 
 def replay_binds(tree: Path) -> dict[str, str]:
