@@ -72,6 +72,55 @@ def test_the_default_limit_fits_the_tier_and_is_set_in_the_ini():
     assert "--durations=" in options["addopts"]
 
 
+CRASHING_TESTS = """
+import os
+import signal
+
+
+def _attempt(name):
+    # Each attempt leaves a line, so the test run can count them.
+    with open(os.path.join(os.path.dirname(__file__), name + ".attempts"), "a+") as f:
+        f.seek(0)
+        earlier = len(f.readlines())
+        f.write("attempt\\n")
+    return earlier
+
+
+def test_crashes_its_first_worker():
+    if _attempt("once") == 0:
+        os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def test_crashes_every_worker():
+    _attempt("always")
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def test_fails():
+    _attempt("fails")
+    assert False
+"""
+
+
+def test_a_test_whose_worker_crashes_runs_once_more_and_a_failure_does_not(tmp_path):
+    (tmp_path / "test_crash.py").write_text(CRASHING_TESTS)
+    command = [sys.executable, "-m", "pytest", "-c", INI, "--rootdir", str(tmp_path), "-n", "1"]
+    result = subprocess.run(
+        [*command, str(tmp_path / "test_crash.py")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = result.stdout + result.stderr
+    attempts = {
+        name: len((tmp_path / f"{name}.attempts").read_text().splitlines())
+        for name in ("once", "always", "fails")
+    }
+    assert attempts == {"once": 2, "always": 2, "fails": 1}, out[-3000:]
+    assert "2 failed, 1 passed" in out and "2 rerun" in out, out[-3000:]
+
+
 TIERED_TESTS = """
 import pytest
 
