@@ -18,7 +18,9 @@ guards what decides the verdict before any repository code is imported:
 - an audit hook refuses, to code that is not the stdlib's, pytest's or the pristine tests', frame
   and garbage-collector introspection, ctypes, new processes, signals to processes, tracing
   hooks, new code objects, re-opening file descriptors and writes outside /tmp; each refusal is
-  recorded;
+  recorded. Code counts as a trusted file's only when it is what that file compiles to: a code
+  object's file name can be forged without an audited event (`marshal.loads` of crafted bytes,
+  `_imp._fix_co_filename`);
 - the verdict is one JSON line on a descriptor duplicated before the tests ran, after which this
   process ends through a reference taken at start (`atexit` hooks and finalizers never run).
 The grader accepts the verdict only as the single message of a child that exited 0 and checks it
@@ -32,9 +34,11 @@ make to one function (the inputs replay grading calls it on, see `replay`); in `
 cache.
 """
 
+import _imp
 import importlib
 import json
 import os
+import pathlib
 import sys
 import types
 
@@ -72,6 +76,11 @@ _BLOCKED_EVENTS = (
 )
 _FRAME_ATTRIBUTES = {"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back", "f_locals"}
 _STDLIB = os.path.dirname(os.__file__) + "/"
+# Frozen modules whose code names a file other than the module (`<frozen importlib._bootstrap>`).
+_FROZEN_ALIASES = {
+    "importlib._bootstrap": "_frozen_importlib",
+    "importlib._bootstrap_external": "_frozen_importlib_external",
+}
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
@@ -99,6 +108,52 @@ def _type_flags(cls: type, ctypes):
     return flags if flags.value == cls.__flags__ else None
 
 
+def _code_tree(roots) -> list:
+    """Every code object in `roots` and nested in their constants."""
+    found, stack = [], list(roots)
+    while stack:
+        code = stack.pop()
+        found.append(code)
+        stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return found
+
+
+def _fingerprint(code: types.CodeType) -> tuple:
+    """What a code object does (bytecode, exception table, names, constants, signature) and
+    where it stands in its file; nested code objects count by their own fingerprints."""
+    consts = tuple(
+        ("code", c.co_qualname, c.co_firstlineno) if isinstance(c, types.CodeType) else (type(c), c)
+        for c in code.co_consts
+    )
+    return (
+        code.co_qualname,
+        code.co_firstlineno,
+        code.co_code,
+        code.co_exceptiontable,
+        code.co_flags,
+        code.co_names,
+        code.co_varnames,
+        code.co_freevars,
+        code.co_cellvars,
+        (code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount),
+        consts,
+    )
+
+
+def _runner_code() -> list:
+    """The code objects of this program's own functions and classes (it is run from source as
+    `<runner>`, so no file holds it): taken before any repository code runs."""
+    roots = []
+    for value in list(globals().values()):
+        members = vars(value).values() if isinstance(value, type) else (value,)
+        for member in members:
+            member = getattr(member, "__func__", member)  # static and class methods
+            code = getattr(member, "__code__", None)
+            if isinstance(code, types.CodeType) and code.co_filename == "<runner>":
+                roots.append(code)
+    return _code_tree(roots)
+
+
 class Guard:
     """The defences of `grade` mode (see the module docstring). Trusted code: this program, the
     stdlib, the bound libraries, and the pristine files of the grading tree (not the
@@ -107,6 +162,11 @@ class Guard:
     def __init__(self, root: str, libraries: list[str], candidate_files: list[str]):
         self.trusted_roots = (root.rstrip("/") + "/", *libraries)
         self.candidate_files = frozenset(candidate_files)
+        # file name -> fingerprints of what the file compiles to; id(code) -> (code, verdict),
+        # the code held so that no id is reused while its verdict stands
+        self._references = {"<runner>": frozenset(map(_fingerprint, _runner_code()))}
+        self._genuine_code: dict = {}
+        self._rewrite = None  # pytest's assertion rewriting, taken at install
         self.blocked: list[str] = []
         self.snapshot: dict = {}
         self._busy = False
@@ -117,7 +177,10 @@ class Guard:
         # import is an audited event), and pytest is importable only once main set sys.path.
         import ctypes
 
+        from _pytest.assertion.rewrite import _rewrite_test
         from _pytest.nodes import Item
+
+        self._rewrite = _rewrite_test
 
         self._import_machinery()
         modules = [m for n, m in list(sys.modules.items()) if _protected(n)]
@@ -202,15 +265,56 @@ class Guard:
         return found
 
     def _untrusted_caller(self) -> str | None:
-        """The file of the nearest caller outside the stdlib, when it is not trusted."""
+        """The file of the nearest caller outside the stdlib, when it is not trusted; a frame
+        whose code is not what its file compiles to is untrusted wherever it claims to be."""
         frame = sys._getframe(2)
         while frame is not None:
-            filename = frame.f_code.co_filename
+            code = frame.f_code
+            filename = code.co_filename
+            if not self._genuine(code):
+                return filename
             if filename.startswith(_STDLIB) or filename.startswith("<frozen "):
                 frame = frame.f_back
                 continue
             return None if self._trusted(filename) else filename
         return None
+
+    def _genuine(self, code: types.CodeType) -> bool:
+        """Whether `code` is code its file compiles to (the stdlib, frozen modules, the bound
+        libraries, the grading tree, this program); candidate files and others are not."""
+        _, verdict = self._genuine_code.get(id(code), (None, None))
+        if verdict is None:
+            filename = code.co_filename
+            if not (
+                filename.startswith(_STDLIB)
+                or filename.startswith("<frozen ")
+                or self._trusted(filename)
+            ):
+                verdict = False
+            else:
+                if filename not in self._references:
+                    self._references[filename] = self._compiled(filename)
+                verdict = _fingerprint(code) in self._references[filename]
+            self._genuine_code[id(code)] = (code, verdict)  # by identity: code == code
+        return verdict  # compares content, not the file name
+
+    def _compiled(self, filename: str) -> frozenset:
+        """The fingerprints of what `filename` compiles to: its frozen code, or its source
+        compiled plainly and (in the grading tree, where pytest rewrites tests and conftests)
+        with pytest's assertion rewriting."""
+        try:
+            if filename.startswith("<frozen "):
+                name = filename[len("<frozen ") : -1]
+                name = _FROZEN_ALIASES.get(name, name)
+                return frozenset(map(_fingerprint, _code_tree([_imp.get_frozen_object(name)])))
+            with open(filename, "rb") as f:
+                source = f.read()
+            roots = [compile(source, filename, "exec", dont_inherit=True)]
+            if filename.startswith(self.trusted_roots[0]):
+                roots.append(self._rewrite(pathlib.Path(filename), None)[1])
+            return frozenset(map(_fingerprint, _code_tree(roots)))
+        except Exception:  # unreadable, not Python, no such frozen module: nothing vouches
+            return frozenset()
 
     def _trusted(self, filename: str) -> bool:
         if filename in self.candidate_files:

@@ -570,3 +570,52 @@ def test_no_copy_of_the_original_can_be_read_inside_the_sandbox(backend):
     assert lines, result.output[-2000:]
     found = json.loads(lines[-1].split(" ", 1)[1])
     assert found == [f"{isolation.WORKSPACE_MOUNT}/notes/planted.py"], found
+
+
+# ------------------------------------------------- code that carries a trusted file's name
+# The guard lets the stdlib, the libraries and the pristine tests walk frames; the task's
+# function renamed to one of their files (no audited event renames code) and called by the test
+# must still be refused.
+_FRAME_WALK = """
+import sys
+def _walk(*args, **kwargs):
+    frame = sys._getframe(1)
+    while frame is not None:
+        frame = frame.f_back
+"""
+_RENAMED_BY_IMP = _FRAME_WALK + "import _imp\n_imp._fix_co_filename(_walk.__code__, TARGET)\n"
+_RENAMED_BY_MARSHAL = """
+import marshal
+_placeholder = "Q" * len(TARGET)
+_code = marshal.dumps(compile(_SOURCE, _placeholder, "exec"))
+exec(marshal.loads(_code.replace(_placeholder.encode(), TARGET.encode())), globals())
+""".replace("_SOURCE", repr(_FRAME_WALK))
+_IN_THE_TESTS = "import os\nTARGET = os.path.join(os.getcwd(), TEST_FILE)\n"
+_IN_THE_STDLIB = "import json\nTARGET = json.__file__\n"
+RENAMED_WALKS = {
+    "not renamed": _FRAME_WALK,
+    "a test file's name by _imp": _IN_THE_TESTS + _RENAMED_BY_IMP,
+    "a test file's name by marshal": _IN_THE_TESTS + _RENAMED_BY_MARSHAL,
+    "a stdlib module's name by _imp": _IN_THE_STDLIB + _RENAMED_BY_IMP,
+    "a stdlib module's name by marshal": _IN_THE_STDLIB + _RENAMED_BY_MARSHAL,
+}
+
+
+def renamed_walk(task, name):
+    """The task's module with its function replaced by the frame walk renamed as `name` says."""
+    test_file = task.grader["test_paths"][0]
+    function = task.task_id.rsplit(":", 1)[1]
+    code = RENAMED_WALKS[name].replace("TEST_FILE", repr(test_file))
+    return _module_attack(task, code + f"\n{function} = _walk\n")
+
+
+@pytest.mark.parametrize("backend", ISOLATING)
+def test_a_frame_walk_renamed_to_a_trusted_file_is_refused(backend):
+    task = attack_task("toolz")
+    result = grade_solution(task, task.oracle_files, backend=backend, require_isolation=True)
+    assert result.reward == 1.0 and result.scores["blocked"] == 0  # nothing honest is refused
+    for name in RENAMED_WALKS:
+        result = grade_solution(
+            task, renamed_walk(task, name), backend=backend, require_isolation=True
+        )
+        assert result.scores["blocked"] >= 1, (name, result.scores, result.outcomes)
