@@ -121,10 +121,7 @@ def _code_tree(roots) -> list:
 def _fingerprint(code: types.CodeType) -> tuple:
     """What a code object does (bytecode, exception table, names, constants, signature) and
     where it stands in its file; nested code objects count by their own fingerprints."""
-    consts = tuple(
-        ("code", c.co_qualname, c.co_firstlineno) if isinstance(c, types.CodeType) else (type(c), c)
-        for c in code.co_consts
-    )
+    consts = tuple(map(_constant_key, code.co_consts))
     return (
         code.co_qualname,
         code.co_firstlineno,
@@ -138,6 +135,20 @@ def _fingerprint(code: types.CodeType) -> tuple:
         (code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount),
         consts,
     )
+
+
+def _constant_key(value) -> tuple:
+    """A constant as its type and value all the way down (so `-0.0` is not `0.0`, `True` not
+    `1`, and NaN equals NaN); a nested code object by its name and line."""
+    if isinstance(value, types.CodeType):
+        return ("code", value.co_qualname, value.co_firstlineno)
+    if isinstance(value, tuple):
+        return (tuple, tuple(map(_constant_key, value)))
+    if isinstance(value, frozenset):
+        return (frozenset, frozenset(map(_constant_key, value)))
+    if isinstance(value, (float, complex)):
+        return (type(value), repr(value))
+    return (type(value), value)  # a constant that cannot be hashed raises TypeError
 
 
 def _runner_code() -> list:
@@ -162,8 +173,8 @@ class Guard:
     def __init__(self, root: str, libraries: list[str], candidate_files: list[str]):
         self.trusted_roots = (root.rstrip("/") + "/", *libraries)
         self.candidate_files = frozenset(candidate_files)
-        # file name -> fingerprints of what the file compiles to; id(code) -> (code, verdict),
-        # the code held so that no id is reused while its verdict stands
+        # file name -> fingerprints of what the file compiles to; id(code) -> (code, the file
+        # name it was judged under, verdict)
         self._references = {"<runner>": frozenset(map(_fingerprint, _runner_code()))}
         self._genuine_code: dict = {}
         self._rewrite = None  # pytest's assertion rewriting, taken at install
@@ -172,7 +183,7 @@ class Guard:
         self._busy = False
         self._frozen: list = []  # the tp_flags words set immutable, cleared by `release`
 
-    def install(self) -> None:
+    def install(self, config) -> None:
         # Imported here: ctypes is dropped from sys.modules once the hook exists (so a later
         # import is an audited event), and pytest is importable only once main set sys.path.
         import ctypes
@@ -180,7 +191,7 @@ class Guard:
         from _pytest.assertion.rewrite import _rewrite_test
         from _pytest.nodes import Item
 
-        self._rewrite = _rewrite_test
+        self._rewrite = lambda path: _rewrite_test(path, config)[1]  # as pytest rewrites
 
         self._import_machinery()
         modules = [m for n, m in list(sys.modules.items()) if _protected(n)]
@@ -277,28 +288,38 @@ class Guard:
                 frame = frame.f_back
                 continue
             return None if self._trusted(filename) else filename
-        return None
+        # Only the stdlib on the stack: a thread the candidate started on a builtin callable.
+        # (The main thread's stack starts in the harness's `-c` program, outside the stdlib.)
+        return "<no caller outside the stdlib>"
 
     def _genuine(self, code: types.CodeType) -> bool:
         """Whether `code` is code its file compiles to (the stdlib, frozen modules, the bound
         libraries, the grading tree, this program); candidate files and others are not."""
-        _, verdict = self._genuine_code.get(id(code), (None, None))
-        if verdict is None:
-            filename = code.co_filename
-            if not (
-                filename.startswith(_STDLIB)
-                or filename.startswith("<frozen ")
-                or self._trusted(filename)
-            ):
-                verdict = False
-            else:
-                if filename not in self._references:
-                    self._references[filename] = self._compiled(filename)
-                verdict = _fingerprint(code) in self._references[filename]
-            self._genuine_code[id(code)] = (code, verdict)  # by identity: code == code
-        return verdict  # compares content, not the file name
+        filename = code.co_filename
+        _, named, verdict = self._genuine_code.get(id(code), (None, None, None))
+        if verdict is not None and named == filename:  # code can be renamed in place
+            return verdict
+        if not (
+            filename.startswith(_STDLIB)
+            or filename.startswith("<frozen ")
+            or self._trusted(filename)
+        ):
+            return False
+        if filename not in self._references:
+            compiled = self._compiled(filename)
+            if compiled is None:
+                return False  # not kept: a later, shallower call may compile it
+            self._references[filename] = compiled
+        try:
+            verdict = _fingerprint(code) in self._references[filename]
+        except TypeError:  # a constant no compiler makes (a list, from marshal)
+            verdict = False
+        # Keyed by identity (code == code compares content, not the file name), the code held
+        # so that no id is reused while its verdict stands.
+        self._genuine_code[id(code)] = (code, filename, verdict)
+        return verdict
 
-    def _compiled(self, filename: str) -> frozenset:
+    def _compiled(self, filename: str) -> frozenset | None:
         """The fingerprints of what `filename` compiles to: its frozen code, or its source
         compiled plainly and (in the grading tree, where pytest rewrites tests and conftests)
         with pytest's assertion rewriting."""
@@ -311,8 +332,10 @@ class Guard:
                 source = f.read()
             roots = [compile(source, filename, "exec", dont_inherit=True)]
             if filename.startswith(self.trusted_roots[0]):
-                roots.append(self._rewrite(pathlib.Path(filename), None)[1])
+                roots.append(self._rewrite(pathlib.Path(filename)))
             return frozenset(map(_fingerprint, _code_tree(roots)))
+        except RecursionError:  # met deep in a stack: not this file's fault
+            return None
         except Exception:  # unreadable, not Python, no such frozen module: nothing vouches
             return frozenset()
 
@@ -368,7 +391,7 @@ class Recorder:
 
     def pytest_load_initial_conftests(self, early_config, parser, args):
         if self.guard is not None:  # before the first conftest imports repository code
-            self.guard.install()
+            self.guard.install(early_config)
 
     def pytest_unconfigure(self, config):
         if self.guard is not None:

@@ -592,12 +592,38 @@ exec(marshal.loads(_code.replace(_placeholder.encode(), TARGET.encode())), globa
 """.replace("_SOURCE", repr(_FRAME_WALK))
 _IN_THE_TESTS = "import os\nTARGET = os.path.join(os.getcwd(), TEST_FILE)\n"
 _IN_THE_STDLIB = "import json\nTARGET = json.__file__\n"
+# The stdlib's own frame walk, judged once under its name (and refused: the candidate calls it),
+# then renamed to a test file and called again.
+_STDLIB_WALK_RENAMED_AFTER_USE = """
+import _imp, traceback
+def _walk(*args, **kwargs):
+    try:
+        traceback.StackSummary.extract(traceback.walk_stack(None))
+    except PermissionError:
+        pass
+    for function in (traceback.walk_stack, traceback.StackSummary._extract_from_extended_frame_gen):
+        _imp._fix_co_filename(function.__code__, TARGET)
+    traceback.StackSummary.extract(traceback.walk_stack(None), capture_locals=True)
+"""
+# A thread whose stack holds the stdlib alone: builtins hand it the frames of every thread.
+_FRAMES_FROM_A_BARE_THREAD = """
+import operator, sys, threading
+def _walk(*args, **kwargs):
+    frames = []
+    grab = map(operator.call, [sys._current_frames])
+    thread = threading.Thread(target=frames.extend, args=(grab,))
+    thread.start()
+    thread.join()
+"""
+# name -> (the task module's addition, the refusals it must meet)
 RENAMED_WALKS = {
-    "not renamed": _FRAME_WALK,
-    "a test file's name by _imp": _IN_THE_TESTS + _RENAMED_BY_IMP,
-    "a test file's name by marshal": _IN_THE_TESTS + _RENAMED_BY_MARSHAL,
-    "a stdlib module's name by _imp": _IN_THE_STDLIB + _RENAMED_BY_IMP,
-    "a stdlib module's name by marshal": _IN_THE_STDLIB + _RENAMED_BY_MARSHAL,
+    "not renamed": (_FRAME_WALK, 1),
+    "a test file's name by _imp": (_IN_THE_TESTS + _RENAMED_BY_IMP, 1),
+    "a test file's name by marshal": (_IN_THE_TESTS + _RENAMED_BY_MARSHAL, 1),
+    "a stdlib module's name by _imp": (_IN_THE_STDLIB + _RENAMED_BY_IMP, 1),
+    "a stdlib module's name by marshal": (_IN_THE_STDLIB + _RENAMED_BY_MARSHAL, 1),
+    "the stdlib's walk renamed after use": (_IN_THE_TESTS + _STDLIB_WALK_RENAMED_AFTER_USE, 2),
+    "a thread of builtins": (_FRAMES_FROM_A_BARE_THREAD, 1),
 }
 
 
@@ -605,7 +631,7 @@ def renamed_walk(task, name):
     """The task's module with its function replaced by the frame walk renamed as `name` says."""
     test_file = task.grader["test_paths"][0]
     function = task.task_id.rsplit(":", 1)[1]
-    code = RENAMED_WALKS[name].replace("TEST_FILE", repr(test_file))
+    code = RENAMED_WALKS[name][0].replace("TEST_FILE", repr(test_file))
     return _module_attack(task, code + f"\n{function} = _walk\n")
 
 
@@ -614,8 +640,8 @@ def test_a_frame_walk_renamed_to_a_trusted_file_is_refused(backend):
     task = attack_task("toolz")
     result = grade_solution(task, task.oracle_files, backend=backend, require_isolation=True)
     assert result.reward == 1.0 and result.scores["blocked"] == 0  # nothing honest is refused
-    for name in RENAMED_WALKS:
+    for name, (_, refusals) in RENAMED_WALKS.items():
         result = grade_solution(
             task, renamed_walk(task, name), backend=backend, require_isolation=True
         )
-        assert result.scores["blocked"] >= 1, (name, result.scores, result.outcomes)
+        assert result.scores["blocked"] >= refusals, (name, result.scores, result.outcomes)
