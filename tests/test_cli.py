@@ -78,22 +78,6 @@ def test_bad_command_lines_are_one_line_errors(tmp_path, args, needles):
     assert "\\" not in line  # printed as text, not as a repr
 
 
-@pytest.mark.parametrize("module", ["pretrain", "rl"])
-@pytest.mark.parametrize("progress", ["--progress", "--noprogress"])
-def test_an_unsupported_bucket_is_one_line_with_and_without_progress(tmp_path, module, progress):
-    result = launch(module, "--config.workdir=s3://bucket/run", progress, cwd=tmp_path)
-    one_line_error(result, "workdir", "s3://")
-
-
-def test_a_workdir_that_is_a_file_is_named(tmp_path):
-    (tmp_path / "run").write_text("x")
-    one_line_error(
-        launch("pretrain", f"--config.workdir={tmp_path / 'run'}", cwd=tmp_path),
-        "workdir",
-        "not a folder",
-    )
-
-
 def test_a_missing_warm_start_leaves_no_workdir(tmp_path):
     workdir = tmp_path / "rl_run"
     result = launch(
@@ -285,8 +269,11 @@ BAD_INPUTS = {
     "unknown field": (["--config.model.bogus=1"], "no such field"),
     "typo": (["--config.stepz=1"], "did you mean"),
     "wrong type": (["--config.steps=abc"], "--config.steps"),
-    "unsupported bucket": (["--config.workdir=s3://bucket/run"], "s3://"),
-    "workdir is a file": (["--config.workdir={file}"], "not a folder"),
+    "unsupported bucket": (["--config.workdir=s3://bucket/run"], "workdir: 's3://"),
+    "workdir is a file": (
+        ["--config.workdir={file}"],
+        "workdir: {file} exists and is not a folder",
+    ),
 }
 RUN_INPUTS = {  # the entry points that read a run
     "unsupported bucket": (["--config.workdir=s3://bucket/run"], "s3://"),

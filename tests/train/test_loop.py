@@ -24,7 +24,7 @@ from composer_jax.train import (
     run_pretraining,
 )
 from composer_jax.train.workdir import write_config
-from tests.train.helpers import make_corpus, tiny_experiment
+from tests.train.helpers import ONE_PHASE, make_corpus, tiny_experiment
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -148,7 +148,7 @@ def test_init_from_pretrained_checkpoint(tmp_path, corpus):
 def test_mismatched_checkpoint_is_reported(tmp_path, corpus):
     """A checkpoint that does not fit the config is named even when the stored config was edited
     to match the new one by hand (the config diff cannot see it)."""
-    cfg = tiny_experiment(str(tmp_path / "run"), corpus, steps=3)
+    cfg = tiny_experiment(str(tmp_path / "run"), corpus, steps=3, phases=ONE_PHASE)
     run_pretraining(cfg, progress=False)
     wider = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, kv_lora_rank=8))
     write_config(cfg.workdir, wider)

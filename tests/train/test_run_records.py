@@ -14,7 +14,7 @@ import pytest
 from composer_jax.config import ConfigError
 from composer_jax.train import run_pretraining
 from composer_jax.train.workdir import LAUNCHES, check_resume, config_diff
-from tests.train.helpers import make_corpus, tiny_experiment
+from tests.train.helpers import ONE_PHASE, make_corpus, tiny_experiment
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -101,7 +101,7 @@ def test_more_steps_alone_are_refused_unless_asked_for(finished, tmp_path):
 
 def test_must_extends_the_run_and_never_refuses_it(tmp_path, corpus):
     workdir = str(tmp_path / "run")
-    cfg = tiny_experiment(workdir, corpus, steps=2)
+    cfg = tiny_experiment(workdir, corpus, steps=2, phases=ONE_PHASE)
     with pytest.raises(ConfigError, match="holds no run"):
         run_pretraining(dataclasses.replace(cfg, resume="must"), progress=False)
     assert not os.path.exists(workdir)  # a refused start leaves no empty run behind

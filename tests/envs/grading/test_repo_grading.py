@@ -4,6 +4,7 @@ scores 0 from the grading alone (and those a monitor can see are flagged), on ea
 backend usable here, on tasks of two packages (pytest-style and unittest-style tests)."""
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -55,10 +56,12 @@ RUNNER_ATTACKS = {
 }
 
 
+@functools.cache  # a set takes about a second to read; no test changes a task in place
 def shipped_tasks(name):
-    return read_task_set(shipped_sets()[name])
+    return tuple(read_task_set(shipped_sets()[name]))
 
 
+@functools.cache
 def attack_task(package):
     return next(t for t in shipped_tasks(package) if t.task_id == ATTACK_TASKS[package])
 
