@@ -134,7 +134,8 @@ def deepseek_v3_model() -> ModelConfig:
 
 def kimi_k2_model() -> ModelConfig:
     """The Kimi-K2 shape (1.04T total / 32B active): DeepSeek-V3's architecture with 384 experts,
-    64 heads and one dense layer; used for accounting, never allocated."""
+    64 heads, one dense layer and K2's own YaRN (factor 32, both betas 1: one ramp edge); what
+    loading the released config.json gives, used for accounting and plans, never allocated."""
     v3 = deepseek_v3_model()
     return dataclasses.replace(
         v3,
@@ -142,7 +143,9 @@ def kimi_k2_model() -> ModelConfig:
         first_k_dense=1,
         num_heads=64,
         rope_theta=50000.0,
-        rope_scaling=dataclasses.replace(v3.rope_scaling, factor=32.0),
+        rope_scaling=dataclasses.replace(
+            v3.rope_scaling, factor=32.0, beta_fast=1.0, beta_slow=1.0
+        ),
         max_position_embeddings=131072,
         num_experts=384,
         n_group=1,

@@ -234,10 +234,10 @@ def _check_numerics(m: ModelConfig, where: str) -> None:
     )
     if m.rope_scaling is not None:
         _check(m.rope_scaling.factor >= 1.0, f"{where}.rope_scaling.factor", "must be >= 1")
-        _check(
-            m.rope_scaling.beta_fast > m.rope_scaling.beta_slow,
+        _check(  # equal betas are valid: Kimi-K2 ships beta_fast = beta_slow = 1
+            m.rope_scaling.beta_fast >= m.rope_scaling.beta_slow,
             f"{where}.rope_scaling.beta_fast",
-            "must exceed beta_slow",
+            "must be at least beta_slow",
         )
 
 

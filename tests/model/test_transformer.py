@@ -15,7 +15,7 @@ from flax import nnx
 
 from composer_jax import presets
 from composer_jax.interop.hf import config_from_hf
-from composer_jax.model import accounting
+from composer_jax.model import accounting, rope
 from composer_jax.model.transformer import MTPLayer, Transformer, compute_logits
 from tests.model import reference as ref
 
@@ -381,3 +381,44 @@ def test_deepseek_v3_preset_is_the_released_shape_and_counts_671b():
         want["active"],
         want["routed"],
     )
+
+
+# The released Kimi-K2 config.json's architecture fields (moonshotai/Kimi-K2-Instruct).
+KIMI_K2_CONFIG_JSON = {
+    **{k: v for k, v in DEEPSEEK_V3_CONFIG_JSON.items() if k != "quantization_config"},
+    "model_type": "kimi_k2",
+    "vocab_size": 163840,
+    "num_hidden_layers": 61,
+    "num_nextn_predict_layers": 0,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "n_routed_experts": 384,
+    "routed_scaling_factor": 2.827,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "max_position_embeddings": 131072,
+    "rope_theta": 50000.0,
+    "rope_scaling": {
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+}
+
+
+def test_kimi_k2_preset_is_the_released_config_and_its_yarn_the_reference():
+    """Loading K2's config.json gives the preset, equal betas (one ramp edge) included, and
+    its RoPE frequencies are the float64 reference's."""
+    cfg = presets.kimi_k2_model()
+    released = config_from_hf(KIMI_K2_CONFIG_JSON)
+    assert dataclasses.replace(cfg, attention_block_size=None) == released
+    got = rope.inverse_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+    want = ref.inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    plain = ref.inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta)
+    assert np.isclose(want[0], plain[0]) and np.isclose(want[-1], plain[-1] / 32.0)
