@@ -2,10 +2,12 @@
 
 Per token of sample i: -(w_it * A_i * log pi(y_it)), summed over the batch and divided by a
 constant (never by a sequence's length, so a token weighs the same in a short or a long sample).
-KL "in_reward" subtracts kl_coef * sum_t k1_t (stop-gradient) from the sample's reward before the
-group baseline: its gradient is then the score-function gradient of KL(pi || pi_ref). Used as a
-differentiable loss instead, k1 has zero expected gradient (E_pi[grad log pi] = 0); that placement
-exists for ablations (with k2 it does give grad KL(pi || ref), with k3 grad KL(ref || pi)).
+KL "in_reward" subtracts kl_coef * sum_t k_t (stop-gradient, k the chosen estimator) from the
+sample's reward before the group baseline: with k1 (the default) its gradient is the
+score-function gradient of KL(pi || pi_ref); k2 or k3 there is a biased penalty, kept as the
+ablation other systems run. Used as a differentiable loss instead, k1 has zero expected gradient
+(E_pi[grad log pi] = 0); that placement exists for ablations (with k2 it does give
+grad KL(pi || ref), with k3 grad KL(ref || pi)).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from composer_jax.rl.length_penalty import (
 )
 
 Metrics = dict[str, jax.Array]
+# The largest |log pi - log pi_sampler| a token's importance ratio is computed from (e^20 ~ 5e8).
+MAX_LOG_RATIO = 20.0
 
 
 def token_logprobs(logits_BTV: jax.Array, tokens_BT: jax.Array) -> jax.Array:
@@ -60,6 +64,10 @@ def policy_gradient_token_loss(
 ) -> tuple[jax.Array, Metrics]:
     """Per-token surrogate whose gradient is -w * A * grad log pi, for the chosen weighting."""
     log_ratio = jnp.where(mask_BT, logp_BT - sampler_logp_BT, 0.0)
+    # Bounded so exp stays finite in float32 (it overflows past 88.7, and PPO's clipped branch
+    # then multiplies a zero cotangent by inf: a NaN gradient). A token this far off-policy is
+    # past every cap and clip; its gradient through the bound is 0.
+    log_ratio = jnp.clip(log_ratio, -MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = jnp.exp(log_ratio)
     ratio_sg = jax.lax.stop_gradient(ratio)
     if cfg.importance_weighting == "none":
@@ -128,10 +136,14 @@ def policy_objective(
     if ref_logprobs_BT is None and ref_logits_BTV is not None:
         ref_logprobs_BT = token_logprobs(ref_logits_BTV, batch.tokens_BT)
     if ref_logprobs_BT is not None:
-        k1 = jax.lax.stop_gradient(kl_estimate(logp, ref_logprobs_BT, "k1"))
-        k3 = jax.lax.stop_gradient(kl_estimate(logp, ref_logprobs_BT, "k3"))
-        metrics["kl_k1"] = jnp.sum(k1 * maskf) / tokens
-        metrics["kl_k3"] = jnp.sum(k3 * maskf) / tokens
+        # Untrained positions (prompt, tool output, padding) take the reference's log-prob, so
+        # their KL is exactly 0 with a finite gradient: k3 overflows where the log-ratio is
+        # below -88, and inf * 0 is NaN, in the value or in the backward pass.
+        logp_kl = jnp.where(mask, logp, ref_logprobs_BT)
+        k1 = jax.lax.stop_gradient(kl_estimate(logp_kl, ref_logprobs_BT, "k1"))
+        k3 = jax.lax.stop_gradient(kl_estimate(logp_kl, ref_logprobs_BT, "k3"))
+        metrics["kl_k1"] = jnp.sum(k1) / tokens
+        metrics["kl_k3"] = jnp.sum(k3) / tokens
     if cfg.kl_coef > 0:
         if cfg.kl_estimator == "exact":
             if ref_logits_BTV is None:
@@ -140,8 +152,8 @@ def policy_objective(
         else:
             if ref_logprobs_BT is None:
                 raise ValueError("kl_coef > 0 needs the reference log-probs")
-            kl_BT = kl_estimate(logp, ref_logprobs_BT, cfg.kl_estimator)
-        kl_sum = kl_BT * maskf
+            kl_BT = kl_estimate(logp_kl, ref_logprobs_BT, cfg.kl_estimator)
+        kl_sum = jnp.where(mask, kl_BT, 0.0)
         if cfg.kl_placement == "in_reward":
             kl_N = per_sample_sum(jax.lax.stop_gradient(kl_sum), batch.sample_index_BT, N)
             rewards_N = rewards_N - cfg.kl_coef * kl_N

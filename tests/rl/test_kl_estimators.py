@@ -123,3 +123,30 @@ def test_estimators_match_float64_formulas():
     for name, expected in want.items():
         got = kl_estimate(jnp.asarray(logp, jnp.float32), jnp.asarray(ref_logp, jnp.float32), name)
         np.testing.assert_allclose(got, expected, rtol=2e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_an_untrained_position_far_from_the_reference_adds_no_kl_and_no_nan(estimator):
+    """Position 0 of each sample is untrained (as a prompt or tool-output token is): a log-ratio
+    of -100 to the reference there (k3 = e^100 overflows) leaves the loss, its gradient and the
+    logged KLs exactly what they are with the reference agreeing there. Run eagerly: compiled,
+    XLA happens to rewrite a product with the mask into a select, which hid the NaN."""
+    theta, ref = _problem(6)
+    cfg = toy.config(kl_coef=1.0, kl_estimator=estimator, kl_placement="in_loss")
+    samples = jax.random.categorical(jax.random.key(7), jnp.asarray(theta), shape=(8,))
+    batch = toy.one_step_batch(samples, jax.nn.log_softmax(theta), jnp.zeros(V), group_size=4)
+    ref_logp = jax.nn.log_softmax(jnp.asarray(ref))[samples]
+
+    def loss(t, untrained_ref):
+        ref_BT = jnp.stack([jnp.full((8,), untrained_ref), ref_logp], axis=1)
+        logits = jnp.broadcast_to(t, (8, 2, V))
+        return toy.policy_objective(logits, batch, cfg, ref_logprobs_BT=ref_BT)
+
+    step = jax.value_and_grad(loss, has_aux=True)
+    (far, far_metrics), far_grad = step(jnp.asarray(theta), 100.0)
+    (near, near_metrics), near_grad = step(jnp.asarray(theta), 0.0)
+    assert np.isfinite(far) and np.all(np.isfinite(far_grad))
+    assert far == near
+    np.testing.assert_array_equal(far_grad, near_grad)
+    for name in ("kl_k1", "kl_k3", "kl_loss"):
+        assert far_metrics[name] == near_metrics[name], name

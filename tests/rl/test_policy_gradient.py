@@ -158,3 +158,22 @@ def test_group_advantages_match_float64(mode):
     want = _reference_advantages(rewards, groups, mode, 1e-6)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     assert np.abs(want).max() > 0.5
+
+
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+@pytest.mark.parametrize("weighting", ["none", "truncated", "ppo_clip"])
+def test_a_token_far_off_policy_keeps_the_loss_and_gradient_finite(weighting, advantage):
+    """A token the sampler gave log-prob -95 and the learner -2 (a stale sample or a sampler
+    fault): exp of its log-ratio overflows float32, which made PPO's gradient NaN. Bounded, the
+    loss and gradient are finite and the on-policy token's gradient is untouched."""
+    cfg = toy.config(importance_weighting=weighting, importance_cap=1.5)
+    sampler = jnp.array([[0.0, -95.0, -1.0]])
+    mask = jnp.array([[False, True, True]])
+    adv = jnp.full((1, 3), advantage)
+
+    def total(lp):
+        return policy_gradient_token_loss(lp, sampler, adv, mask, cfg)[0].sum()
+
+    loss, grad = jax.jit(jax.value_and_grad(total))(jnp.array([[0.0, -2.0, -1.0]]))
+    assert np.isfinite(loss) and np.all(np.isfinite(grad)), (loss, grad)
+    assert grad[0, 2] == pytest.approx(-advantage)  # ratio 1: -A whatever the weighting
