@@ -19,10 +19,20 @@ from composer_jax.rl.batch import Sequence, TrajectoryBatch, first_fit, pack_tra
 from composer_jax.rl.length_penalty import sample_rewards
 
 
-def host_advantages(rewards: np.ndarray) -> np.ndarray:
-    """Task reward minus the group mean (the trainer recomputes them with KL and length terms)."""
+def host_advantages(rewards: np.ndarray, trained: np.ndarray) -> np.ndarray:
+    """Task reward minus the mean of the group's trained samples, 0 for an abandoned one (the
+    trainer recomputes them with KL and length terms)."""
     rewards = np.asarray(rewards, np.float32)
-    return rewards - rewards.mean()
+    if not trained.any():
+        return np.zeros_like(rewards)
+    return np.where(trained, rewards - rewards[trained].mean(), 0.0).astype(np.float32)
+
+
+def trained_samples(group: Group) -> np.ndarray:
+    """Which samples of the group count in its advantages: all but the abandoned ones (an
+    environment that failed for good, a prompt with no room to answer; `EpisodeOutcome`)."""
+    abandoned = group.metadata.get("abandoned") or [False] * len(group.rewards)
+    return ~np.asarray(abandoned, bool)
 
 
 def make_group(group_id: str, prompt_id: str, samples: list[EpisodeOutcome]) -> Group:
@@ -71,6 +81,7 @@ def make_group(group_id: str, prompt_id: str, samples: list[EpisodeOutcome]) -> 
     metadata = {
         "summaries": [s.summaries for s in samples],
         "truncated": [bool(s.truncated) for s in samples],
+        "abandoned": [bool(s.abandoned) for s in samples],
         "feedback": [s.feedback for s in samples],
         "policy_tokens": [s.policy_tokens for s in samples],
         "thinking_tokens": [s.thinking_tokens for s in samples],
@@ -79,7 +90,7 @@ def make_group(group_id: str, prompt_id: str, samples: list[EpisodeOutcome]) -> 
         group_id=group_id,
         prompt_id=prompt_id,
         policy_versions=cat("policy_versions", np.int32)[cat("policy_mask", bool)],
-        advantages=host_advantages(rewards),
+        advantages=host_advantages(rewards, ~np.array([s.abandoned for s in samples], bool)),
         rewards=rewards,
         arrays=dict(arrays, policy_versions_all=cat("policy_versions", np.int32)),
         metadata=metadata,
@@ -142,7 +153,8 @@ def groups_to_batch(
     `weights`: per group advantage scale (stale groups), None for all ones (always attached, so
     the batch's structure never changes). `reward_weights`: weight of each behaviour reward
     component (`agent.reward_weights`); the batch's rewards are "task" plus the weighted
-    components with a nonzero weight."""
+    components with a nonzero weight. An abandoned sample gets group id -1: no advantage, and
+    no place in its group's baseline."""
     reward_weights = {k: w for k, w in (reward_weights or {}).items() if w}
     sequences, group_id, rewards, tool_calls, turns, sample_weight = [], [], [], [], [], []
     behaviour = {name: [] for name in reward_weights}
@@ -150,7 +162,7 @@ def groups_to_batch(
         first = len(group_id)
         sequences += group_sequences(group, first)
         G = len(group.rewards)
-        group_id += [g_index] * G
+        group_id += np.where(trained_samples(group), g_index, -1).tolist()
         rewards.append(group.rewards)
         tool_calls.append(group.arrays["num_tool_calls"])
         turns.append(group.arrays["num_turns"])

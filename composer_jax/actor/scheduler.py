@@ -25,7 +25,7 @@ import numpy as np
 
 from composer_jax.actor.ids import GroupId
 from composer_jax.actor.ledger import DamagedGroup, Group, GroupLedger
-from composer_jax.actor.samples import total_rewards
+from composer_jax.actor.samples import total_rewards, trained_samples
 from composer_jax.config import RLConfig
 from composer_jax.envs import Task
 
@@ -148,10 +148,20 @@ class Scheduler:
 
 def uniform_rewards(group: Group, rl: RLConfig) -> np.ndarray:
     """The rewards dynamic sampling compares within a group (rl.rollout.uniform_by): the task reward, or
-    the total before KL (task, weighted behaviour rewards, length penalty)."""
+    the total before KL (task, weighted behaviour rewards, length penalty), of its trained
+    (not abandoned) samples."""
     if rl.rollout.uniform_by == "task":
-        return np.asarray(group.rewards)
-    return total_rewards(group, rl)
+        rewards = np.asarray(group.rewards)
+    else:
+        rewards = total_rewards(group, rl)
+    return rewards[trained_samples(group)]
+
+
+def is_uniform(group: Group, rl: RLConfig) -> bool:
+    """Whether the group teaches nothing: its trained samples' rewards are all equal (or none
+    is left)."""
+    rewards = uniform_rewards(group, rl)
+    return rewards.size == 0 or bool(np.ptp(rewards) == 0)
 
 
 def next_groups(coordinator, ledger: GroupLedger, rl: RLConfig, version: int, interrupted=None):
@@ -190,9 +200,7 @@ def next_groups(coordinator, ledger: GroupLedger, rl: RLConfig, version: int, in
             coordinator.redispatch(damaged)
             continue
         uniform = [
-            g.group_id
-            for g in groups
-            if rl.rollout.skip_uniform_groups and np.ptp(uniform_rewards(g, rl)) == 0
+            g.group_id for g in groups if rl.rollout.skip_uniform_groups and is_uniform(g, rl)
         ]
         if not uniform:
             break

@@ -115,10 +115,12 @@ class _Sample:
 
 
 class _Group:
-    """What `next_groups` reads of a ledger group (group_id, min_version), plus the tallies."""
+    """What `next_groups` reads of a ledger group (group_id, min_version, rewards, metadata:
+    none abandoned), plus the tallies."""
 
     __slots__ = (
         "group_id",
+        "metadata",
         "unscored",
         "min_version",
         "tokens",
@@ -129,7 +131,7 @@ class _Group:
     )
 
     def __init__(self, group_id: str, size: int, uniform: bool):
-        self.group_id, self.unscored = group_id, size
+        self.group_id, self.unscored, self.metadata = group_id, size, {}
         self.rewards = np.zeros(size) if uniform else np.arange(size, dtype=float)
         self.prefix: tuple[_Sampler, int] | None = None  # where its prompt was last prefilled
         self.min_version = 1 << 62

@@ -151,7 +151,8 @@ def group_jobs(tasks: list[Task], group_size: int) -> list[tuple[Task, str]]:
 
 
 def episode_stats(outcomes: list[EpisodeOutcome]) -> dict[str, np.ndarray]:
-    """Per-sample reward, tool calls, turns, summaries, feedback turns and truncation."""
+    """Per-sample reward, tool calls, turns, summaries, feedback turns, truncation and
+    abandonment."""
     return {
         "reward": np.array([o.reward for o in outcomes], np.float32),
         "num_tool_calls": np.array([o.num_tool_calls for o in outcomes], np.float32),
@@ -159,6 +160,7 @@ def episode_stats(outcomes: list[EpisodeOutcome]) -> dict[str, np.ndarray]:
         "summaries": np.array([o.summaries for o in outcomes], np.float32),
         "feedback_turns": np.array([sum(o.feedback.values()) for o in outcomes], np.float32),
         "truncated": np.array([o.truncated for o in outcomes], bool),
+        "abandoned": np.array([o.abandoned for o in outcomes], bool),
     }
 
 
@@ -182,7 +184,10 @@ def collect_batch(
     stats = episode_stats(outcomes)
     batch = pack_trajectories(
         sequences,
-        group_id=np.repeat(np.arange(len(tasks), dtype=np.int32), group_size),
+        # An abandoned sample (`EpisodeOutcome.abandoned`) stays out of its group's advantages.
+        group_id=np.where(
+            stats["abandoned"], -1, np.repeat(np.arange(len(tasks), dtype=np.int32), group_size)
+        ),
         rewards={"task": stats["reward"]},
         seq_len=seq_len or engine.max_len,
         num_rows=num_rows,

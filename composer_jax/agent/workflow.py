@@ -122,6 +122,9 @@ class EpisodeOutcome:
     sequences: list[Sequence]  # one per generation (several when it summarised)
     reward: float  # the task reward (0 when truncated or flagged)
     truncated: bool = False
+    # Ended by no act of the policy (its environment failed for good, or its prompt left no room
+    # to answer): scored 0, and left out of its group's advantages, so nothing trains on it.
+    abandoned: bool = False
     summaries: int = 0
     num_tool_calls: int = 0
     num_turns: int = 0
@@ -170,6 +173,7 @@ class AgentEpisode(Generation):
     summarising: bool = False
     summaries: int = 0
     truncated: bool = False
+    abandoned: bool = False
     reward: float = 0.0
     counts: dict = dataclasses.field(default_factory=dict)
     flags: tuple = ()
@@ -414,9 +418,10 @@ class AgentWorkflow:
         return self._finish(episode, {})
 
     def _give_up(self, episode: AgentEpisode) -> None:
-        """Scores the episode 0 as truncated, keeping what it generated; a generation that
-        holds no turn keeps at most its first tokens (nothing of it is trained)."""
-        episode.truncated, episode.reward = True, 0.0
+        """Scores the episode 0 as truncated and abandoned (no sample of the group is measured
+        against it), keeping what it generated; a generation that holds no turn keeps at most
+        its first tokens."""
+        episode.truncated, episode.abandoned, episode.reward = True, True, 0.0
         episode.summarising = False
         if not any(episode.policy):
             keep = 2 if len(episode.tokens) >= 2 else len(episode.tokens)
@@ -446,6 +451,7 @@ class AgentWorkflow:
             sequences=list(episode.sequences),
             reward=float(episode.reward),
             truncated=episode.truncated,
+            abandoned=episode.abandoned,
             summaries=episode.summaries,
             num_tool_calls=int(episode.counts.get("tool_calls", 0)),
             num_turns=int(episode.counts.get("turns", 0)),

@@ -11,9 +11,11 @@ from composer_jax.actor.samples import (
     make_group,
     total_rewards,
 )
+from composer_jax.actor.scheduler import is_uniform
 from composer_jax.agent import EpisodeOutcome, reward_weights
 from composer_jax.config import RLConfig, RLObjectiveConfig
 from composer_jax.parallel.packing import row_attention_lengths
+from composer_jax.rl.advantages import group_advantages
 from composer_jax.rl.batch import SegmentKind, Sequence
 from composer_jax.rl.length_penalty import sample_rewards
 
@@ -140,3 +142,30 @@ def test_total_rewards_do_not_depend_on_the_padding_it_picks():
     got = total_rewards(group, cfg)
     np.testing.assert_allclose(got, np.asarray(expected)[:4], rtol=1e-6)
     assert np.ptp(got) > 0
+
+
+def test_an_abandoned_sample_stays_out_of_its_groups_advantages(tmp_path):
+    """A sample whose environment failed for good scores 0, but it is nothing the policy did:
+    read back from the ledger and packed, it has no advantage and no place in the baseline, so
+    three solved samples beside it get 0 (not +0.25 each, and -0.75 for it), and dynamic
+    sampling sees a group of equal rewards. The same rewards without the abandonment teach."""
+    rng = np.random.default_rng(2)
+
+    def group(gid, abandoned):
+        samples = [EpisodeOutcome([_sequence(rng, i, 40)], reward=1.0) for i in range(3)]
+        last = EpisodeOutcome([_sequence(rng, 3, 40)], 0.0, truncated=True, abandoned=abandoned)
+        ledger = GroupLedger(tmp_path)
+        ledger.add(make_group(gid, f"task-{gid}", [*samples, last]))
+        return ledger.load(gid)
+
+    rl = RLConfig()
+    failed, played = group("failed", True), group("played", False)
+    batch = groups_to_batch([failed, played], seq_len=64)
+    np.testing.assert_array_equal(batch.group_id_N, [0, 0, 0, -1, 1, 1, 1, 1])
+    advantages = group_advantages(batch.rewards_N["task"], batch.group_id_N, "mean")
+    np.testing.assert_array_equal(advantages, [0, 0, 0, 0, 0.25, 0.25, 0.25, -0.75])
+    np.testing.assert_array_equal(failed.advantages, 0)
+    assert is_uniform(failed, rl) and not is_uniform(played, rl)
+    # A group recorded before samples could be abandoned trains all of them.
+    del played.metadata["abandoned"]
+    np.testing.assert_array_equal(groups_to_batch([played], seq_len=64).group_id_N, [0] * 4)

@@ -201,6 +201,25 @@ def test_episode_without_room_for_a_turn_is_truncated(model):
     assert all(s is None for s in engine._slots)
 
 
+def test_a_prompt_without_room_is_abandoned_and_left_out_of_the_advantages(model):
+    """A training prompt longer than the context scores 0 without the policy acting: its samples
+    are abandoned (group id -1 in the batch, no advantage), the other task's group trains."""
+    chat = chat_format_for(ByteTokenizer())
+    env = EnvConfig(max_turns=1)
+    tasks = sorted(
+        builtin_tasks(4, "train", seed=0),
+        key=lambda task: len(chat.prompt(episode_prompt(task, env))),
+    )
+    short, long = tasks[0], tasks[-1]
+    max_len = len(chat.prompt(episode_prompt(short, env))) + 16
+    engine = InferenceEngine(model, num_slots=4, max_len=max_len, prefill_buckets=(64, 512))
+    sampling = SamplingParams(max_new_tokens=8, seed=0)
+    workflow, env = _workflow(model, 1, engine.max_len, sampling)
+    batch, stats = agent.collect_batch(engine, [short, long], 2, workflow, env)
+    np.testing.assert_array_equal(stats["abandoned"], [False, False, True, True])
+    np.testing.assert_array_equal(batch.group_id_N, [0, 0, -1, -1])
+
+
 def test_evaluation_scores_prompts_without_room_as_zero_and_says_so(model, caplog):
     """A held-out prompt longer than the context scores 0 with a warning naming it and
     rl.rollout.context_len; the evaluation still plays the other tasks (it used to fail building
