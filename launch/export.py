@@ -9,6 +9,7 @@ tokenizer files and generation_config.json. `launch.convert --hf_dir=OUT` checks
 
 from absl import flags
 
+from composer_jax.config import ConfigError
 from launch import cli
 
 _RUN = cli.define_run_folder("A training run's folder.")
@@ -28,6 +29,15 @@ _SHARD_MB = flags.DEFINE_integer(
 )
 
 
+def refuse_an_occupied_folder(out) -> None:
+    """An export goes into a new or empty folder: files left by another (an index of older
+    shards beside a new single file, a run's own config) would load in its place. Checked by
+    every process before the run loads, which all of them must join before anything is written."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        what = "holds files" if out.is_dir() else "is a file"
+        raise ConfigError(f"--out: {out} {what}; export into a new or empty folder")
+
+
 def main(argv):
     del argv
     workdir = _RUN() or cli.fail("--config.workdir: the run's folder is required")
@@ -42,6 +52,7 @@ def main(argv):
 
     try:
         out = run_path(_OUT.value, "--out")  # a bucket needs its client before anything runs
+        refuse_an_occupied_folder(out)
         run = load_run(workdir, _STEP.value)
         interop.export_hf_checkpoint(
             run.model, str(out), run.tokenizer, _DTYPE.value, _SHARD_MB.value << 20

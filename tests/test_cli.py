@@ -304,6 +304,15 @@ CASES += [  # a bucket target the machine cannot write: refused before anything 
         None,
     ),
     ("export", "unknown scheme", ["--config.workdir={missing}", "--out=s3://b/x"], "--out: ", None),
+    # An older export's index beside a new single file would load in its place.
+    (
+        "export",
+        "out holds files",
+        ["--config.workdir={missing}", "--out={occupied}"],
+        "--out: {occupied} holds files",
+        None,
+    ),
+    ("export", "out is a file", ["--config.workdir={missing}", "--out={file}"], "is a file", None),
     # Refused at parsing, before a model loads: the scored text and the sampling settings.
     ("eval", "no stride", ["--config.workdir={missing}", "--stride=0"], "--stride=0", None),
     (
@@ -344,10 +353,13 @@ def test_bad_inputs_are_one_line_errors_that_write_nothing(
 ):
     (tmp_path / "a_file").write_text("x")
     (tmp_path / "a_folder").mkdir()
+    (tmp_path / "an_export").mkdir()
+    (tmp_path / "an_export" / "model.safetensors.index.json").write_text("{}")
     names = {
         "file": str(tmp_path / "a_file"),
         "missing": str(tmp_path / "missing"),
         "folder": str(tmp_path / "a_folder"),
+        "occupied": str(tmp_path / "an_export"),
     }
     args = [a.format(**names) for a in args] + ([progress] if progress else [])
     before = sorted(p.name for p in tmp_path.iterdir())
@@ -355,6 +367,7 @@ def test_bad_inputs_are_one_line_errors_that_write_nothing(
     one_line_error(result, needle.format(**names))
     assert "Traceback" not in result.stdout + result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert [p.name for p in (tmp_path / "an_export").iterdir()] == ["model.safetensors.index.json"]
 
 
 def test_a_run_that_fails_once_started_exits_1_in_one_line(tmp_path):

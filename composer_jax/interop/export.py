@@ -249,6 +249,7 @@ def write_serving_tokenizer(tokenizer: Tokenizer, directory: str) -> None:
 
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "fp8": ml_dtypes.bfloat16}
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
+ROUTER_BIAS_SUFFIX = "mlp.gate.e_score_correction_bias"
 _SAFETENSORS_NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
 
 
@@ -270,26 +271,36 @@ def is_fp8_linear(name: str, shape: tuple[int, ...]) -> bool:
     return len(shape) == 2 and name.startswith("model.layers.") and linear
 
 
+def _cast_dtype(name: str, dtype: str) -> np.dtype:
+    """The dtype a tensor that is not an fp8 linear is written in: `dtype`'s, but the router's
+    expert bias, which stays float32 in every export (as in DeepSeek-V3's release, and as
+    transformers keeps it): it only ranks experts, and bf16's 2e-3 steps at |b| ~ 0.3 change
+    which experts a few percent of tokens reach."""
+    if name.endswith(ROUTER_BIAS_SUFFIX):
+        return np.dtype(np.float32)
+    return np.dtype(EXPORT_DTYPES[dtype])
+
+
 def stored_layout(
     name: str, shape: tuple[int, ...], dtype: str
 ) -> list[tuple[str, np.dtype, tuple]]:
     """(stored name, dtype, shape) of what one HF tensor is written as: an fp8 linear is its e4m3
     values and their float32 `_scale_inv` blocks; the rest is cast (bfloat16 under fp8, like
-    DeepSeek-V3's own release)."""
+    DeepSeek-V3's own release; the router's expert bias float32 always)."""
     if dtype == "fp8" and is_fp8_linear(name, shape):
         blocks = tuple(-(-n // b) for n, b in zip(shape, DEFAULT_FP8_BLOCK))
         return [
             (name, np.dtype(ml_dtypes.float8_e4m3fn), shape),
             (name + SCALE_SUFFIX, np.dtype(np.float32), blocks),
         ]
-    return [(name, np.dtype(EXPORT_DTYPES[dtype]), shape)]
+    return [(name, _cast_dtype(name, dtype), shape)]
 
 
 def stored_tensors(name: str, w: np.ndarray, dtype: str) -> list[np.ndarray]:
     """One float32 HF tensor as written for `dtype`, in `stored_layout`'s order."""
     if dtype == "fp8" and is_fp8_linear(name, w.shape):
         return list(quantize_fp8_blocks(w))
-    return [w.astype(EXPORT_DTYPES[dtype])]
+    return [w.astype(_cast_dtype(name, dtype))]
 
 
 def export_hf_checkpoint(

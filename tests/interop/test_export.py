@@ -73,13 +73,20 @@ def test_a_sharded_export_reloads_to_the_same_model_and_bfloat16_to_its_cast(tmp
     ours.pop("mtp", None)
     theirs = nnx.to_pure_dict(nnx.state(half))
     theirs.pop("mtp", None)
-    jax.tree.map(
-        lambda a, b: np.testing.assert_array_equal(
-            np.asarray(a).astype(ml_dtypes.bfloat16).astype(np.float32), np.asarray(b)
+
+    def cast(path, a):  # the router's expert bias is written in float32 in every export
+        exact = "expert_bias" in jax.tree_util.keystr(path)
+        return np.asarray(a) if exact else np.asarray(a).astype(ml_dtypes.bfloat16)
+
+    jax.tree.map_with_path(
+        lambda path, a, b: np.testing.assert_array_equal(
+            cast(path, a).astype(np.float32), np.asarray(b), err_msg=jax.tree_util.keystr(path)
         ),
         ours,
         theirs,
     )
+    biases = [a for p, a in jax.tree_util.tree_leaves_with_path(ours) if "expert_bias" in str(p)]
+    assert biases and all(np.any(np.asarray(b) != 0) for b in biases)  # not trivially exact
 
 
 def _scaled_kinds(names) -> set[str]:
@@ -89,9 +96,9 @@ def _scaled_kinds(names) -> set[str]:
 
 def test_an_fp8_export_reloads_to_its_block_dequantization(tmp_path, fresh_rng):
     """Decoder linears are written as DeepSeek-V3's e4m3 128x128 blocks with float32 inverse
-    scales (the rest in bf16); reloading gives back each block within e4m3's rounding (half an
-    ulp: 1/16 relative, on the block's largest magnitude mapped to 448) and the bf16 tensors as
-    their cast."""
+    scales (the rest in bf16, the router's bias float32); reloading gives back each block within
+    e4m3's rounding (half an ulp: 1/16 relative, on the block's largest magnitude mapped to 448),
+    the bf16 tensors as their cast and the bias exactly."""
     m = _random_model(32, fresh_rng)
     interop.export_hf_checkpoint(m, tmp_path / "fp8", dtype="fp8", shard_bytes=64 << 10)
     written = json.loads((tmp_path / "fp8" / "config.json").read_text())
@@ -100,6 +107,7 @@ def test_an_fp8_export_reloads_to_its_block_dequantization(tmp_path, fresh_rng):
     name = "model.layers.1.mlp.experts.3.down_proj.weight"
     assert stored[name].dtype == ml_dtypes.float8_e4m3fn and name + "_scale_inv" in stored
     assert stored["model.layers.1.mlp.gate.weight"].dtype == ml_dtypes.bfloat16  # the router
+    assert stored["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == np.float32
     # The same tensors as a DeepSeek-V3 fp8 checkpoint of the hub's layout (layer and expert
     # numbers aside): the attention's kv_a_proj_with_mqa too.
     hub = json.loads((FIXTURES / "qlora_fp8" / "model.safetensors.index.json").read_text())
@@ -113,6 +121,8 @@ def test_an_fp8_export_reloads_to_its_block_dequantization(tmp_path, fresh_rng):
             bound = scale[: w.shape[0], : w.shape[1]] * 448 / 16
             assert (np.abs(got[key] - w) <= bound + 1e-12).all(), key
             assert not np.array_equal(got[key], w)
+        elif key.endswith("e_score_correction_bias"):
+            np.testing.assert_array_equal(got[key], w, err_msg=key)
         else:
             np.testing.assert_array_equal(
                 got[key], w.astype(ml_dtypes.bfloat16).astype(np.float32), err_msg=key
