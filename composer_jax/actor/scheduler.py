@@ -60,7 +60,7 @@ class Scheduler:
         self._retries = collections.Counter()  # prompt -> highest retry in the ledger
         self.revisits = 0  # variants made, by this start and earlier ones (their ids' numbers)
         seen, live, redo = set(), set(), set()
-        stale, dropped = set(ledger.dropped("stale")), set(ledger.dropped())
+        stale = set(ledger.dropped("stale"))
         corrupt = set(ledger.corrupt)
         for text in [*ledger, *corrupt]:
             group = GroupId.parse(text)
@@ -69,9 +69,9 @@ class Scheduler:
             variant = _VARIANT.search(group.prompt)
             if variant is not None and group.prompt not in self._tasks:
                 self.revisits = max(self.revisits, int(variant[1]))
-            if text in stale or text in corrupt:
+            if text in stale or (text in corrupt and ledger.trained_step(text) is None):
                 redo.add(group.prompt)
-            elif text not in dropped:  # pending or trained; an uninformative group is final
+            else:  # pending, trained (its file damaged since, too) or uninformative: final
                 live.add(group.prompt)
         self._queue: collections.deque[GroupId] = collections.deque(
             GroupId(p) for p, _ in prompts if p not in seen

@@ -113,3 +113,29 @@ def test_a_group_whose_environments_never_start_is_skipped(tmp_path):
     finally:
         coordinator.stop()  # re-raises a failure of the rollout thread
     assert list(ledger) == [] and coordinator.counters.groups_without_tokens == 1
+
+
+def test_a_retry_dropped_as_uninformative_closes_its_prompt_across_a_restart(tmp_path):
+    """p0 went stale and its retry carried no signal: the run had finished with p0, and a
+    restart does not give it a third group."""
+    ledger = GroupLedger(str(tmp_path))
+    ledger.add(_group("p0"))
+    ledger.drop(["p0"], 5, "stale")
+    ledger.add(_group("p0-r1"))
+    ledger.drop(["p0-r1"], 5, "uninformative")
+    scheduler = Scheduler(RLConfig(), PROMPTS, GroupLedger(str(tmp_path)))
+    assert _queue(scheduler) == ["p1", "p2"]
+
+
+def test_a_trained_group_damaged_on_disk_is_not_trained_again(tmp_path):
+    """The ledger's record says p0 was trained; its file broke afterwards. A restart sets the
+    file aside but does not sample p0 again."""
+    ledger = GroupLedger(str(tmp_path))
+    ledger.add(_group("p0"))
+    ledger.mark_trained(["p0"], 1)
+    path = os.path.join(str(tmp_path), "groups", "p0.npz")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+    reopened = GroupLedger(str(tmp_path))
+    assert reopened.corrupt == ["p0"] and reopened.trained_step("p0") == 1
+    assert _queue(Scheduler(RLConfig(), PROMPTS, reopened)) == ["p1", "p2"]
