@@ -183,7 +183,8 @@ class Checkpointer:
         """(step, state, metadata) of the newest checkpoint that restores, or None when there is
         none. A damaged checkpoint is skipped with a warning (and, with `set_aside`, renamed
         `<step>.damaged` so the resumed run can save that step again) and the previous one is
-        tried; a mismatch stops at once, and so does finding none intact."""
+        tried; a mismatch stops at once, and so does finding none intact (at that start and at
+        every later one: only set-aside checkpoints left is an error, not a fresh run)."""
         failures = []
         for step in sorted(self._manager.all_steps(), reverse=True):
             try:
@@ -209,6 +210,14 @@ class Checkpointer:
         if failures:
             raise CheckpointDamaged(
                 f"no checkpoint in {self.directory} restores: " + "; ".join(failures)
+            )
+        folder = epath.Path(self.directory)
+        aside = sorted(p.name for p in folder.glob("*.damaged*")) if folder.exists() else []
+        if aside:  # an earlier start set every one aside: starting over would pass for a resume
+            raise CheckpointDamaged(
+                f"no checkpoint in {self.directory} restores: every one was set aside as damaged "
+                f"({', '.join(aside)}); rename one back to its step to try it again, or start "
+                "the run in a new folder"
             )
         return None
 

@@ -77,6 +77,9 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, corpus, 
                 path.write_bytes(b"\x00" * 7)
     with pytest.raises(CheckpointError, match="no checkpoint in .* restores"):
         run_pretraining(cfg, progress=False)
+    # Every checkpoint is set aside now: a later start fails too, rather than train from step 0.
+    with pytest.raises(CheckpointError, match=r"set aside as damaged \(3.damaged, 6.damaged"):
+        run_pretraining(cfg, progress=False)
 
 
 def test_a_refused_resume_leaves_the_run_as_it_was(tmp_path, corpus):
