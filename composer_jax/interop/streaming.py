@@ -346,6 +346,22 @@ def pieces(source: Source, index: Index) -> Iterator[tuple[tuple[int, ...], Sour
             yield (position, *offset), part, sub
 
 
+def _check_block_scales(weight, scale, block: tuple[int, int]) -> None:
+    """A block-scaled weight is 2-D with one inverse scale per `block` (edge blocks partial):
+    a scale grid of another size would be sliced and applied to the wrong blocks."""
+    if len(weight.shape) != 2:
+        raise CheckpointReadError(
+            f"{weight.file}: float8 tensor {weight.name!r} has shape {tuple(weight.shape)}; "
+            "block-scaled weights are 2-D"
+        )
+    want = tuple(-(-n // b) for n, b in zip(weight.shape, block))
+    if tuple(scale.shape) != want:
+        raise CheckpointReadError(
+            f"{weight.file}: scale {scale.name!r} has shape {tuple(scale.shape)}; "
+            f"{tuple(weight.shape)} in blocks of {list(block)} (weight_block_size) needs {want}"
+        )
+
+
 def hf_sources(reader: CheckpointReader) -> dict[str, Source]:
     """Every tensor of the checkpoint as a lazy float source under HF's per-expert names: fp8
     weights paired with their `_scale_inv` blocks, fused experts split (the lazy counterpart of
@@ -372,6 +388,7 @@ def hf_sources(reader: CheckpointReader) -> dict[str, Source]:
                     f"{entry.file}: tensor {name!r} is {entry.dtype} but has no "
                     f"{name + SCALE_SUFFIX!r}"
                 )
+            _check_block_scales(entry, scale, block)
             source = Dequantized(Stored(reader, name), Stored(reader, scale.name), block)
         elif scale is not None:
             raise CheckpointReadError(

@@ -169,6 +169,17 @@ def test_a_wrong_dtype_names_tensor_and_file(tmp_path):
         interop.load_hf_checkpoint(folder)
 
 
+def test_a_scale_grid_that_does_not_fit_the_block_size_is_named(tmp_path):
+    """Inverse scales of 64-row blocks under weight_block_size [128, 128]: the streaming reader
+    sliced them and applied them to the wrong blocks, without a word."""
+    folder = write_checkpoint(tmp_path / "ckpt")
+    name = "model.layers.0.self_attn.o_proj.weight"
+    scale, file = name + "_scale_inv", _shard_of(folder, name)
+    _rewrite_shard(folder, file, lambda t: t | {scale: np.repeat(t[scale], 2, axis=0)})
+    with pytest.raises(ValueError, match=f"^{file}: scale '{scale}' has shape .* needs"):
+        interop.load_hf_checkpoint(folder)
+
+
 @pytest.mark.timeout(600)
 def test_load_memory_is_about_one_tensor(tmp_path):
     """A 56 MiB (bf16) model whose largest tensor is 3 MiB: the streaming load holds under 1.5x
