@@ -115,7 +115,12 @@ class Coordinator:
     def exhausted(self) -> bool:
         """No prompt left to schedule and nothing in flight."""
         with self.state.lock:
-            return not self.scheduler.queued and not self.state.groups
+            return self._nothing_left()
+
+    def _nothing_left(self) -> bool:
+        """Under the lock: no prompt to schedule, no group in flight or still to resume (the
+        rollout thread rebuilds those after `start`; until then the epoch is not over)."""
+        return not self.scheduler.queued and not self.state.groups and not self._resume
 
     def wait_for_groups(
         self, count: int, timeout_s: float | None = None, interrupted=None
@@ -132,7 +137,7 @@ class Coordinator:
                 if interrupted is not None and interrupted():
                     return None
                 pending = self.ledger.pending()
-                if len(pending) >= count or (not self.scheduler.queued and not self.state.groups):
+                if len(pending) >= count or self._nothing_left():
                     return pending[:count]
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -234,14 +239,15 @@ class Coordinator:
     def _resume_groups(self) -> None:
         """Rebuilds the groups saved in flight: scored samples as they were, samples between two
         turns from their environment snapshot, the others from scratch."""
-        resume, self._resume = self._resume, []
-        for saved in resume:
+        while self._resume:  # each leaves the list as it enters the groups in flight
+            saved = self._resume[0]
             task = self.scheduler.task(GroupId.parse(saved.group_id))
             group, to_start = inflight.restore_group(
                 saved, task, self.cfg.rollout.group_size, self.trainer_version
             )
             with self.state.lock:
                 self.state.groups[group.group_id] = group
+                self._resume.pop(0)
                 self.state.counters.groups_scheduled += 1
             for sample, snapshot in to_start:
                 self.driver.start(sample, snapshot)

@@ -12,7 +12,7 @@ import pytest
 from composer_jax import data, envs
 from composer_jax.actor.env_workers import ProcessEnvironmentPool
 from composer_jax.actor.ids import GroupId
-from composer_jax.actor.inflight import InFlightStore
+from composer_jax.actor.inflight import GroupState, InFlightStore
 from composer_jax.actor.ledger import GroupLedger
 from composer_jax.actor.lifecycle import SampleState
 from composer_jax.actor.sampler import LocalSampler
@@ -435,3 +435,28 @@ def test_a_sample_graded_after_its_last_turn_holds_no_slot(tmp_path):
 
     groups, _ = _scheduled_groups(lambda rid: True, ready, tmp_path, 2, 0, pool=_UngradedPool)
     assert groups == ["p0", "p1", "p2", "p3"]
+
+
+def test_an_epoch_with_groups_still_to_resume_is_not_over(tmp_path):
+    """Right after a restart the saved group waits for the rollout thread to rebuild it: the
+    last prompt of the epoch is not in the queue nor yet in flight. The trainer's wait must not
+    take that for the end of the epoch (it returned [] and the run stopped short)."""
+    task = envs.builtin_tasks(1, seed=41, max_ops=1)[0]
+    cfg = RLConfig(
+        rollout=RolloutConfig(group_size=2, groups_per_step=1),
+        agent=AgentConfig(max_turns=4, feedback_detectors=()),
+    )
+    sampler = ScriptedSampler(lambda prompt, turn: "x", TOKENIZER)
+    with ThreadEnvironmentPool(2) as pool:
+        coordinator = make_coordinator(
+            cfg,
+            sampler,
+            pool,
+            GroupLedger(tmp_path),
+            [("p0", task)],
+            resume=[GroupState("p0", 0, [])],
+        )
+        assert coordinator.scheduler.queued == 0 and not coordinator.state.groups
+        assert not coordinator.exhausted
+        with pytest.raises(TimeoutError):
+            coordinator.wait_for_groups(1, timeout_s=0.5)
