@@ -6,6 +6,7 @@ Starting again with the same workdir resumes from its latest checkpoint. `--prin
 the resolved config and exits; `--noprogress` prints a plain line every `--log_every_s` seconds.
 """
 
+import functools
 import os
 import signal
 import sys
@@ -35,7 +36,7 @@ def main(argv):
             result = run_pretraining(
                 cfg,
                 progress=_PROGRESS.value,
-                pretrained=lambda: interop.load_pretrained(cfg),
+                pretrained=functools.partial(interop.load_pretrained, cfg),
                 sft_examples=agent.sft_examples(cfg),
             )
     except (config_lib.ConfigError, CheckpointError) as e:

@@ -4,6 +4,7 @@ the held-out tasks' sources, the environment workers' timeout, the weight store'
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -140,7 +141,7 @@ def warm_start(cfg, progress: bool):
     run_pretraining(
         sft,
         progress=progress,
-        pretrained=lambda: interop.load_pretrained(sft),
+        pretrained=functools.partial(interop.load_pretrained, sft),
         sft_examples=agent.sft_examples(sft),
     )
     model, _ = load_trained_model(sft.workdir)

@@ -9,6 +9,7 @@ from composer_jax import config as config_lib
 from composer_jax.interop.hf import config_from_hf, load_hf_checkpoint
 from composer_jax.interop.safetensors_io import read_hf_config
 from composer_jax.model.transformer import Transformer
+from composer_jax.parallel import Layout
 
 # Fields that may differ between a pretrained checkpoint and the model trained from it.
 FREE_FIELDS = frozenset(
@@ -62,11 +63,12 @@ def check_same_architecture(ours: config_lib.ModelConfig, theirs: config_lib.Mod
             )
 
 
-def load_pretrained(cfg: config_lib.ExperimentConfig) -> Transformer:
+def load_pretrained(cfg: config_lib.ExperimentConfig, layout: Layout | None = None) -> Transformer:
     """The `cfg.init_from` checkpoint as a model in cfg's numerics, after the architecture
-    check."""
+    check; under `layout` (the run's), each process reads and places only its devices' slices
+    (a model of a real size does not fit one device)."""
     model = load_hf_checkpoint(
-        cfg.init_from, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype
+        cfg.init_from, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype, layout=layout
     )
     check_same_architecture(cfg.model, model.cfg)
     return model

@@ -324,12 +324,13 @@ def load_run(workdir: str, step: int | None = None) -> Run:
 def run_pretraining(
     cfg: config_lib.ExperimentConfig,
     progress: bool = True,
-    pretrained: Callable[[], Transformer] | None = None,
+    pretrained: Callable[[Layout], Transformer] | None = None,
     sft_examples: SFTExamples | None = None,
 ) -> PretrainResult:
     """Trains (or resumes) the run described by `cfg` in `cfg.workdir`. A fresh run with
-    `cfg.init_from` starts from `pretrained()` (`interop.load_pretrained`: this module knows no
-    checkpoint format); it is not called on a resume. Phases on data.tasks train on
+    `cfg.init_from` starts from `pretrained(layout)`, the model placed under the run's layout
+    (`interop.load_pretrained`: this module knows no checkpoint format); it is not called on a
+    resume. Phases on data.tasks train on
     `sft_examples(tokenizer)` (`composer_jax.agent.sft_examples(cfg)`: this module knows no task
     or agent), made once when the first such phase starts."""
     config_lib.validate(cfg, jax.device_count())
@@ -365,10 +366,10 @@ def run_pretraining(
 
 
 def _start_state(
-    folder: RunFolder, setup: TrainSetup, pretrained: Callable[[], Transformer] | None
+    folder: RunFolder, setup: TrainSetup, pretrained: Callable[[Layout], Transformer] | None
 ) -> tuple[int | None, TrainState, dict]:
     """(restored step or None, train state, data position): the folder's latest checkpoint,
-    else a fresh state (from `pretrained()` with `init_from`)."""
+    else a fresh state (from `pretrained(layout)` with `init_from`)."""
     cfg = setup.cfg
     restored = folder.restore_latest(setup.abstract_state)
     if restored is not None:
@@ -376,9 +377,10 @@ def _start_state(
         return restored
     if cfg.init_from and pretrained is None:
         raise config_lib.ConfigError(
-            "init_from: pass pretrained=lambda: interop.load_pretrained(cfg) (launch.pretrain does)"
+            "init_from: pass pretrained=functools.partial(interop.load_pretrained, cfg) "
+            "(launch.pretrain does)"
         )
-    model = pretrained() if cfg.init_from else None
+    model = pretrained(setup.layout) if cfg.init_from else None
     state = initial_state(setup, model)
     if model is not None:
         print(f"Initialised from {cfg.init_from}", flush=True)

@@ -127,7 +127,12 @@ def test_init_from_pretrained_checkpoint(tmp_path, corpus):
     pretrained = init_model(dataclasses.replace(cfg.model, num_mtp_layers=0), seed=11)
     interop.export_hf_checkpoint(pretrained, tmp_path / "hf")
     cfg = dataclasses.replace(cfg, init_from=str(tmp_path / "hf"))
-    state = loop.initial_state(loop.make_train_setup(cfg), interop.load_pretrained(cfg))
+    setup = loop.make_train_setup(cfg)
+    placed = interop.load_pretrained(cfg, setup.layout)  # as a run loads it: already sharded
+    shardings = nnx.to_pure_dict(setup.shardings.params)
+    embed = nnx.to_pure_dict(nnx.state(placed))["embed"]
+    assert embed.sharding == shardings["embed"] and len(embed.sharding.device_set) == 8
+    state = loop.initial_state(setup, placed)
     fresh = loop.make_train_setup(dataclasses.replace(cfg, init_from="")).init_state()
     want = nnx.to_pure_dict(nnx.state(pretrained))
     got = nnx.to_pure_dict(state.params)

@@ -2,6 +2,7 @@
 run, found by load_run and written by the export; pretraining from an HF folder on JSONL."""
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -121,7 +122,9 @@ def test_pretrain_from_hf_folder_on_jsonl_with_its_tokenizer(tmp_path):
     ]
     firsts = [s for s in segments if s[0] == tokenizer.bos_id]  # the first piece of a document
     assert firsts and all(tokenizer.decode(s).startswith("doc ") for s in firsts)
-    result = run_pretraining(cfg, progress=False, pretrained=lambda: interop.load_pretrained(cfg))
+    result = run_pretraining(
+        cfg, progress=False, pretrained=functools.partial(interop.load_pretrained, cfg)
+    )
     assert result.final_step == 2 and np.isfinite(result.eval_nll_end)
     run = load_run(cfg.workdir)
     assert run.step == 2 and run.config == cfg and any("loss" in m for m in run.metrics)
