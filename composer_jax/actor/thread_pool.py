@@ -1,6 +1,7 @@
 """Environment workers as threads of this process: no separate worker to lose, for small hosts
 and tests (the episodes' commands still run in their sandboxes)."""
 
+import collections
 import concurrent.futures
 import logging
 import queue
@@ -25,7 +26,11 @@ log = logging.getLogger(__name__)
 class ThreadEnvironmentPool(EnvironmentPool):
     """Episodes in this process on a pool of threads (like `envs.EpisodePool`). A call past
     `timeout_s` cannot be stopped: its thread is abandoned (a fresh one takes its place, the
-    abandoned one frees the episode if it ever returns) and its episode is lost."""
+    abandoned one frees the episode if it ever returns) and its episode is lost.
+
+    An episode's calls run one at a time in the order they were made, as on a worker process:
+    a snapshot asked for before a step must not see that step (an in-flight save taken while
+    the next turn was already applied would replay the turn on resume)."""
 
     def __init__(self, max_workers: int = 8, timeout_s: float | None = None):
         super().__init__(timeout_s)
@@ -33,6 +38,8 @@ class ThreadEnvironmentPool(EnvironmentPool):
             raise ValueError(f"max_workers must be at least 1, got {max_workers}")
         self._host = env_worker.EpisodeHost()
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        # Per episode with a call queued or running: the calls made after it, waiting their turn.
+        self._behind: dict[str, collections.deque[Call]] = {}
         self._running: dict[Call, tuple[float, threading.Thread]] = {}
         self._threads: set[threading.Thread] = set()
         self._wakeup = threading.Condition(self._lock)
@@ -77,14 +84,15 @@ class ThreadEnvironmentPool(EnvironmentPool):
                 self._lost.discard(episode_id)
                 return
             if not self._closed:
-                self._calls.put(Call(episode_id, "close", (episode_id,), None))
+                self._enqueue(Call(episode_id, "close", (episode_id,), None))
 
     def shutdown(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            pending = []
+            pending = [call for waiting in self._behind.values() for call in waiting]
+            self._behind.clear()
             while True:
                 try:
                     pending.append(self._calls.get_nowait())
@@ -105,8 +113,26 @@ class ThreadEnvironmentPool(EnvironmentPool):
 
     def _submit(self, call: Call) -> concurrent.futures.Future:
         call.future = running_future()
-        self._calls.put(call)
+        with self._lock:
+            self._enqueue(call)
         return call.future
+
+    def _enqueue(self, call: Call) -> None:
+        """Queues `call` for a thread, or behind its episode's earlier call (the lock is held)."""
+        waiting = self._behind.get(call.episode_id)
+        if waiting is not None:
+            waiting.append(call)
+            return
+        self._behind[call.episode_id] = collections.deque()
+        self._calls.put(call)
+
+    def _next_of(self, episode_id: str) -> None:
+        """The episode's call is over: its next one, if any, goes to the threads (lock held)."""
+        waiting = self._behind.get(episode_id)
+        if waiting:
+            self._calls.put(waiting.popleft())
+        else:
+            self._behind.pop(episode_id, None)
 
     def _add_thread(self) -> None:
         """Starts one more runner (the lock is held)."""
@@ -120,7 +146,9 @@ class ThreadEnvironmentPool(EnvironmentPool):
         while (call := self._calls.get()) is not None:
             with self._lock:
                 lost = call.episode_id in self._lost
-                if not lost:
+                if lost:
+                    self._next_of(call.episode_id)
+                else:
                     deadline = time.monotonic() + self.timeout_s
                     self._running[call] = (deadline, threading.current_thread())
                     self._wakeup.notify()
@@ -135,6 +163,8 @@ class ThreadEnvironmentPool(EnvironmentPool):
                 value, error = None, failure
             with self._lock:
                 abandoned = self._running.pop(call, None) is None
+                if not abandoned:
+                    self._next_of(call.episode_id)
             if abandoned:
                 if call.method != "close":
                     self._host.close(call.episode_id)
@@ -162,6 +192,7 @@ class ThreadEnvironmentPool(EnvironmentPool):
                     if call.method != "close" and call.episode_id not in self._lost:
                         self._lost.add(call.episode_id)
                         self._counters["episodes_lost"] += 1
+                    self._next_of(call.episode_id)  # its later calls fail as lost
                     self._add_thread()
                 if not expired:
                     deadlines = [end for end, _ in self._running.values()]

@@ -309,3 +309,44 @@ def test_episode_resumes_from_a_snapshot_on_another_worker(kind, tasks):
         with pytest.raises(KeyError):
             pool.snapshot("nobody").result(timeout=30)
     assert result.done and result.reward == 1.0 and result.counts["turns"] == 2
+
+
+class _RecordingHost:
+    """An episode host whose step is slow and whose snapshot reports the turns applied."""
+
+    def __init__(self):
+        self.turns, self.order = 0, []
+
+    def step(self, episode_id, model_output):
+        time.sleep(0.3)
+        self.turns += 1
+        self.order.append("step")
+        return self.turns
+
+    def snapshot(self, episode_id):
+        self.order.append("snapshot")
+        return {"turns": self.turns}
+
+    def close(self, episode_id):
+        self.order.append("close")
+
+    def close_all(self):
+        pass
+
+
+def test_a_thread_pool_runs_each_episodes_calls_in_order():
+    """A step, then a snapshot, then a close of one episode, with threads to spare: the snapshot
+    waits for the step (it saw the turn only some of the time, a save could then replay it), the
+    close for both; another episode's call does not wait behind them."""
+    with ThreadEnvironmentPool(max_workers=4) as pool:
+        host = pool._host = _RecordingHost()
+        step = pool.step("e", "turn")
+        snapshot = pool.snapshot("e")
+        other = pool.snapshot("f")
+        pool.close("e")
+        assert other.result(timeout=5) == {"turns": 0} and not step.done()
+        assert step.result(timeout=5) == 1 and snapshot.result(timeout=5) == {"turns": 1}
+        deadline = time.monotonic() + 5
+        while host.order[-1:] != ["close"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert host.order == ["snapshot", "step", "snapshot", "close"]
