@@ -421,7 +421,7 @@ def correlation(xs: list[float], ys: list[float]) -> dict:
     from scipy import stats
 
     n = len(xs)
-    if n < 3 or np.std(xs) == 0 or np.std(ys) == 0:
+    if n < 3 or np.ptp(xs) == 0 or np.ptp(ys) == 0:  # std of equal floats can be 1e-17, not 0
         return {"n": n}  # undefined
     r = float(np.corrcoef(xs, ys)[0, 1])
     half = 1.959964 / math.sqrt(n - 3) if n > 3 else float("inf")

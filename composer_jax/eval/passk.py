@@ -32,7 +32,9 @@ def best_of_k(rewards: list[float], k: int) -> float:
         raise ValueError(f"need 1 <= k <= n, got n={n}, k={k}")
     ordered = sorted(rewards)
     total = comb(n, k)
-    return sum(r * comb(i, k - 1) for i, r in enumerate(ordered)) / total
+    # Each weight comb(i, k - 1) / total is at most 1: divided first (exactly, as integers are),
+    # no product overflows a float however many samples there are.
+    return sum(r * (comb(i, k - 1) / total) for i, r in enumerate(ordered))
 
 
 @dataclasses.dataclass(frozen=True)

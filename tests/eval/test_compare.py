@@ -318,3 +318,12 @@ def test_evaluation_reports_of_different_tasks_are_not_paired():
     after = _evaluation_report(["a", "c"], {"pass@1": [0.3, 0.1]})
     with pytest.raises(ValueError, match="different tasks"):
         compare.evaluation_gains_table([(before, after)])
+
+
+def test_a_constant_variable_has_no_correlation():
+    """Runs sharing one warm start have equal floats on the x axis: their std is 1e-17, not 0,
+    and the report printed r = 0 with an interval (and r = -0.67 one float step apart)."""
+    x = [0.1 + 0.2] * 3 + [0.3] * 2  # 0.30000000000000004 and 0.3
+    assert compare.correlation([0.1] * 7, list(range(7))) == {"n": 7}
+    assert compare.correlation([0.3] * 5, [1.0, 2.0, 3.0, 4.0, 5.0]) == {"n": 5}
+    assert "pearson" in compare.correlation(x, [1.0, 2.0, 3.0, 4.0, 5.0])  # they do differ

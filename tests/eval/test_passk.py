@@ -50,6 +50,15 @@ def test_best_of_k_on_binary_rewards_is_pass_at_k():
         assert best_of_k(rewards, k) == pytest.approx(pass_at_k(5, 2, k))
 
 
+def test_best_of_k_over_thousands_of_samples_stays_finite():
+    """2,000 samples, k = 1,000: comb(n, k) is far past a float's range (an OverflowError from
+    about n = 1,030); binary rewards still give pass@k, graded ones a mean between min and max."""
+    rewards = [1.0] * 300 + [0.0] * 1700
+    assert best_of_k(rewards, 1000) == pytest.approx(pass_at_k(2000, 300, 1000), abs=1e-12)
+    graded = [i / 1999 for i in range(2000)]
+    assert 0.99 < best_of_k(graded, 1000) <= 1.0
+
+
 def test_invalid_arguments():
     with pytest.raises(ValueError):
         pass_at_k(3, 4, 1)
