@@ -19,7 +19,7 @@ from composer_jax.agent import episode_stats, group_jobs, make_workflow, play, s
 from composer_jax.config import RLConfig
 from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.envs import EnvConfig, Task
-from composer_jax.eval.passk import best_of_k
+from composer_jax.eval.passk import best_of_k, paired_by_task
 from composer_jax.infer import SamplingParams
 from composer_jax.model.transformer import Transformer
 
@@ -43,6 +43,7 @@ class HeldoutResult:
     # Per-task means of what the episodes did (pass@1, best_of_<K>, turns, tool_calls,
     # summaries, feedback_turns, reward/<behaviour>), each [tasks].
     metrics: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    task_ids: tuple[str, ...] = ()  # of per_task's entries (empty in records kept before)
 
     @property
     def mean(self) -> float:
@@ -57,12 +58,19 @@ class HeldoutResult:
         return f"{self.mean:.3f} +- {self.half_width:.3f} (95% CI, pass rate {self.pass_rate:.2f})"
 
     def improvement_over(self, before: "HeldoutResult", metric: str = "") -> tuple[float, float]:
-        """Mean paired difference (self - before) over tasks of the reward (or of `metric`) and
-        its 95% Student-t half-width."""
+        """Mean paired difference (self - before) over the tasks both hold of the reward (or of
+        `metric`) and its 95% Student-t half-width."""
         mine = self.metrics[metric] if metric else self.per_task
         theirs = before.metrics[metric] if metric else before.per_task
-        diff = np.asarray(mine) - np.asarray(theirs)
+        mine, theirs = paired_by_task(self.task_ids, mine, before.task_ids, theirs)
+        diff = mine - theirs
         return float(diff.mean()), t_half_width(diff)
+
+    def paired_tasks(self, before: "HeldoutResult") -> int:
+        """How many tasks `improvement_over(before)` pairs."""
+        return len(
+            paired_by_task(self.task_ids, self.per_task, before.task_ids, before.per_task)[0]
+        )
 
 
 def per_task_metrics(outcomes, num_tasks: int, samples: int) -> dict[str, np.ndarray]:
@@ -132,4 +140,9 @@ class Evaluator:
         )
         rewards = episode_stats(outcomes)["reward"].reshape(len(self.tasks), self.samples)
         metrics = per_task_metrics(outcomes, len(self.tasks), self.samples)
-        return HeldoutResult(rewards.mean(axis=1), float((rewards >= 1.0).mean()), metrics)
+        return HeldoutResult(
+            rewards.mean(axis=1),
+            float((rewards >= 1.0).mean()),
+            metrics,
+            tuple(task.task_id for task in self.tasks),
+        )

@@ -32,7 +32,8 @@ def heldout_once(cfg, evaluator, model, path, key, progress) -> HeldoutResult:
     if key in stored:
         r = stored[key]
         metrics = {name: np.asarray(v) for name, v in r.get("metrics", {}).items()}
-        return HeldoutResult(np.asarray(r["per_task"]), r["pass_rate"], metrics)
+        ids = tuple(r.get("task_ids", ()))
+        return HeldoutResult(np.asarray(r["per_task"]), r["pass_rate"], metrics, ids)
     start = time.perf_counter()
     result = evaluator.evaluate(model)
     log.info(
@@ -41,6 +42,7 @@ def heldout_once(cfg, evaluator, model, path, key, progress) -> HeldoutResult:
     )
     stored[key] = {
         "per_task": result.per_task.tolist(),
+        "task_ids": list(result.task_ids),
         "pass_rate": result.pass_rate,
         "metrics": {name: values.tolist() for name, values in result.metrics.items()},
     }
@@ -82,7 +84,7 @@ def closing_summary(cfg, before: HeldoutResult, after: HeldoutResult, steps: int
         verdict = "no change that the 95% interval can tell from noise"
     lines.append(
         f"  RL, {steps} steps: held-out reward {before.mean:.3f} -> {after.mean:.3f}, "
-        f"{diff:+.3f} (95% CI {low:+.3f} to {high:+.3f}, paired over {len(after.per_task)} "
+        f"{diff:+.3f} (95% CI {low:+.3f} to {high:+.3f}, paired over {after.paired_tasks(before)} "
         f"tasks): {verdict}. Pass rate {before.pass_rate:.2f} -> {after.pass_rate:.2f}."
     )
     if before.metrics and after.metrics:

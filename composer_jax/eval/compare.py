@@ -108,10 +108,11 @@ def final_metric(run: RunRecord, name: str) -> float | None:
         values = run.per_task(name.split("_")[1])
         return None if values is None else float(values.mean())
     if name == "heldout_gain":
-        before, after = run.per_task("before"), run.per_task("after")
-        if before is None or after is None or len(before) != len(after):
+        try:
+            pair = run.paired("before", run, "after")
+        except ValueError:  # no task in common
             return None
-        return float((after - before).mean())
+        return None if pair is None else float((pair[1] - pair[0]).mean())
     if name == "heldout_pass_rate_after":
         key = run.after_key()
         return None if key is None else float(run.heldout[key]["pass_rate"])
@@ -179,21 +180,28 @@ def _heldout_setting(run: RunRecord) -> dict:
 
 
 def paired_difference(baseline: Group, other: Group, which: str = "after") -> dict | None:
-    """Per-task held-out reward of `other` minus `baseline`, pairing runs of the same seed (same
-    held-out tasks); pooled over (seed, task) pairs: mean, 95% half-width, pairs, seeds."""
+    """Per-task held-out reward of `other` minus `baseline`, pairing runs of the same seed on the
+    tasks both held (by task id; records without ids need the same held-out settings); pooled
+    over (seed, task) pairs: mean, 95% half-width, pairs, seeds. The interval is over tasks,
+    given these runs: run-to-run variance is the per-seed means' spread."""
     by_seed = {r.seed: r for r in baseline.runs}
     diffs, seeds = [], []
     for run in other.runs:
         base = by_seed.get(run.seed)
         if base is None:
             continue
-        a, b = base.per_task(which), run.per_task(which)
-        if a is None or b is None:
-            continue
-        if len(a) != len(b) or _heldout_setting(base) != _heldout_setting(run):
+        without_ids = not (base.task_ids(which) and run.task_ids(which))
+        if without_ids and _heldout_setting(base) != _heldout_setting(run):
             raise ValueError(
                 f"{base.workdir} and {run.workdir}: different held-out tasks; not paired"
             )
+        try:
+            pair = base.paired(which, run, which)
+        except ValueError as error:
+            raise ValueError(f"{base.workdir} and {run.workdir}: {error}") from None
+        if pair is None:
+            continue
+        a, b = pair
         diffs.append(b - a)
         seeds.append(run.seed)
     if not diffs:
@@ -243,10 +251,14 @@ def paired_gain(label: str, metric: str, befores: list, afters: list) -> dict | 
 def within_run_gain(group: Group, metric: str = "reward") -> dict | None:
     """After - before RL of a held-out metric per task, pooled over the group's runs (each run's
     own tasks), with each run's mean change and the Student-t interval over those seeds."""
-    records = [
-        (run.per_task("before", metric), run.per_task("after", metric)) for run in group.runs
-    ]
-    records = [(b, a) for b, a in records if b is not None and a is not None]
+    records = []
+    for run in group.runs:
+        try:
+            pair = run.paired("before", run, "after", metric)
+        except ValueError:  # an extended run's held-out set shares no task with its first
+            continue
+        if pair is not None:
+            records.append(pair)
     return paired_gain(group.label, metric, *zip(*records)) if records else None
 
 

@@ -11,6 +11,7 @@ import json
 import math
 from math import comb
 
+import numpy as np
 from etils import epath
 
 
@@ -62,6 +63,27 @@ def heldout_metric_order(name: str) -> tuple:
     fixed = HELDOUT_METRIC_ORDER
     rank = next((i for i, prefix in enumerate(fixed) if name.startswith(prefix)), len(fixed))
     return rank, name
+
+
+def paired_by_task(first_ids, first, second_ids, second) -> tuple[np.ndarray, np.ndarray]:
+    """Two per-task arrays on the tasks both hold, in the first's order: by task id where both
+    records carry their ids (a held-out set can differ between two runs, or between two starts
+    of one), else by position (records kept before the ids were), which needs equal lengths.
+    ValueError when nothing pairs."""
+    first, second = np.asarray(first, np.float64), np.asarray(second, np.float64)
+    if len(first_ids) and len(second_ids):
+        where = {task: i for i, task in enumerate(second_ids)}
+        kept = [(i, where[task]) for i, task in enumerate(first_ids) if task in where]
+        if not kept:
+            raise ValueError("the two held-out records share no task: not paired")
+        mine, theirs = (list(index) for index in zip(*kept))
+        return first[mine], second[theirs]
+    if len(first) != len(second):
+        raise ValueError(
+            f"held-out records of {len(first)} and {len(second)} tasks, without task ids: "
+            "not paired"
+        )
+    return first, second
 
 
 def mean_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:

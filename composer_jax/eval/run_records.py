@@ -14,7 +14,7 @@ import tempfile
 
 import numpy as np
 
-from composer_jax.eval.passk import heldout_metric_order
+from composer_jax.eval.passk import heldout_metric_order, paired_by_task
 
 
 @dataclasses.dataclass
@@ -46,6 +46,19 @@ class RunRecord:
         record = self.heldout[key]
         values = record["per_task"] if metric == "reward" else record.get("metrics", {}).get(metric)
         return None if values is None else np.asarray(values, np.float64)
+
+    def task_ids(self, which: str) -> list[str]:
+        """The task of each `per_task(which)` entry ([] for a record kept before the ids were)."""
+        key = "before" if which == "before" else self.after_key()
+        return list(((self.heldout or {}).get(key) or {}).get("task_ids", []))
+
+    def paired(self, which: str, other: RunRecord, other_which: str, metric: str = "reward"):
+        """(this run's, `other`'s) held-out `metric` on the tasks both hold (`paired_by_task`);
+        None when either has no such record."""
+        mine, theirs = self.per_task(which, metric), other.per_task(other_which, metric)
+        if mine is None or theirs is None:
+            return None
+        return paired_by_task(self.task_ids(which), mine, other.task_ids(other_which), theirs)
 
     def heldout_metrics(self) -> list[str]:
         """The metrics both held-out records carry, reward first."""

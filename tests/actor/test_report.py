@@ -13,7 +13,12 @@ import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
 from composer_jax import presets
 from composer_jax.actor.evaluator import HeldoutResult, t_half_width
-from composer_jax.actor.report import _plot_advantage_parts, closing_summary, plot_curves
+from composer_jax.actor.report import (
+    _plot_advantage_parts,
+    closing_summary,
+    heldout_once,
+    plot_curves,
+)
 from composer_jax.train.loop import nll_summary
 
 # Two-sided 97.5% quantiles of Student's t (tables), n - 1 = 3 and 31 degrees of freedom.
@@ -87,3 +92,27 @@ def test_the_curves_draw_one_line_per_reward_parts_advantage(tmp_path):
     path.write_text("".join(json.dumps(m) + "\n" for m in lines))
     plot_curves(str(path), str(tmp_path / "curves.png"))
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+class _Evaluator:
+    def __init__(self, result):
+        self.result = result
+
+    def evaluate(self, model):
+        return self.result
+
+
+def test_an_extended_runs_heldout_change_pairs_tasks_by_id(tmp_path):
+    """A run extended with more steps leaves out other prompts: its "after" set differs from the
+    stored "before". The closing change is over the tasks both hold, matched by id."""
+    cfg = _run(tmp_path, [0.9, 0.5], [6.0, 7.0])
+    path = tmp_path / "heldout.json"
+    before = HeldoutResult(np.array([0.1, 0.2, 0.3]), 0.1, {}, ("a", "b", "c"))
+    stored = heldout_once(cfg, _Evaluator(before), None, path, "before", False)
+    assert stored.task_ids == ("a", "b", "c")  # written, and read back as written
+    again = heldout_once(cfg, _Evaluator(None), None, path, "before", False)
+    assert again.task_ids == ("a", "b", "c") and list(again.per_task) == [0.1, 0.2, 0.3]
+    after = HeldoutResult(np.array([0.9, 0.6, 0.0]), 0.2, {}, ("c", "b", "d"))
+    assert after.improvement_over(again)[0] == pytest.approx(((0.9 - 0.3) + (0.6 - 0.2)) / 2)
+    text = closing_summary(cfg, again, after, 30)
+    assert "paired over 2 tasks" in text

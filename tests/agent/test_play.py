@@ -243,5 +243,6 @@ def test_evaluation_scores_prompts_without_room_as_zero_and_says_so(model, caplo
     with caplog.at_level("WARNING"):
         result = evaluator.evaluate(model)
     assert result.per_task.shape == (2,) and result.per_task[1] == 0
+    assert result.task_ids == (short.task_id, long.task_id)  # what heldout.json pairs by
     assert f"task {long.task_id}: its prompt ({lengths[1]} tokens)" in caplog.text
     assert short.task_id not in caplog.text and "raise rl.rollout.context_len" in caplog.text

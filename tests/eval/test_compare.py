@@ -171,6 +171,33 @@ def test_different_heldout_tasks_are_not_paired(tmp_path):
         compare.paired_difference(groups[0], groups[1])
 
 
+def test_heldout_records_pair_by_task_id(tmp_path):
+    """Two runs whose held-out sets hold the same number of tasks, only some shared and in
+    another order (the set leaves out what each run trains on): the change is taken over the
+    shared tasks, matched by id, not position by position; within a run, an extended run's
+    "after" pairs with its "before" the same way."""
+    records = {
+        0.001: {"before": {"per_task": [0.1, 0.2, 0.3], "task_ids": ["a", "b", "c"]}},
+        0.003: {
+            "before": {"per_task": [0.9, 0.5, 0.7], "task_ids": ["c", "b", "d"]},
+            "after-2": {"per_task": [0.4, 0.8, 0.6, 0.0], "task_ids": ["d", "b", "e", "c"]},
+        },
+    }
+    for lr, heldout in records.items():
+        folder = str(tmp_path / f"r{lr}")
+        write_run(folder, config(lr, 0, folder), [{"step": 1, "loss": 1.0}], heldout)
+    runs = [compare.load_run(p) for p in compare.find_runs([str(tmp_path)])]
+    groups = sorted(
+        compare.group_runs(runs), key=lambda g: g.runs[0].config["optim"]["learning_rate"]
+    )
+    result = compare.paired_difference(groups[0], groups[1], "before")
+    assert result["pairs"] == 2  # b and c
+    assert result["mean"] == pytest.approx(((0.5 - 0.2) + (0.9 - 0.3)) / 2)
+    gain = compare.within_run_gain(groups[1])
+    assert gain["pairs"] == 3  # c, b, d: e has no "before"
+    assert gain["mean"] == pytest.approx(((0.0 - 0.9) + (0.8 - 0.5) + (0.4 - 0.7)) / 3)
+
+
 def _rl_run(tmp_path, name, seed, rl, lr=0.001):
     folder = str(tmp_path / name)
     cfg = {**config(lr, seed, folder), "rl": rl}
