@@ -210,6 +210,7 @@ def paired_difference(baseline: Group, other: Group, which: str = "after") -> di
     mean, half = mean_interval(pooled.tolist())
     per_seed = [float(d.mean()) for d in diffs]
     return {
+        "seed_half_width": mean_interval(per_seed)[1],  # run-to-run: NaN for one seed
         "baseline": baseline.label,
         "other": other.label,
         "which": which,
@@ -344,13 +345,17 @@ def differences_table(groups: list[Group], baseline: int = 0) -> tuple[str, list
     if pairs:
         lines += [
             "",
-            f"| group - {base.label} | held-out after RL (paired by seed and task) | task pairs | per seed |",
-            "| --- | ---: | ---: | --- |",
+            f"| group - {base.label} | held-out after RL (paired by seed and task) | task pairs | "
+            "per seed | over seeds (95% CI) |",
+            "| --- | ---: | ---: | --- | ---: |",
         ]
         for p in pairs:
             per_seed = ", ".join(f"{s}: {d:+.3f}" for s, d in zip(p["seeds"], p["per_seed"]))
+            spread = p["seed_half_width"]
+            over_seeds = f"+- {spread:.3f}" if math.isfinite(spread) else "- (one seed)"
             lines.append(
-                f"| {p['other']} | {p['mean']:+.3f} +- {p['half_width']:.3f} | {p['pairs']} | {per_seed} |"
+                f"| {p['other']} | {p['mean']:+.3f} +- {p['half_width']:.3f} | {p['pairs']} | "
+                f"{per_seed} | {over_seeds} |"
             )
         rows += [{"kind": "paired", **p} for p in pairs]
     return "\n".join(lines), rows

@@ -101,6 +101,12 @@ def test_paired_differences_pair_tasks_of_the_same_seed(sweep):
     assert pair["half_width"] == pytest.approx(
         stats.t.ppf(0.975, 17) * diffs.std(ddof=1) / np.sqrt(18)
     )
+    # The pooled interval holds given these runs; over runs it is the seeds' means' interval.
+    means = [(truth[(0.003, s)][2] - truth[(0.001, s)][2]).mean() for s in range(3)]
+    over_seeds = stats.t.ppf(0.975, 2) * np.std(means, ddof=1) / np.sqrt(3)
+    assert pair["seed_half_width"] == pytest.approx(over_seeds)
+    table, _ = compare.differences_table(groups)
+    assert "over seeds (95% CI)" in table and f"+- {over_seeds:.3f} |" in table
     gain = compare.within_run_gain(groups[1])
     own = np.concatenate([truth[(0.003, s)][2] - truth[(0.003, s)][1] for s in range(3)])
     assert gain["mean"] == pytest.approx(own.mean()) and gain["pairs"] == 18
