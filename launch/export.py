@@ -32,7 +32,7 @@ _SHARD_MB = flags.DEFINE_integer(
 def refuse_an_occupied_folder(out) -> None:
     """An export goes into a new or empty folder: files left by another (an index of older
     shards beside a new single file, a run's own config) would load in its place. Checked by
-    every process before the run loads, which all of them must join before anything is written."""
+    every process, before any writes (a barrier follows on several processes)."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         what = "holds files" if out.is_dir() else "is a file"
         raise ConfigError(f"--out: {out} {what}; export into a new or empty folder")
@@ -44,6 +44,9 @@ def main(argv):
     from launch import runtime
 
     runtime.initialize()
+    import jax
+    from jax.experimental import multihost_utils
+
     from composer_jax import config as config_lib
     from composer_jax import interop
     from composer_jax.data import TokenizerError
@@ -53,6 +56,8 @@ def main(argv):
     try:
         out = run_path(_OUT.value, "--out")  # a bucket needs its client before anything runs
         refuse_an_occupied_folder(out)
+        if jax.process_count() > 1:  # no process writes before every one has checked
+            multihost_utils.sync_global_devices("export: --out checked")
         run = load_run(workdir, _STEP.value)
         interop.export_hf_checkpoint(
             run.model, str(out), run.tokenizer, _DTYPE.value, _SHARD_MB.value << 20

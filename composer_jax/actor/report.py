@@ -74,7 +74,11 @@ def closing_summary(cfg, before: HeldoutResult, after: HeldoutResult, steps: int
     warm = _warm_start_line(cfg)
     if warm:
         lines.append(warm)
-    diff, half = after.improvement_over(before)
+    try:
+        diff, half = after.improvement_over(before)
+    except ValueError as error:  # an extended run's held-out set shares no task with its first
+        lines.append(f"  RL, {steps} steps: held-out reward not compared ({error}).")
+        return "\n".join(lines)
     low, high = diff - half, diff + half
     if low > 0:
         verdict = "RL raised it"

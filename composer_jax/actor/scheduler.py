@@ -61,6 +61,7 @@ class Scheduler:
         self.revisits = 0  # variants made, by this start and earlier ones (their ids' numbers)
         seen, live, redo = set(), set(), set()
         stale = set(ledger.dropped("stale"))
+        final = set(ledger.dropped()) - stale  # uninformative: played to its end
         corrupt = set(ledger.corrupt)
         for text in [*ledger, *corrupt]:
             group = GroupId.parse(text)
@@ -69,9 +70,10 @@ class Scheduler:
             variant = _VARIANT.search(group.prompt)
             if variant is not None and group.prompt not in self._tasks:
                 self.revisits = max(self.revisits, int(variant[1]))
-            if text in stale or (text in corrupt and ledger.trained_step(text) is None):
+            damaged_untrained = text in corrupt and ledger.trained_step(text) is None
+            if text in stale or (damaged_untrained and text not in final):
                 redo.add(group.prompt)
-            else:  # pending, trained (its file damaged since, too) or uninformative: final
+            else:  # pending, trained or uninformative (its file damaged since, too): final
                 live.add(group.prompt)
         self._queue: collections.deque[GroupId] = collections.deque(
             GroupId(p) for p, _ in prompts if p not in seen
@@ -170,7 +172,7 @@ def next_groups(coordinator, ledger: GroupLedger, rl: RLConfig, version: int, in
     versions are dropped for good (and the wait goes on) or kept with weight
     stale_decay ** (lag - max_staleness), per rl.rollout.stale_policy; a dropped group's prompt is
     sampled again. With rl.rollout.skip_uniform_groups, groups whose samples' rewards are all equal
-    (`uniform_rewards`) are dropped too (not redone). Fewer groups only
+    (`uniform_rewards`: of the trained samples) are dropped too (not redone). Fewer groups only
     at the end of the prompt epoch; none when it is over; (None, None, dropped) when
     `interrupted()` returned True."""
     dropped = 0

@@ -123,7 +123,8 @@ class EpisodeOutcome:
     reward: float  # the task reward (0 when truncated or flagged)
     truncated: bool = False
     # Ended by no act of the policy (its environment failed for good, or its prompt left no room
-    # to answer): scored 0, and left out of its group's advantages, so nothing trains on it.
+    # to answer): scored 0, and left out of its group's advantages and baseline (no policy
+    # gradient; a KL placed in the loss still applies to its tokens).
     abandoned: bool = False
     summaries: int = 0
     num_tool_calls: int = 0

@@ -180,8 +180,8 @@ def _heldout_setting(run: RunRecord) -> dict:
 
 
 def paired_difference(baseline: Group, other: Group, which: str = "after") -> dict | None:
-    """Per-task held-out reward of `other` minus `baseline`, pairing runs of the same seed on the
-    tasks both held (by task id; records without ids need the same held-out settings); pooled
+    """Per-task held-out reward of `other` minus `baseline`, pairing runs of the same seed and
+    held-out settings on the tasks both held (by task id; by position without ids); pooled
     over (seed, task) pairs: mean, 95% half-width, pairs, seeds. The interval is over tasks,
     given these runs: run-to-run variance is the per-seed means' spread."""
     by_seed = {r.seed: r for r in baseline.runs}
@@ -190,17 +190,18 @@ def paired_difference(baseline: Group, other: Group, which: str = "after") -> di
         base = by_seed.get(run.seed)
         if base is None:
             continue
-        without_ids = not (base.task_ids(which) and run.task_ids(which))
-        if without_ids and _heldout_setting(base) != _heldout_setting(run):
-            raise ValueError(
-                f"{base.workdir} and {run.workdir}: different held-out tasks; not paired"
-            )
         try:
             pair = base.paired(which, run, which)
         except ValueError as error:
             raise ValueError(f"{base.workdir} and {run.workdir}: {error}") from None
         if pair is None:
             continue
+        # Ids name a task within its source and settings (builtin ids ignore max_ops): the
+        # settings must agree too.
+        if _heldout_setting(base) != _heldout_setting(run):
+            raise ValueError(
+                f"{base.workdir} and {run.workdir}: different held-out tasks; not paired"
+            )
         a, b = pair
         diffs.append(b - a)
         seeds.append(run.seed)

@@ -45,7 +45,7 @@ class TrajectoryBatch:
     sampler_logprobs_BT: jax.Array  # float32 log-prob of the token under the sampler
     policy_versions_BT: jax.Array  # int32 policy version that sampled the token
     sample_index_BT: jax.Array  # int32 sample of the token, -1 on padding
-    group_id_N: jax.Array  # int32 prompt group of each sample, -1 for an empty slot
+    group_id_N: jax.Array  # int32 prompt group of each sample, -1: an empty slot or abandoned
     rewards_N: dict[str, jax.Array]  # named reward components (task, behaviour), float32
     num_tool_calls_N: jax.Array  # float32
     num_turns_N: jax.Array  # float32

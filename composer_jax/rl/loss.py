@@ -65,8 +65,9 @@ def policy_gradient_token_loss(
     """Per-token surrogate whose gradient is -w * A * grad log pi, for the chosen weighting."""
     log_ratio = jnp.where(mask_BT, logp_BT - sampler_logp_BT, 0.0)
     # Bounded so exp stays finite in float32 (it overflows past 88.7, and PPO's clipped branch
-    # then multiplies a zero cotangent by inf: a NaN gradient). A token this far off-policy is
-    # past every cap and clip; its gradient through the bound is 0.
+    # then multiplies a zero cotangent by inf: a NaN gradient). A token this far off-policy gets
+    # no gradient through the bound (PPO's unclipped branch for a negative advantage would push
+    # it with a weight past e^20); its logged ratio stops at e^20.
     log_ratio = jnp.clip(log_ratio, -MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = jnp.exp(log_ratio)
     ratio_sg = jax.lax.stop_gradient(ratio)

@@ -116,3 +116,7 @@ def test_an_extended_runs_heldout_change_pairs_tasks_by_id(tmp_path):
     assert after.improvement_over(again)[0] == pytest.approx(((0.9 - 0.3) + (0.6 - 0.2)) / 2)
     text = closing_summary(cfg, again, after, 30)
     assert "paired over 2 tasks" in text
+    elsewhere = HeldoutResult(np.array([0.5]), 0.0, {}, ("z",))
+    assert "not compared (the two held-out records share no task" in closing_summary(
+        cfg, again, elsewhere, 30
+    )

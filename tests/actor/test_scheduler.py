@@ -139,3 +139,17 @@ def test_a_trained_group_damaged_on_disk_is_not_trained_again(tmp_path):
     reopened = GroupLedger(str(tmp_path))
     assert reopened.corrupt == ["p0"] and reopened.trained_step("p0") == 1
     assert _queue(Scheduler(RLConfig(), PROMPTS, reopened)) == ["p1", "p2"]
+
+
+def test_an_uninformative_group_damaged_on_disk_is_not_redone(tmp_path):
+    """Dropped as uninformative, the prompt was played to its end; its file breaking later
+    does not reopen it."""
+    ledger = GroupLedger(str(tmp_path))
+    ledger.add(_group("p0"))
+    ledger.drop(["p0"], 0, "uninformative")
+    path = os.path.join(str(tmp_path), "groups", "p0.npz")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+    reopened = GroupLedger(str(tmp_path))
+    assert reopened.corrupt == ["p0"]
+    assert _queue(Scheduler(RLConfig(), PROMPTS, reopened)) == ["p1", "p2"]

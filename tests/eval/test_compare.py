@@ -204,6 +204,33 @@ def test_heldout_records_pair_by_task_id(tmp_path):
     assert gain["mean"] == pytest.approx(((0.0 - 0.9) + (0.8 - 0.5) + (0.4 - 0.7)) / 3)
 
 
+def test_a_run_without_the_record_is_skipped_before_its_settings_are_compared(tmp_path):
+    """The other group's run has no held-out record after RL (it stopped early) and another
+    held-out set: nothing to pair, so no refusal either."""
+    for lr, tasks, heldout in (
+        (
+            0.001,
+            "builtin",
+            {
+                "before": {"per_task": [0.1], "task_ids": ["a"]},
+                "after-1": {"per_task": [0.2], "task_ids": ["a"]},
+            },
+        ),
+        (0.003, "humaneval", {"before": {"per_task": [0.3], "task_ids": ["a"]}}),
+    ):
+        folder = str(tmp_path / f"r{lr}")
+        cfg = config(lr, 0, folder)
+        cfg["data"]["tasks"] = tasks
+        write_run(folder, cfg, [{"step": 1, "loss": 1.0}], heldout)
+    runs = [compare.load_run(p) for p in compare.find_runs([str(tmp_path)])]
+    groups = sorted(
+        compare.group_runs(runs), key=lambda g: g.runs[0].config["optim"]["learning_rate"]
+    )
+    assert compare.paired_difference(groups[0], groups[1], "after") is None
+    with pytest.raises(ValueError, match="different held-out tasks"):
+        compare.paired_difference(groups[0], groups[1], "before")
+
+
 def _rl_run(tmp_path, name, seed, rl, lr=0.001):
     folder = str(tmp_path / name)
     cfg = {**config(lr, seed, folder), "rl": rl}
