@@ -90,7 +90,7 @@ def make_group(group_id: str, prompt_id: str, samples: list[EpisodeOutcome]) -> 
         group_id=group_id,
         prompt_id=prompt_id,
         policy_versions=cat("policy_versions", np.int32)[cat("policy_mask", bool)],
-        advantages=host_advantages(rewards, ~np.array([s.abandoned for s in samples], bool)),
+        advantages=host_advantages(rewards, ~np.asarray(metadata["abandoned"], bool)),
         rewards=rewards,
         arrays=dict(arrays, policy_versions_all=cat("policy_versions", np.int32)),
         metadata=metadata,
