@@ -64,10 +64,12 @@ def rl_train_step(
     batch: TrajectoryBatch,
     reference: jax.Array | None,
     qk_clip: QKClip | None = None,
+    temperature: float = 1.0,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One policy-gradient step (the gradient step pretraining uses, on the RL loss). Expert
     routing biases are left alone: routing is replayed. `reference`: what `_reference` gives
-    (the reference's logits for the exact KL, else its token log-probs), or None."""
+    (the reference's logits for the exact KL, else its token log-probs), or None.
+    `temperature`: the sampler's, whose distribution is the policy trained (see `composer_jax.rl.policy`)."""
     exact = objective.kl_estimator == "exact"
     ref_logprobs, ref_logits = (None, reference) if exact else (reference, None)
     params, opt_state, metrics = apply_gradients(
@@ -76,7 +78,7 @@ def rl_train_step(
         schedule,
         layout,
         state,
-        lambda m: rl_loss(m, batch, objective, ref_logprobs, ref_logits),
+        lambda m: rl_loss(m, batch, objective, ref_logprobs, ref_logits, temperature),
         qk_clip,
     )
     # A non-finite step leaves the state as it was (the caller raises): the old state's buffers
@@ -98,10 +100,10 @@ def rl_objective(rl: RLConfig) -> RLObjectiveConfig:
     return dataclasses.replace(objective, loss_normalizer=normalizer)
 
 
-def _reference(graphdef, layout, exact: bool, params, buffers, batch):
+def _reference(graphdef, layout, exact: bool, temperature: float, params, buffers, batch):
     m = nnx.merge(graphdef, params, buffers)
     with use_layout(layout):
-        return (reference_logits if exact else reference_logprobs)(m, batch)
+        return (reference_logits if exact else reference_logprobs)(m, batch, temperature)
 
 
 def rl_setup(cfg: config_lib.ExperimentConfig, layout: Layout | None = None) -> TrainSetup:
@@ -165,11 +167,16 @@ class RLTrainer:
                 setup.schedule,
                 self.layout,
                 qk_clip=QKClip.of(cfg.optim, cfg.model),
+                temperature=cfg.rl.rollout.temperature,
             ),
             donate_argnums=0,
         )
         exact = cfg.rl.objective.kl_estimator == "exact"
-        self._ref_fn = jax.jit(functools.partial(_reference, setup.graphdef, self.layout, exact))
+        self._ref_fn = jax.jit(
+            functools.partial(
+                _reference, setup.graphdef, self.layout, exact, cfg.rl.rollout.temperature
+            )
+        )
         self.publisher = WeightPublisher(
             open_store(weight_store),
             delta=cfg.rl.weight_delta,

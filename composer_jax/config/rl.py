@@ -121,6 +121,8 @@ class RolloutConfig:
     num_slots: int = 16
     context_len: int = 768
     max_new_tokens: int = 256  # per turn
+    # The policy trained is the distribution sampled at this temperature (the trainer divides its
+    # logits by it too); a top_p nucleus is not reproduced by the trainer (composer_jax.rl.policy).
     temperature: float = 1.0
     top_p: float = 1.0
     recompute_cache_on_update: bool = False

@@ -5,8 +5,8 @@ correcting for:
 - `logprob`: under the distribution actually sampled from (logits / temperature, truncated to the
   top-p nucleus and renormalised; greedy rows put all mass on the argmax, so 0). This is the
   behaviour policy for importance weights.
-- `raw_logprob`: log_softmax of the unmodified logits (the policy at temperature 1, no top-p),
-  what a trainer recomputes.
+- `raw_logprob`: log_softmax of the unmodified logits (the policy at temperature 1, no top-p).
+  The RL trainer recomputes the tempered distribution (`composer_jax.rl.policy`), not this one.
 Randomness is a pure function of (request seed, token position), so a request samples the same
 tokens whatever else runs in the batch.
 """

@@ -4,6 +4,14 @@ Router replay forces the experts the sampler used (`batch.router_indices_LBTK`),
 log-probs are those of the policy that sampled, up to weight staleness; the model's
 `replay_min_ratio` replaces replayed experts the trainer finds implausible, and the rate is logged.
 Gates are computed live, so the router is trained through the RL loss.
+
+`temperature`: the policy trained is softmax(logits / temperature), the distribution the sampler
+draws from at that temperature (`rl.rollout.temperature`), so the importance ratio compares the
+trainer's and the sampler's log-probs of the same distribution (at temperature 0.7 the untempered
+log-probs put every ratio far from 1, and PPO's clip would silence most tokens). The reference
+and the distillation teacher are tempered alike. A sampler nucleus (top_p < 1) is not reproduced:
+the ratio is then the tempered policy over the truncated one the token came from, at most 1, a
+proper importance weight towards the untruncated policy.
 """
 
 from __future__ import annotations
@@ -45,16 +53,25 @@ def trainer_logits(
     return model.logits(out.hidden_BTD), metrics
 
 
-def reference_logits(model: Transformer, batch: TrajectoryBatch) -> jax.Array:
+def tempered(logits: jax.Array, temperature: float) -> jax.Array:
+    """The logits of the distribution sampled at `temperature` (unchanged, bit for bit, at 1)."""
+    return logits if temperature == 1.0 else logits / temperature
+
+
+def reference_logits(
+    model: Transformer, batch: TrajectoryBatch, temperature: float = 1.0
+) -> jax.Array:
     """Logits under a reference policy (its own routing), as constants: the exact KL's input
     ([B, T, V]: a vocabulary-sized copy of the batch, for small-vocabulary studies)."""
     out = forward(model, batch.tokens_BT, batch.positions_BT, batch.segment_ids_BT, with_mtp=False)
-    return jax.lax.stop_gradient(model.logits(out.hidden_BTD))
+    return jax.lax.stop_gradient(tempered(model.logits(out.hidden_BTD), temperature))
 
 
-def reference_logprobs(model: Transformer, batch: TrajectoryBatch) -> jax.Array:
+def reference_logprobs(
+    model: Transformer, batch: TrajectoryBatch, temperature: float = 1.0
+) -> jax.Array:
     """Token log-probs under a reference policy (its own routing), as constants."""
-    return token_logprobs(reference_logits(model, batch), batch.tokens_BT)
+    return token_logprobs(reference_logits(model, batch, temperature), batch.tokens_BT)
 
 
 def teacher_logits(model: Transformer, batch: TrajectoryBatch) -> jax.Array:
@@ -75,12 +92,15 @@ def rl_loss(
     cfg: RLObjectiveConfig,
     ref_logprobs_BT: jax.Array | None = None,
     ref_logits_BTV: jax.Array | None = None,
+    temperature: float = 1.0,
 ) -> tuple[jax.Array, Metrics]:
-    """Loss and metrics of one RL step; differentiate with respect to the model's parameters."""
+    """Loss and metrics of one RL step; differentiate with respect to the model's parameters.
+    The references are the reference's at the same `temperature` (`reference_logprobs`)."""
     logits, metrics = trainer_logits(model, batch, replay=cfg.router_replay)
+    logits = tempered(logits, temperature)
     teacher = None
     if batch.teacher_tokens_BT is not None and cfg.distill_coef > 0:
-        teacher = teacher_logits(model, batch)
+        teacher = tempered(teacher_logits(model, batch), temperature)
     loss, objective_metrics = policy_objective(
         logits, batch, cfg, ref_logprobs_BT, ref_logits_BTV, teacher
     )

@@ -212,7 +212,9 @@ def test_qk_clip_in_the_rl_step_shrinks_only_the_query_and_key_projections(tmp_p
 def test_the_exact_kl_trains_against_the_reference_logits(tmp_path):
     """`kl_estimator="exact"` (full-vocabulary KL to the warm start): the trainer's reference
     pass gives the logits it needs, and each step's KL term is the one `rl_loss` gives with the
-    warm start's logits (not 0 at the first step: the policy's routes are the batch's)."""
+    warm start's logits (not 0 at the first step: the policy's routes are the batch's). At the
+    sampler's temperature 0.5 both are the tempered distributions': the trainer's policy is what
+    the sampler draws from."""
     from flax import nnx
 
     from composer_jax.actor.trainer import rl_objective
@@ -226,15 +228,21 @@ def test_the_exact_kl_trains_against_the_reference_logits(tmp_path):
         cfg,
         workdir=str(tmp_path / "run"),
         model=dataclasses.replace(cfg.model, dtype="float32"),  # a KL this small, compared
-        rl=dataclasses.replace(cfg.rl, objective=objective),
+        rl=dataclasses.replace(
+            cfg.rl,
+            objective=objective,
+            rollout=dataclasses.replace(cfg.rl.rollout, temperature=0.5),
+        ),
     )
     graphdef, params, buffers = split_model(init_model(cfg.model, 3))
     batch = _packed_rl_batch(cfg)
-    reference = reference_logits(nnx.merge(graphdef, params, buffers), batch)
+    reference = reference_logits(nnx.merge(graphdef, params, buffers), batch, 0.5)
     trainer = RLTrainer(cfg, params, buffers, str(tmp_path / "weights"))
     for _ in range(2):  # the warm start itself (under replayed routes), then a moved policy
         policy = nnx.merge(graphdef, trainer.state.params, buffers)
-        _, want = rl_loss(policy, batch, rl_objective(cfg.rl), ref_logits_BTV=reference)
+        _, want = rl_loss(
+            policy, batch, rl_objective(cfg.rl), ref_logits_BTV=reference, temperature=0.5
+        )
         got = trainer.step(batch)
         assert float(want["kl_loss"]) > 1e-6
         np.testing.assert_allclose(got["kl_loss"], float(want["kl_loss"]), rtol=1e-4)

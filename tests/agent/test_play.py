@@ -21,6 +21,7 @@ from composer_jax.model import init_model
 from composer_jax.rl import RLObjectiveConfig, SegmentKind, reference_logprobs, rl_loss
 
 MAX_NEW = 48
+TEMPERATURE = 0.7  # the trainer's policy is the sampler's distribution at this temperature
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def test_collect_batch_trains(model):
     engine = InferenceEngine(model, num_slots=4, max_len=768, prefill_buckets=(64, 512))
     tokenizer = ByteTokenizer()
     tasks = builtin_tasks(2, "train", seed=0)
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, seed=3)
+    sampling = SamplingParams(temperature=TEMPERATURE, max_new_tokens=MAX_NEW, seed=3)
     generated = []
     original_step = engine.step
 
@@ -103,21 +104,30 @@ def test_collect_batch_trains(model):
     assert batch.router_indices_LBTK.shape[0] == cfg.num_moe_layers
 
     objective = RLObjectiveConfig(max_generation_len=2 * MAX_NEW)
-    reference = reference_logprobs(model, batch)  # the policy itself here: KL starts at 0
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-    def loss_fn(p):
-        return rl_loss(nnx.merge(graphdef, p, rest), batch, objective, reference)
+    def loss_and_grads(temperature):
+        # The reference is the policy itself here: the KL starts at 0.
+        reference = reference_logprobs(model, batch, temperature)
 
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        def loss_fn(p):
+            m = nnx.merge(graphdef, p, rest)
+            return rl_loss(m, batch, objective, reference, temperature=temperature)
+
+        return jax.value_and_grad(loss_fn, has_aux=True)(params)
+
+    (loss, metrics), grads = loss_and_grads(TEMPERATURE)
     assert np.isfinite(float(loss))
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
-    # The sampler's policy is the trainer's (same weights, temperature 1, experts replayed):
+    # The sampler's policy is the trainer's (same weights, same temperature, experts replayed):
     # every trained token's log-prob lines up with the one it was sampled with, and the KL to
     # the policy itself is zero (a token or log-prob shifted by one position would not be).
     np.testing.assert_allclose(metrics["importance_ratio_max"], 1.0, atol=1e-3)
     np.testing.assert_allclose(metrics["importance_ratio_mean"], 1.0, atol=1e-3)
     np.testing.assert_allclose(metrics["kl_k1"], 0.0, atol=1e-5)
+    # The untempered policy is another distribution: its ratios to the sampler's are not 1.
+    (_, untempered), _ = loss_and_grads(1.0)
+    assert float(untempered["importance_ratio_max"]) > 1.5
 
 
 def test_slots_refill_on_a_schedule_that_environment_timing_does_not_change(model):
