@@ -20,7 +20,7 @@ import numpy as np
 from absl import app, flags
 
 from composer_jax.actor.ledger import GroupLedger
-from composer_jax.actor.samples import group_alone
+from composer_jax.actor.samples import group_alone, trained_samples
 from composer_jax.rl.length_penalty import parts_advantage_rms
 from composer_jax.train.workdir import read_run_config
 
@@ -40,12 +40,14 @@ def run_shares(workdir: str) -> dict:
         group = ledger.load(group_id)
         batch = group_alone(group, cfg.rl)
         metrics = parts_advantage_rms(batch, cfg.rl.objective)
-        count = len(group.rewards)
+        # The rms is over the samples in the advantages: abandoned ones are not.
+        trained = trained_samples(group)
+        count = int(trained.sum())
         for name, value in metrics.items():
             if name.startswith(PREFIX):
                 squares[name[len(PREFIX) :]] += float(value) ** 2 * count
-        task = np.asarray(batch.rewards_N["task"])[:count]
-        task_signal += bool(np.ptp(task) > 0)
+        task = np.asarray(batch.rewards_N["task"])[: len(trained)][trained]
+        task_signal += bool(task.size and np.ptp(task) > 0)
         samples, groups = samples + count, groups + 1
     if not groups:
         raise SystemExit(f"{workdir}: no trained groups in its ledger")

@@ -321,8 +321,10 @@ class Coordinator:
         with self.state.lock:
             del self.state.groups[group.group_id]
             self.state.counters.groups_finished += 1
-            self.state.counters.reward_sum += float(sum(r.reward for r in results))
-            self.state.counters.reward_samples += len(results)
+            measured = [r.reward for r in results if not r.abandoned]
+            self.state.counters.reward_sum += float(sum(measured))
+            self.state.counters.reward_samples += len(measured)
+            self.state.counters.samples_abandoned += len(results) - len(measured)
             self.scheduler.finished(
                 group.group_id,
                 max(r.num_turns for r in results),

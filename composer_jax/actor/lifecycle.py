@@ -93,8 +93,11 @@ class Counters:
     truncated: int = 0
     turns: int = 0
     weight_updates_in_flight: int = 0
-    reward_sum: float = 0.0  # task rewards of every sample of a finished group (trained or not)
+    # Task rewards of every measured sample of a finished group (trained or not): all but the
+    # abandoned ones, whose 0 says nothing of the policy (`EpisodeOutcome.abandoned`).
+    reward_sum: float = 0.0
     reward_samples: int = 0  # how many samples reward_sum adds up
+    samples_abandoned: int = 0
     feedback: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     flagged_samples: int = 0  # finished samples a reward-hack monitor flagged (reward zeroed)
     monitor_flags: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -110,6 +113,7 @@ class Counters:
             "samples_finished": self.samples_finished,
             "rollout_reward_sum": self.reward_sum,
             "rollout_reward_samples": self.reward_samples,
+            "samples_abandoned": self.samples_abandoned,
             "env_failures": self.env_failures,
             "env_errors": self.env_errors,
             "sampler_failures": self.sampler_failures,

@@ -15,6 +15,7 @@ import numpy as np
 from etils import epath
 
 from composer_jax.actor.evaluator import HeldoutResult
+from composer_jax.actor.samples import trained_samples
 from composer_jax.eval.passk import heldout_metric_order
 from composer_jax.train.metrics import read_metrics
 
@@ -117,7 +118,9 @@ def _warm_start_line(cfg) -> str:
 
 
 def group_metrics(groups, version: int, cfg) -> dict[str, float]:
-    rewards = np.concatenate([g.rewards for g in groups])
+    """The trained groups' rewards (over their measured samples: an abandoned one's 0 is no
+    measurement, `trained_samples`), staleness, lengths and feedback."""
+    rewards = np.concatenate([g.rewards[trained_samples(g)] for g in groups])
     lags = [version - g.min_version for g in groups]
     tokens = [
         int(sum(g.arrays["sequence_lengths"][g.arrays["sequence_sample"] == i]))
@@ -126,9 +129,11 @@ def group_metrics(groups, version: int, cfg) -> dict[str, float]:
     ]
     summaries = [s for g in groups for s in g.metadata["summaries"]]
     feedback = [sum(f.values()) for g in groups for f in g.metadata["feedback"]]
+    measured = {}
+    if rewards.size:  # every sample of every group abandoned: no reward was measured
+        measured = {"reward_mean": float(rewards.mean()), "pass_rate": float((rewards >= 1).mean())}
     return {
-        "reward_mean": float(rewards.mean()),
-        "pass_rate": float((rewards >= 1.0).mean()),
+        **measured,
         "staleness_mean": float(np.mean(lags)),
         "staleness_max": float(np.max(lags)),
         "summaries_per_sample": float(np.mean(summaries)),
@@ -216,13 +221,14 @@ class StepRates:
         snapshot = coordinator.snapshot()
         finished = snapshot["rollout_reward_samples"] - self.finished
         reward_sum = snapshot["rollout_reward_sum"] - self.reward_sum
+        # Every measured sample of the groups finished since the last step, trained or not:
+        # the policy's reward (reward_mean is over the trained groups only); none measured, none.
+        rollout = {"rollout_reward": reward_sum / finished} if finished else {}
         record = {
             **metrics,
             **group_metrics(groups, version, rl),
             **snapshot,
-            # Every sample of the groups finished since the last step, trained or not: the
-            # policy's reward (reward_mean is over the trained groups only).
-            "rollout_reward": reward_sum / max(finished, 1),
+            **rollout,
             **{f"ledger/{k}": v for k, v in ledger.stats().items()},
             **extra,
             "tokens_per_second": (generated - self.tokens) / max(now - self.time, 1e-9),

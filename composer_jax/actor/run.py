@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import os
 import signal
 import time
@@ -332,8 +333,8 @@ def _train(cfg, loop: _Loop, progress: bool) -> str | None:
                 loop.writer.write(trainer.version, record)
                 bar.update(1)
                 bar.set_postfix(
-                    reward=f"{record['rollout_reward']:.2f}",
-                    passed=f"{record['pass_rate']:.2f}",
+                    reward=f"{record.get('rollout_reward', math.nan):.2f}",
+                    passed=f"{record.get('pass_rate', math.nan):.2f}",
                     stale=f"{record['staleness_mean']:.1f}",
                     tok_s=f"{record['tokens_per_second']:.0f}",
                     kl=f"{record.get('kl_k1', 0.0):.4f}",

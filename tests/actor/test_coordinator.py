@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from composer_jax import data, envs
-from composer_jax.actor.env_workers import ProcessEnvironmentPool
+from composer_jax.actor.env_workers import ProcessEnvironmentPool, failed_future
 from composer_jax.actor.ids import GroupId
 from composer_jax.actor.inflight import GroupState, InFlightStore
 from composer_jax.actor.ledger import GroupLedger
 from composer_jax.actor.lifecycle import SampleState
+from composer_jax.actor.report import group_metrics
 from composer_jax.actor.sampler import LocalSampler
 from composer_jax.actor.samples import group_sequences, groups_to_batch
 from composer_jax.actor.thread_pool import ThreadEnvironmentPool
@@ -192,6 +193,47 @@ def test_environment_worker_failure_requeues_the_sample(tmp_path, failure):
     assert snapshot["env_failures"] >= 1 and snapshot["samples_requeued"] >= 1
     key = "env/worker_crashes" if failure == "kill" else "env/worker_timeouts"
     assert snapshot[key] >= 1 and snapshot["env/workers_replaced"] >= 1
+
+
+class _RefusingPool(ThreadEnvironmentPool):
+    """Environments whose every start for sample 1 fails (a sandbox that will not come up)."""
+
+    def start(self, episode_id, task, config=envs.EnvConfig(), snapshot=None):
+        if episode_id.startswith("p0-s1"):
+            return failed_future(RuntimeError("the sandbox would not start"))
+        return super().start(episode_id, task, config, snapshot)
+
+
+def test_an_abandoned_sample_is_no_reward_measurement(tmp_path):
+    """Sample 1's environment never starts: after MAX_ATTEMPTS it is abandoned with reward 0.
+    The rollout reward and the trained groups' reward are the measured sample's (1.0, not 0.5),
+    and the abandonment is counted."""
+    task = envs.builtin_tasks(1, seed=8, max_ops=1)[0]
+    turns = envs.oracle_turns(task)
+    sampler = ScriptedSampler(
+        lambda prompt, turn: turns[turn],
+        TOKENIZER,
+        moe_layers=MODEL_CFG.num_moe_layers,
+        k=MODEL_CFG.num_experts_per_tok,
+    )
+    cfg = RLConfig(
+        rollout=RolloutConfig(group_size=2, groups_per_step=1),
+        agent=AgentConfig(max_turns=4, feedback_detectors=()),
+    )
+    with _RefusingPool(2, timeout_s=60) as pool:
+        coordinator, group = _run_one_group(
+            cfg, sampler, pool, GroupLedger(tmp_path / "ledger"), task
+        )
+    np.testing.assert_array_equal(group.rewards, [1.0, 0.0])
+    assert group.metadata["abandoned"] == [False, True]
+    snapshot = coordinator.snapshot()
+    assert snapshot["rollout_reward_sum"] == 1.0 and snapshot["rollout_reward_samples"] == 1
+    assert snapshot["samples_abandoned"] == 1
+    metrics = group_metrics([group], version=0, cfg=cfg)
+    assert metrics["reward_mean"] == 1.0 and metrics["pass_rate"] == 1.0
+    # A step whose every sample was abandoned measured no reward: it reports none.
+    group.metadata["abandoned"] = [True, True]
+    assert "reward_mean" not in group_metrics([group], version=0, cfg=cfg)
 
 
 def _revisits(ledger, prompt):

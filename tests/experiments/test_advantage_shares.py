@@ -1,5 +1,6 @@
 """experiments/advantage_shares.py on a hand-made run folder: the pooled share of the advantage
-of each reward part, over the trained groups only, against numpy."""
+of each reward part, over the trained groups only (and their samples in the advantages: not an
+abandoned one), against numpy."""
 
 import dataclasses
 import json
@@ -16,7 +17,7 @@ from experiments import advantage_shares
 from tests.helpers import policy_sequence
 
 
-def _episode(rng, reward, style):
+def _episode(rng, reward, style, abandoned=False):
     turns = int(rng.integers(1, 6))
     return EpisodeOutcome(
         [policy_sequence(rng, 4, int(rng.integers(4, 26)))],
@@ -24,6 +25,7 @@ def _episode(rng, reward, style):
         num_turns=turns,
         num_tool_calls=turns,
         behaviour={"style": style},
+        abandoned=abandoned,
     )
 
 
@@ -38,10 +40,12 @@ def test_shares_pool_the_trained_groups_and_match_numpy(tmp_path):
     )
     (tmp_path / "config.json").write_text(json.dumps(config_lib.to_dict(cfg)))
     ledger = GroupLedger(str(tmp_path / "ledger"))
-    task = [[1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 0.0, 0.5], [1.0, 0.0, 0.0, 0.0]]
+    # g0's last sample was abandoned (its environment failed): its 0 is no task signal.
+    task = [[1.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.5], [1.0, 0.0, 0.0, 0.0]]
     style = -rng.uniform(0, 1, (3, 4))
     for g in range(3):
-        episodes = [_episode(rng, task[g][i], style[g, i]) for i in range(4)]
+        abandoned = [g == 0 and i == 3 for i in range(4)]
+        episodes = [_episode(rng, task[g][i], style[g, i], abandoned[i]) for i in range(4)]
         ledger.add(make_group(f"g{g}", f"p{g}", episodes))
     ledger.mark_trained(["g0", "g1"], 1)  # g2 was never trained: not counted
 
@@ -53,6 +57,7 @@ def test_shares_pool_the_trained_groups_and_match_numpy(tmp_path):
 
     assert shares["groups"] == 2 and shares["task_signal"] == pytest.approx(0.5)
     rms = shares["advantage_rms"]
-    assert rms["task"] == pytest.approx(pooled([np.array(t) for t in task[:2]]), rel=1e-5)
-    assert rms["style"] == pytest.approx(pooled([0.1 * style[0], 0.1 * style[1]]), rel=1e-5)
+    played = [np.array(task[0][:3]), np.array(task[1])]
+    assert rms["task"] == pytest.approx(pooled(played), rel=1e-5)
+    assert rms["style"] == pytest.approx(pooled([0.1 * style[0, :3], 0.1 * style[1]]), rel=1e-5)
     assert rms["length_penalty"] > 0
