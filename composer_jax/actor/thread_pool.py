@@ -49,6 +49,8 @@ class ThreadEnvironmentPool(EnvironmentPool):
         self._watchdog = threading.Thread(target=self._watch, name="env-watchdog", daemon=True)
         self._watchdog.start()
 
+    # Each call is checked and queued under one hold of the lock: a shutdown between the two
+    # would leave it queued behind the threads' stop markers, its future never completed.
     def start(
         self,
         episode_id: str,
@@ -56,27 +58,33 @@ class ThreadEnvironmentPool(EnvironmentPool):
         config: EnvConfig = EnvConfig(),
         snapshot: dict | None = None,
     ) -> concurrent.futures.Future:
+        call = Call(episode_id, "start", (episode_id, task, config, snapshot), running_future())
         with self._lock:
             self._check_open()
             self._counters["calls"] += 1
             if episode_id in self._lost:
                 return failed_future(ValueError(f"episode {episode_id!r} already started"))
-        return self._submit(Call(episode_id, "start", (episode_id, task, config, snapshot), None))
+            self._enqueue(call)
+        return call.future
 
     def step(self, episode_id: str, model_output: str) -> concurrent.futures.Future:
+        call = Call(episode_id, "step", (episode_id, model_output), running_future())
         with self._lock:
             self._check_open()
             self._counters["calls"] += 1
             if episode_id in self._lost:
                 return failed_future(lost_error(episode_id))
-        return self._submit(Call(episode_id, "step", (episode_id, model_output), None))
+            self._enqueue(call)
+        return call.future
 
     def snapshot(self, episode_id: str) -> concurrent.futures.Future:
+        call = Call(episode_id, "snapshot", (episode_id,), running_future())
         with self._lock:
             self._check_open()
             if episode_id in self._lost:
                 return failed_future(lost_error(episode_id))
-        return self._submit(Call(episode_id, "snapshot", (episode_id,), None))
+            self._enqueue(call)
+        return call.future
 
     def close(self, episode_id: str) -> None:
         with self._lock:
@@ -110,12 +118,6 @@ class ThreadEnvironmentPool(EnvironmentPool):
             hung, self._running = list(self._running), {}
         fail_all(hung, "the environment pool was shut down")
         self._host.close_all()
-
-    def _submit(self, call: Call) -> concurrent.futures.Future:
-        call.future = running_future()
-        with self._lock:
-            self._enqueue(call)
-        return call.future
 
     def _enqueue(self, call: Call) -> None:
         """Queues `call` for a thread, or behind its episode's earlier call (the lock is held)."""

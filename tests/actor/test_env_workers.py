@@ -2,11 +2,13 @@
 killed or hung worker loses only its own episodes and is replaced; worker processes never
 import JAX."""
 
+import concurrent.futures
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -350,3 +352,37 @@ def test_a_thread_pool_runs_each_episodes_calls_in_order():
         while host.order[-1:] != ["close"] and time.monotonic() < deadline:
             time.sleep(0.01)
         assert host.order == ["snapshot", "step", "snapshot", "close"]
+
+
+class _ShutdownOnRelease:
+    """The pool's lock, which shuts the pool down (from another thread, to the end) the first
+    time `caller` releases it: between any two holds of the lock within one call."""
+
+    def __init__(self, pool, caller):
+        self.pool, self.lock, self.caller, self.armed = pool, pool._lock, caller, True
+
+    def __enter__(self):
+        self.lock.acquire()
+
+    def __exit__(self, *exc):
+        self.lock.release()
+        if self.armed and threading.current_thread() is self.caller:
+            self.armed = False
+            shutdown = threading.Thread(target=self.pool.shutdown)
+            shutdown.start()
+            shutdown.join()
+
+
+@pytest.mark.parametrize("method", ["step", "snapshot"])
+def test_a_thread_pool_shut_down_during_a_call_still_completes_it(method):
+    """A shutdown landing inside a call (after it was checked): the call's future completes (run
+    or failed), never waits forever behind the threads' stop markers."""
+    pool = ThreadEnvironmentPool(max_workers=1, timeout_s=5)
+    pool._host = _RecordingHost()
+    pool._lock = _ShutdownOnRelease(pool, threading.current_thread())
+    args = ("e", "turn") if method == "step" else ("e",)
+    future = getattr(pool, method)(*args)
+    done, _ = concurrent.futures.wait([future], timeout=5)
+    assert done, f"{method} never completed"
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.step("e", "turn")
