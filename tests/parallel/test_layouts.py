@@ -1,6 +1,7 @@
 """Every (replica, fsdp, cp) layout with expert parallelism computes the single-device step."""
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
@@ -10,8 +11,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from composer_jax import config as config_lib
+from composer_jax import presets
 from composer_jax.config import MeshConfig
-from composer_jax.model import init_model
+from composer_jax.model import Transformer, init_model
 from composer_jax.model.layers import compute_weight, logical_axes_of
 from composer_jax.model.transformer import forward
 from composer_jax.parallel import make_layout, report, use_layout
@@ -268,3 +270,36 @@ def test_a_pinned_output_keeps_its_inputs_layout_and_compiles_once():
             state = jitted(weights, state, sharding)
         assert jitted._cache_size() - before == compiles
         np.testing.assert_array_equal(np.asarray(state), 3.0)
+
+
+def test_a_dimension_the_whole_rule_does_not_divide_takes_the_axes_that_do():
+    """Kimi K2's MLA up-projections on fsdp 64 x cp 16 (1,024 devices): q_lora 1536, kv_lora 512
+    and 64 heads divide by 64 and by 16, not by 1,024. Each dimension takes the axes that divide
+    it (the rest stay free for the next) instead of the array replicating: 6 GiB of float32 on
+    every device, so the model's bytes a device grew from 512 devices to 1,024."""
+    layout = mesh_lib.Layout(jax.sharding.AbstractMesh((1, 64, 16), mesh_lib.AXES), ("fsdp",))
+    q_b = ("layers", "q_lora", "heads", "head_dim")
+    assert layout.spec(q_b, (60, 1536, 64, 192)) == P(None, "fsdp", "cp", None)
+    assert layout.spec(("vocab", "embed"), (163840, 7168)) == P(("fsdp", "cp"), None)
+    assert layout.spec(("heads",), (48,)) == P("cp")  # 48 divides by 16, not by 64
+    assert layout.spec(("heads",), (7,)) == P(None)
+
+    model_cfg = presets.kimi_k2().model
+    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0)))
+    params = nnx.state(abstract, nnx.Param)
+    axes = jax.tree.leaves(logical_axes_of(params), is_leaf=lambda a: isinstance(a, tuple))
+
+    def bytes_a_device(cp):
+        layout = mesh_lib.Layout(jax.sharding.AbstractMesh((1, 64, cp), mesh_lib.AXES), ("fsdp",))
+        total = 0
+        for names, x in zip(axes, jax.tree.leaves(params)):
+            spec = layout.spec(names, x.shape)
+            split = [math.prod(layout.mesh.shape[a] for a in _axes_of(s)) for s in spec]
+            total += math.prod(n // k for n, k in zip(x.shape, split)) * x.dtype.itemsize
+        return total
+
+    assert bytes_a_device(16) < 0.55 * bytes_a_device(8)
+
+
+def _axes_of(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)

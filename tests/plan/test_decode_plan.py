@@ -23,7 +23,7 @@ def test_the_decode_plan_is_what_a_sharded_sampler_holds_and_exchanges():
     serving = decode.serving_layout(layout, cfg.model.num_experts)
     assert plan.mesh == {"replica": 1, "fsdp": 8, "cp": 1}
 
-    _, abstract = decode.abstract_model_state(cfg, layout)
+    _, abstract = decode.abstract_model_state(cfg, serving)  # the layout the plan compiles on
     engine = InferenceEngine(
         Transformer(cfg.model, nnx.Rngs(0)),
         num_slots=8,
