@@ -86,10 +86,17 @@ def read_costs(compiled, mesh: dict[str, int], compile_seconds: float) -> dict:
     )
 
 
-# Bytes on the wire per byte a collective produces on each device, for a group of n.
+# Bytes a device sends (ring algorithms) per byte the collective produces on it, for a group of
+# n: an all-gather or all-to-all sends (n - 1)/n of its output, an all-reduce twice that; a
+# reduce-scatter produces 1/n of the input it sends (n - 1)/n of, so n - 1 times its output; a
+# permute sends its whole buffer (its "group" is one pair).
 def _wire_factor(kind: str, n: int) -> float:
     if n <= 1:
         return 0.0
+    if kind == "collective-permute":
+        return 1.0
+    if kind == "reduce-scatter":
+        return n - 1.0
     share = (n - 1) / n
     return 2 * share if kind == "all-reduce" else share
 
