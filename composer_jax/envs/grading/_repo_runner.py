@@ -22,10 +22,14 @@ guards what decides the verdict before any repository code is imported:
   object's file name can be forged without an audited event (`marshal.loads` of crafted bytes,
   `_imp._fix_co_filename`);
 - the verdict is one JSON line on a descriptor duplicated before the tests ran, after which this
-  process ends through a reference taken at start (`atexit` hooks and finalizers never run).
+  process ends through a reference taken at start (`atexit` hooks and finalizers never run);
+  it carries a nonce the harness sent on stdin, which `main` takes into its frame before any
+  repository code runs (a line the candidate writes to the descriptor and then exits cannot
+  carry it; reading a process's memory is refused). The harness runs this program in globals
+  no module holds (`harness.RUNNER_BOOT`), so its names cannot be rebound from outside.
 The grader accepts the verdict only as the single message of a child that exited 0 and checks it
-against the exact expected test ids; anything else (a second message, a crash, a timeout, a
-tampered snapshot) grades as nothing passed.
+against the nonce and the exact expected test ids; anything else (a second message, a crash, a
+timeout, a tampered snapshot) grades as nothing passed.
 
 In `survey` mode (the task factory, on the original code) it records which source functions each
 test calls, through `sys.monitoring`; in `record` mode, the arguments of every call the tests
@@ -39,6 +43,7 @@ import importlib
 import json
 import os
 import pathlib
+import re
 import sys
 import types
 
@@ -82,6 +87,16 @@ _FROZEN_ALIASES = {
     "importlib._bootstrap_external": "_frozen_importlib_external",
 }
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+_PROCESS_MEMORY = re.compile(r"/proc/[^/]+(/task/[^/]+)?/(mem|map_files/.*)")
+
+
+def _process_memory(path) -> bool:
+    """Whether `path`, its links followed, is a process's memory (which holds the verdict's
+    nonce); a path that cannot be resolved counts as one."""
+    try:
+        return bool(_PROCESS_MEMORY.fullmatch(os.path.realpath(os.fsdecode(path))))
+    except (OSError, ValueError):
+        return True
 
 
 def _protected(name: str) -> bool:
@@ -366,7 +381,7 @@ class Guard:
             return _protected(getattr(args[0], "__module__", "") or "")
         if event == "open":
             path, mode, flags = args
-            if isinstance(path, int):
+            if isinstance(path, int) or _process_memory(path):
                 return True
             writes = any(c in (mode or "") for c in "wax+") or bool((flags or 0) & _WRITE_FLAGS)
             return writes and not os.fsdecode(path).startswith(("/tmp/", "/dev/null"))
@@ -611,6 +626,10 @@ def _pytest_args(settings: dict) -> list[str]:
 def main(settings: dict) -> None:
     """Runs the tests `settings` name and writes the verdict (the harness passes the settings
     with this program's source on the first line of stdin)."""
+    # Taken into this frame before any repository code runs (its locals are out of reach while
+    # frame introspection is refused): the nonce the verdict must carry, and what writes it.
+    nonce = settings.pop("nonce", None)
+    write, fstat, finish, dumps = _WRITE, _FSTAT, _EXIT, _DUMPS
     fd, channel = _report_channel()
     root = settings["root"]
     sys.path[:0] = [root, *settings.get("lib", [])]
@@ -648,6 +667,7 @@ def main(settings: dict) -> None:
         "status": status,
         "tampered": sorted(set(recorder.tampered)),
         "blocked": guard.blocked[:50] if guard is not None else [],
+        "nonce": nonce,
     }
     if isinstance(coverage, Coverage):
         verdict["coverage"] = {k: sorted(v) for k, v in coverage.calls.items()}
@@ -658,10 +678,10 @@ def main(settings: dict) -> None:
             stream.flush()
         except (OSError, ValueError, AttributeError):
             pass
-    info = _FSTAT(fd)
+    info = fstat(fd)
     if (info.st_dev, info.st_ino) != channel:
-        _EXIT(3)  # the verdict's descriptor was replaced: say nothing, fail
-    data = (_DUMPS(verdict) + "\n").encode()
+        finish(3)  # the verdict's descriptor was replaced: say nothing, fail
+    data = (dumps(verdict) + "\n").encode()
     while data:
-        data = data[_WRITE(fd, data) :]
-    _EXIT(0)
+        data = data[write(fd, data) :]
+    finish(0)

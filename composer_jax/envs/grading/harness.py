@@ -29,6 +29,7 @@ import ctypes
 import json
 import math
 import os
+import secrets
 import select
 import signal
 import sys
@@ -423,12 +424,16 @@ def grade_check(spec: dict) -> dict:
 
 
 # The repository runner (`_repo_runner`, its source in the spec) runs in an interpreter without
-# site directories, so nothing planted in the workspace is imported before it.
+# site directories, so nothing planted in the workspace is imported before it. Its globals are
+# a dict of their own, held by no module and no global name: the candidate's code runs in the
+# same process, and `vars(sys.modules["__main__"])[name] = ...` is a plain store that no audit
+# event reports (rebinding the runner's writer or its audit tables forged the verdict).
 RUNNER_BOOT = (
     "import json, sys\n"
-    "settings = json.loads(sys.stdin.readline())\n"
-    "exec(compile(settings.pop('runner'), '<runner>', 'exec'), globals())\n"
-    "main(settings)\n"
+    "(lambda settings, namespace: (\n"
+    "    exec(compile(settings.pop('runner'), '<runner>', 'exec'), namespace),\n"
+    "    namespace['main'](settings),\n"
+    "))(json.loads(sys.stdin.readline()), {'__name__': '__main__'})\n"
 )
 
 
@@ -457,8 +462,10 @@ def grade_pytest(spec: dict) -> tuple[dict, dict]:
     drain = threading.Thread(target=lambda: log.extend(process.stderr.read()), daemon=True)
     drain.start()
     wanted = list(spec["select"])
+    nonce = secrets.token_hex(16)  # the verdict must carry it: a line the candidate wrote cannot
     settings = {key: spec[key] for key in ("runner", "root", "lib", "paths", "ini", "tmp")}
     settings.update(mode="grade", select=wanted, candidate_files=spec["candidate_files"])
+    settings["nonce"] = nonce
     try:
         process.stdin.write((json.dumps(settings) + "\n").encode())
         process.stdin.close()
@@ -469,21 +476,23 @@ def grade_pytest(spec: dict) -> tuple[dict, dict]:
     status = process.wait()
     drain.join(1.0)
     sys.stderr.write(log[-4000:].decode("utf-8", "replace"))  # the log, never the verdict
-    verdict = _runner_verdict(data, status, wanted)
+    verdict = _runner_verdict(data, status, wanted, nonce)
     if verdict is None or verdict["tampered"]:
         return {test: "fail" for test in wanted}, {"tampered" if verdict else "runner_void": 1.0}
     outcomes = {test: str(verdict["tests"].get(test, "missing")) for test in wanted}
     return outcomes, {"blocked": len(verdict["blocked"]), "collection_errors": verdict["errors"]}
 
 
-def _runner_verdict(data: bytes | None, status: int, wanted: list[str]) -> dict | None:
-    """The verdict if it is the well-formed only message of a child that exited 0 (else None)."""
+def _runner_verdict(data: bytes | None, status: int, wanted: list[str], nonce: str) -> dict | None:
+    """The verdict if it is the well-formed only message of a child that exited 0 and carries
+    the run's nonce (else None)."""
     lines = (data or b"").splitlines()
     if data is None or status != 0 or len(lines) != 1:
         return None
     try:
         verdict = json.loads(lines[0])
         ok = isinstance(verdict["tests"], dict) and not set(verdict["tests"]) - set(wanted)
+        ok = ok and verdict["nonce"] == nonce
         return {**verdict, "errors": len(verdict["errors"])} if ok else None
     except (ValueError, KeyError, TypeError):
         return None

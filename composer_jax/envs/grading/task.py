@@ -202,7 +202,7 @@ def run_replay(
 def grade(sandbox: Sandbox, task: Task, limits: SandboxLimits | None = None) -> GradeResult:
     """Runs the task's hidden tests against the sandbox's workspace (a fresh command); a
     repository task with recorded calls is rewarded by the share of replayed calls that match
-    the original's outcomes, each counting only when the test that made it passed."""
+    the original's outcomes, a test's calls counting only when it passed (`_replay_result`)."""
     replayed = None
     if task.grader["kind"] == "pytest":
         with repo_grading.grading_tree(task.files, sandbox.workspace, task.grader) as tree:
@@ -226,19 +226,22 @@ def grade(sandbox: Sandbox, task: Task, limits: SandboxLimits | None = None) -> 
 
 
 def _replay_result(task: Task, outcomes, log, scores, replayed) -> GradeResult:
-    """The reward of a replayed task: matched calls over recorded calls, a call counting only
-    when the test that made it passed; a graded test passes when pytest passed it and every call
-    it made matched."""
+    """The reward of a replayed task: the calls of the tests that passed over all recorded
+    calls, where a graded test passes when pytest passed it and every call it made matched.
+
+    A test's calls count all together or not at all: pytest's verdict comes from the
+    candidate's own process, and were a matched call to count alone, a body that only raises
+    would collect every call expecting that exception from tests whose other calls it fails
+    (given a forged verdict), where the test as a whole shows it does not do the job."""
     calls = task.grader["replay"]
     total = len(calls["calls"])
-    tests_passed = dict(outcomes)
-    outcomes, matched = dict(outcomes), 0
+    outcomes = dict(outcomes)
+    made: dict[str, int] = {}
     for call, ok in zip(calls["calls"], replay.matches(calls, replayed)):
-        if tests_passed.get(call["test"]) != "pass":
-            continue
-        matched += ok
-        if not ok:
+        made[call["test"]] = made.get(call["test"], 0) + 1
+        if not ok and outcomes.get(call["test"]) == "pass":
             outcomes[call["test"]] = "replay_mismatch"
+    matched = sum(n for test, n in made.items() if outcomes.get(test) == "pass")
     passed = sum(outcomes.get(test) == "pass" for test in task.graded_tests)
     scores = {**scores, "replay_matched": float(matched), "replay_calls": float(total)}
     if replayed is None:
