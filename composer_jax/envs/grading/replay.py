@@ -276,6 +276,16 @@ def replayable(call: dict, outcome: dict) -> bool:
     return not (result == ["value", ["none"]] and outcome["args_after"] == call["input"])
 
 
+def value_tests(replay: dict) -> set[str]:
+    """The tests that check a value: one of their recorded calls does not end in an exception.
+    A body that raises whatever it is given passes the others (an input check alone)."""
+    return {
+        call["test"]
+        for call, want in zip(replay["calls"], replay["expected"])
+        if want["result"][0] != "raise"
+    }
+
+
 def matches(replay: dict, outcomes: list[dict] | None) -> list[bool]:
     """Per recorded call, whether its replayed outcome equals the expected one (`outcomes`
     None: the replay gave nothing, so none does)."""

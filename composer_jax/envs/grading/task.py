@@ -232,7 +232,9 @@ def _replay_result(task: Task, outcomes, log, scores, replayed) -> GradeResult:
     A test's calls count all together or not at all: pytest's verdict comes from the
     candidate's own process, and were a matched call to count alone, a body that only raises
     would collect every call expecting that exception from tests whose other calls it fails
-    (given a forged verdict), where the test as a whole shows it does not do the job."""
+    (given a forged verdict), where the test as a whole shows it does not do the job. And
+    nothing counts until a test that checks a value (`replay.value_tests`) passes: a body that
+    raises whatever it is given passes every test that only checks an input is refused."""
     calls = task.grader["replay"]
     total = len(calls["calls"])
     outcomes = dict(outcomes)
@@ -242,6 +244,8 @@ def _replay_result(task: Task, outcomes, log, scores, replayed) -> GradeResult:
         if not ok and outcomes.get(call["test"]) == "pass":
             outcomes[call["test"]] = "replay_mismatch"
     matched = sum(n for test, n in made.items() if outcomes.get(test) == "pass")
+    if not any(outcomes.get(test) == "pass" for test in replay.value_tests(calls)):
+        matched = 0
     passed = sum(outcomes.get(test) == "pass" for test in task.graded_tests)
     scores = {**scores, "replay_matched": float(matched), "replay_calls": float(total)}
     if replayed is None:

@@ -493,6 +493,8 @@ def with_verified_replay(task: Task, backend: str) -> tuple[Task | None, str]:
     task, why = attach_replay(task, backend)
     if why != "kept":
         return None, why
+    if not replay.value_tests(task.grader["replay"]):
+        return None, "no graded test checks a value (a body that only raises passes them)"
     options = {"backend": backend, "require_isolation": False}
     if grade_solution(task, task.oracle_files, **options).reward != 1.0:
         return None, "the original fails its replay"

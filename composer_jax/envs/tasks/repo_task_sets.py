@@ -24,7 +24,7 @@ import gzip
 import json
 from pathlib import Path
 
-from composer_jax.envs.grading import repo_grading
+from composer_jax.envs.grading import replay, repo_grading
 from composer_jax.envs.grading.task import Task
 from composer_jax.envs.tasks.repo_factory import Repository, make_task
 
@@ -64,7 +64,9 @@ def write_task_set(path: str | Path, repo: Repository, tasks: list[Task]) -> Non
 
 
 def read_task_set(path: str | Path) -> list[Task]:
-    """Every task of the file, each hiding the installed copies of its package."""
+    """Every task of the file, each hiding the installed copies of its package; a task no graded
+    test of which checks a value (`replay.value_tests`, a set written before that rule) is left
+    out."""
     path = Path(path)
     if not path.is_file():
         raise TaskSetError(f"{path}: no such task set")
@@ -93,6 +95,8 @@ def read_task_set(path: str | Path) -> list[Task]:
                 raise TaskSetError(f"{where}: not a task-set record ({error!r})") from None
             if task.task_id != record["id"]:
                 raise TaskSetError(f"{where}: id {record['id']!r} does not match its deletion")
+            if "replay" in task.grader and not replay.value_tests(task.grader["replay"]):
+                continue  # as the factory now drops it: a body that only raises passes it
             hidden = repo_grading.installed_copies(repo.source_roots)
             tasks.append(_with_hidden(task, hidden))
     return tasks

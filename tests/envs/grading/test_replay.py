@@ -170,6 +170,18 @@ def test_a_task_whose_tests_make_no_replayable_call_is_suite_only(repository):
     assert why == "no call with plain-data arguments" and "replay" not in unchanged.grader
 
 
+def test_a_task_whose_graded_tests_check_no_value_is_dropped(repository):
+    """The graded test only checks that an empty input raises: a body that raises passes it."""
+    task = task_of(repository, "first")
+    only_raises = task.files["tests/test_core.py"].replace(
+        "def test_first():",
+        "def test_first():\n    with pytest.raises(ValueError):\n        first([])\n    return\n",
+    )
+    task = dataclasses.replace(task, files={**task.files, "tests/test_core.py": only_raises})
+    dropped, why = repo_factory.with_verified_replay(task, backend="auto")
+    assert dropped is None and why.startswith("no graded test checks a value")
+
+
 def _outcome(result, after=None):
     return {"result": result, "args_after": after}
 

@@ -1,15 +1,22 @@
 """The pytest verdict comes from the process the candidate's code runs in; what that code can do
 to it is worth nothing: a line it writes on the verdict's descriptor lacks the run's nonce, the
 runner's own names are out of its reach, reading the process's memory (where the nonce is) is
-refused, and a test's replayed calls count only all together."""
+refused, a test's replayed calls count only all together, and only once a test that checks a
+value passes."""
 
 import types
 
 import pytest
 
-from composer_jax.envs.grading import harness
+from composer_jax.envs.grading import harness, replay
 from composer_jax.envs.grading.task import _replay_result, grade_solution
-from tests.envs.grading.test_repo_grading import ATTACK_TASKS, _module_attack, attack_task
+from composer_jax.envs.tasks.repo_task_sets import shipped_sets
+from tests.envs.grading.test_repo_grading import (
+    ATTACK_TASKS,
+    _module_attack,
+    attack_task,
+    shipped_tasks,
+)
 from tests.helpers import ISOLATING
 
 # Fires only under pytest (the replay imports no pytest), from inside the stubbed function, so
@@ -94,15 +101,39 @@ def _call(test, expected):
     return {"test": test, "input": harness.encode([[], {}])}, expected
 
 
-def test_a_tests_calls_count_only_all_together():
-    """A body that raises ValueError whatever it is given, under a verdict passing both tests:
-    test A expects a value and then the ValueError, test B only the ValueError. Only B's call
-    counts (A's matched raise does not: A as a whole fails)."""
-    value = {"result": ["value", harness.encode(1)], "args_after": None}
-    raised = {"result": ["raise", "builtins.ValueError"], "args_after": None}
-    calls, expected = zip(_call("A", value), _call("A", raised), _call("B", raised))
-    grader = {"replay": {"calls": list(calls), "expected": list(expected)}}
-    task = types.SimpleNamespace(grader=grader, graded_tests=("A", "B"))
-    result = _replay_result(task, {"A": "pass", "B": "pass"}, "", {}, [raised] * 3)
-    assert result.reward == pytest.approx(1 / 3)
-    assert result.outcomes == {"A": "replay_mismatch", "B": "pass"} and result.passed == 1
+VALUE = {"result": ["value", harness.encode(1)], "args_after": None}
+RAISED = {"result": ["raise", "builtins.ValueError"], "args_after": None}
+# Test A checks a value, then that a bad input raises ValueError; test B only the latter.
+_CALLS, _EXPECTED = zip(_call("A", VALUE), _call("A", RAISED), _call("B", RAISED))
+_TASK = types.SimpleNamespace(
+    grader={"replay": {"calls": list(_CALLS), "expected": list(_EXPECTED)}},
+    graded_tests=("A", "B"),
+)
+
+
+def test_a_body_that_only_raises_scores_0_whatever_the_verdict():
+    """It matches A's second call and B's, and pytest (forged, or B honestly) passes B: nothing
+    counts, since A as a whole fails and B checks no value (2/3 when each matched call of a
+    passed test counted)."""
+    assert replay.value_tests(_TASK.grader["replay"]) == {"A"}
+    for verdict in ({"A": "pass", "B": "pass"}, {"A": "fail", "B": "pass"}):
+        result = _replay_result(_TASK, verdict, "", {}, [RAISED] * 3)
+        assert result.reward == 0.0 and result.outcomes["B"] == "pass"
+    assert result.outcomes["A"] == "fail" and result.passed == 1
+
+
+def test_a_body_that_checks_values_is_credited_by_whole_tests():
+    """A value right and the input check missing: A's calls count, B's do not."""
+    result = _replay_result(_TASK, {"A": "pass", "B": "fail"}, "", {}, [VALUE, RAISED, VALUE])
+    assert result.reward == pytest.approx(2 / 3) and result.passed == 1
+    result = _replay_result(_TASK, {"A": "pass", "B": "pass"}, "", {}, [VALUE, RAISED, RAISED])
+    assert result.reward == 1.0 and result.passed == 2
+
+
+def test_the_shipped_sets_hold_no_task_that_a_body_that_only_raises_passes():
+    """Tasks whose every graded test checks only that inputs raise (more_itertools' distribute:
+    1.0 for `raise ValueError`) are left out of the sets written before the factory dropped
+    them."""
+    tasks = [t for name in shipped_sets() for t in shipped_tasks(name)]
+    assert all(replay.value_tests(t.grader["replay"]) for t in tasks)
+    assert "more_itertools/more_itertools/more.py:distribute" not in {t.task_id for t in tasks}
