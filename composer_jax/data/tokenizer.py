@@ -45,6 +45,13 @@ _MAX_CONTEXT = 16
 
 
 # Settings of a tokenizer folder that only say how transformers frames an encoding.
+# What the fingerprint hashes: the vocabulary and its settings, and the chat template.
+_FINGERPRINTED = (
+    "tokenizer.json",
+    "tiktoken.model",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+)
 SERVING_ONLY = {
     "tokenizer.json": ("post_processor",),
     "tokenizer_config.json": ("add_bos_token", "add_eos_token"),
@@ -142,14 +149,15 @@ class Tokenizer:
         return pieces
 
     def fingerprint(self) -> str:
-        """A hash of the defining files: the same tokenizer in two folders has one fingerprint.
+        """A hash of the defining files, the chat template included (it decides how every prompt
+        is tokenized): the same tokenizer in two folders has one fingerprint.
         JSON files are hashed as their content without `SERVING_ONLY` settings, which this project
         never applies (it encodes without the tokenizer's own special-token framing and adds bos
         itself), so an export that sets them for transformers keeps the fingerprint."""
         digest = hashlib.sha256()
         for path in sorted(self.files(), key=os.path.basename):
             name = os.path.basename(path)
-            if name not in ("tokenizer.json", "tiktoken.model", "tokenizer_config.json"):
+            if name not in _FINGERPRINTED:
                 continue
             digest.update(name.encode())
             with open(path, "rb") as f:

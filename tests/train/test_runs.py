@@ -20,7 +20,13 @@ from composer_jax.config import ConfigError
 from composer_jax.data import ByteTokenizer, HFTokenizer, load_tokenizer
 from composer_jax.model import init_model
 from composer_jax.train import load_run, loop, run_pretraining
-from composer_jax.train.runs import TOKENIZER_DIR, resolve_tokenizer, run_tokenizer
+from composer_jax.train.runs import (
+    TOKENIZER_DIR,
+    check_run_tokenizer,
+    resolve_tokenizer,
+    run_tokenizer,
+    save_run_tokenizer,
+)
 from tests.data.helpers import make_hf_folder
 from tests.train.helpers import tiny_experiment
 
@@ -217,3 +223,19 @@ def test_command_line_pretrain_export_convert(tmp_path):
         "--max_new_tokens=4",
     )
     assert "bits/byte" in stdout and "greedy continuation of 'def g('" in stdout
+
+
+def test_a_chat_template_added_to_the_tokenizer_folder_is_not_the_runs_tokenizer(tmp_path):
+    """Added between a run and its resume, `chat_template.jinja` changes every prompt's tokens
+    (template format instead of the generic one): the resume is refused."""
+    folder = tmp_path / "bpe"
+    make_hf_folder(folder, chat_template=None)
+    before = load_tokenizer(str(folder))
+    fingerprint = before.fingerprint()
+    check_run_tokenizer(str(tmp_path / "run"), before)  # nothing saved yet: nothing to check
+    save_run_tokenizer(before, str(tmp_path / "run"))
+    (folder / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    after = load_tokenizer(str(folder))
+    assert after.chat_template and after.fingerprint() != fingerprint
+    with pytest.raises(ConfigError, match="is not the tokenizer"):
+        check_run_tokenizer(str(tmp_path / "run"), after)
