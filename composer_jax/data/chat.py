@@ -149,7 +149,9 @@ class GenericChatFormat(ChatFormat):
         return [] if self.tokenizer.bos_id is None else [self.tokenizer.bos_id]
 
     def after_turn(self, observation, generated, note="", assistant_prefix=""):
-        segments = [Segment(self.tokenizer.encode(f"\n{observation}\n"), OBSERVATION)]
+        segments = [
+            Segment(self.tokenizer.encode(f"\n{observation}\n", special=False), OBSERVATION)
+        ]
         if note or assistant_prefix:
             segments.append(Segment(self.tokenizer.encode(note + assistant_prefix), PROMPT))
         return segments
@@ -235,7 +237,7 @@ class TemplateChatFormat(ChatFormat):
                 before = before[1:]
         segments = [
             Segment(before, PROMPT),
-            Segment(self.tokenizer.encode(observation), OBSERVATION),
+            Segment(self.tokenizer.encode(observation, special=False), OBSERVATION),
             Segment(self.tokenizer.encode(note), PROMPT),
             Segment(self.tokenizer.encode(self._after_output + assistant_prefix), PROMPT),
         ]

@@ -27,7 +27,8 @@ class _TokenizeDocument(grain.transforms.Map):
         self._tokenizer = tokenizer
 
     def map(self, text: str) -> np.ndarray:
-        return np.asarray(self._tokenizer.encode(text, add_bos=True, add_eos=True), np.int32)
+        ids = self._tokenizer.encode(text, add_bos=True, add_eos=True, special=False)
+        return np.asarray(ids, np.int32)
 
 
 class _SplitIntoChunks(grain.experimental.FlatMapTransform):

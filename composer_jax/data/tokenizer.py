@@ -102,9 +102,14 @@ class Tokenizer:
         """The files that define this tokenizer (copied into runs and exports)."""
         return []
 
-    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        """Token ids of `text`, optionally framed by bos (when the tokenizer has one) and eos."""
-        ids = self._encode(text)
+    def encode(
+        self, text: str, add_bos: bool = False, add_eos: bool = False, special: bool = True
+    ) -> list[int]:
+        """Token ids of `text`, optionally framed by bos (when the tokenizer has one) and eos.
+        `special=False` for text nobody vouches for (tool output, a corpus document): a special
+        token's string in it stays text instead of becoming that token (an `<|eos|>` printed by
+        the code under test would end the context's turn)."""
+        ids = self._encode(text) if special else self._encode_plain(text)
         if add_bos and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         if add_eos:
@@ -113,6 +118,10 @@ class Tokenizer:
 
     def count_tokens(self, text: str) -> int:
         return len(self._encode(text))
+
+    def _encode_plain(self, text: str) -> list[int]:
+        """Token ids of `text` read as text only (special-token strings are not parsed)."""
+        return self._encode(text)
 
     def num_bytes(self, text: str) -> int:
         return len(text.encode("utf-8"))
@@ -399,6 +408,18 @@ class HFTokenizer(_FolderTokenizer):
     def _encode(self, text: str) -> list[int]:
         return self.core.encode(text, add_special_tokens=False).ids
 
+    @functools.cached_property
+    def _plain_core(self):
+        """A copy of the core that encodes special-token strings as text."""
+        from tokenizers import Tokenizer as HFCore
+
+        core = HFCore.from_str(self.core.to_str())
+        core.encode_special_tokens = True
+        return core
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self._plain_core.encode(text, add_special_tokens=False).ids
+
     def decode(self, ids) -> str:
         return self.core.decode(_as_id_list(ids), skip_special_tokens=True)
 
@@ -529,6 +550,9 @@ class TiktokenTokenizer(_FolderTokenizer):
 
     def _encode(self, text: str) -> list[int]:
         return self.encoding.encode(text, allowed_special="all")
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self.encoding.encode(text, allowed_special=set(), disallowed_special=())
 
     def _plain(self, ids) -> list[int]:
         return [i for i in _as_id_list(ids) if i not in self._special_ids]

@@ -7,12 +7,13 @@ import pytest
 
 from composer_jax.data.corpus import CodeCorpus, default_code_root, list_source_files
 from composer_jax.data.pipeline import (
+    _TokenizeDocument,
     document_dataset,
     iterator_state_to_json,
     make_pretrain_iterator,
     restore_iterator_from_json,
 )
-from composer_jax.data.tokenizer import ByteTokenizer
+from composer_jax.data.tokenizer import ByteTokenizer, load_tokenizer
 
 TOKENIZER = ByteTokenizer()
 _ALPHABET = list("abcdefghij klmnop\n\t()=:#é中😀")
@@ -214,3 +215,12 @@ def test_resume_from_json_state_is_bitwise_identical(code_tree, num_packing_bins
         got = next(resumed)
         for key in want:
             np.testing.assert_array_equal(got[key], want[key])
+
+
+def test_a_documents_special_token_text_is_text():
+    """A corpus file holding `<|eos|>` (a tokenizer's own source, a chat log) is not cut there:
+    its only eos is the one that ends it."""
+    tokenizer = load_tokenizer("code_bpe_2k")
+    ids = _TokenizeDocument(tokenizer).map("a = '<|eos|>'\nb = 1\n").tolist()
+    assert ids[0] == tokenizer.bos_id and ids.count(tokenizer.eos_id) == 1
+    assert ids[-1] == tokenizer.eos_id and "<|eos|>" in tokenizer.decode(ids)
