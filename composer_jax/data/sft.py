@@ -6,8 +6,10 @@ chat template the rendered user message and generation prompt, then the completi
 template's end of turn; `loss_mask` marks the completion and what closes it, so the model learns
 to answer, not to repeat prompts. Or it is already tokens: {"tokens", "loss_mask"} (a whole
 agent episode as the RL workflow renders it, the loss on the agent's turns). The caller supplies
-the examples (`composer_jax.agent.sft`).
+the examples (`composer_jax.agent.sft`); one longer than a row is left out, never cut.
 """
+
+import logging
 
 import grain
 import numpy as np
@@ -15,21 +17,42 @@ import numpy as np
 from composer_jax.data.chat import chat_format_for
 from composer_jax.data.pipeline import DEFAULT_PACKING_BINS, PackedRowFields
 
+log = logging.getLogger(__name__)
 
-class _TokenizeExample(grain.transforms.Map):
-    def __init__(self, chat, seq_len: int):
-        self._chat = chat
-        self._seq_len = seq_len
 
-    def map(self, example) -> dict[str, np.ndarray]:
-        if isinstance(example, dict):
-            tokens = np.asarray(example["tokens"], np.int32)
-            mask = np.asarray(example["loss_mask"], np.int32)
-        else:
-            head, tail = self._chat.sft_example(*example)
-            tokens = np.asarray([*head, *tail], np.int32)
-            mask = np.concatenate([np.zeros(len(head), np.int32), np.ones(len(tail), np.int32)])
-        return {"tokens": tokens[: self._seq_len], "loss_mask": mask[: self._seq_len]}
+def _tokenized(chat, example) -> dict[str, np.ndarray]:
+    """An example's tokens and loss mask."""
+    if isinstance(example, dict):
+        tokens = np.asarray(example["tokens"], np.int32)
+        mask = np.asarray(example["loss_mask"], np.int32)
+    else:
+        head, tail = chat.sft_example(*example)
+        tokens = np.asarray([*head, *tail], np.int32)
+        mask = np.concatenate([np.zeros(len(head), np.int32), np.ones(len(tail), np.int32)])
+    return {"tokens": tokens, "loss_mask": mask}
+
+
+def _fitting(tokenized: list[dict], seq_len: int) -> list[dict]:
+    """The examples a row holds whole. One cut to seq_len would train an answer that never
+    reaches its end of turn (or, its prompt alone too long, fill a row and train nothing), so
+    the others are left out, with a warning; none fitting is an error."""
+    lengths = [len(t["tokens"]) for t in tokenized]
+    fitting = [t for t, n in zip(tokenized, lengths) if n <= seq_len]
+    if not fitting:
+        raise ValueError(
+            f"no SFT example fits a row of seq_len={seq_len} tokens (the shortest has "
+            f"{min(lengths)}): raise the phase's seq_len"
+        )
+    if len(fitting) < len(tokenized):
+        log.warning(
+            "%d of %d SFT examples are longer than seq_len=%d (the longest %d tokens) and are "
+            "left out: raise the phase's seq_len to train on them",
+            len(tokenized) - len(fitting),
+            len(tokenized),
+            seq_len,
+            max(lengths),
+        )
+    return fitting
 
 
 def make_sft_iterator(
@@ -46,12 +69,11 @@ def make_sft_iterator(
     iterators (`iterator_state_to_json`)."""
     if not examples:
         raise ValueError("no SFT examples")
+    chat = chat_format_for(tokenizer)
+    examples = _fitting([_tokenized(chat, example) for example in examples], seq_len)
     source = grain.MapDataset.source(examples)[shard_index::shard_count]
     rows = grain.experimental.FirstFitPackIterDataset(
-        source.shuffle(seed=seed)
-        .repeat(None)
-        .map(_TokenizeExample(chat_format_for(tokenizer), seq_len))
-        .to_iter_dataset(),
+        source.shuffle(seed=seed).repeat(None).to_iter_dataset(),
         length_struct={"tokens": seq_len, "loss_mask": seq_len},
         num_packing_bins=DEFAULT_PACKING_BINS,
         seed=seed,
