@@ -434,6 +434,8 @@ class _Pretraining:
             desc="pretrain",
             dynamic_ncols=True,
         )
+        if data_position:
+            _check_extension(data_position, self.step, self.setup.bounds)
         try:
             with StopRequest() as stop:
                 stopping = stop.agreed()  # only the agreed value steers the loop (see `agreed`)
@@ -478,7 +480,7 @@ class _Pretraining:
                 or step == phase_end
                 or (stopping is not None and self.last_saved != step)
             ):
-                _save(self.folder, step, self.state, phase_index, iterator, step == phase_end)
+                _save(self.folder, step, self.state, phase_index, iterator, self.setup.bounds)
                 self.last_saved = step
         return stopping
 
@@ -510,14 +512,39 @@ def _check_finite(metrics: dict, step: int, folder: RunFolder, last_saved: int |
 
 
 def _save(
-    folder: RunFolder, step: int, state: TrainState, phase_index: int, iterator, phase_done: bool
+    folder: RunFolder, step: int, state: TrainState, phase_index: int, iterator, bounds
 ) -> None:
-    """Saves the state with the data position; a finished phase's iterator is not needed again."""
+    """Saves the state with the data position: the phase, its iterator (at a phase's end too: a
+    run extended past its last phase goes on reading where it stopped) and the phases' steps."""
     position = {
         "phase": phase_index,
-        "iterator": None if phase_done else data_lib.iterator_state_to_json(iterator),
+        "iterator": data_lib.iterator_state_to_json(iterator),
+        "bounds": [list(b) for b in bounds],
     }
     folder.save(step, state, position)
+
+
+def _check_extension(data_position: dict, step: int, bounds) -> None:
+    """A resumed run (extended to more steps, its phases' steps recomputed) must keep the steps
+    of the phases it trained in, but for the end of the last: a moved phase would read its data
+    from the start again, and a step trained in one phase could fall in another."""
+    saved = [tuple(b) for b in data_position.get("bounds") or ()]
+    if not saved:  # saved before the phases' steps were kept: nothing to compare
+        return
+    phase, now = data_position["phase"], [tuple(b) for b in bounds]
+    start, end = saved[phase]
+    if step >= end and phase < len(saved) - 1:  # finished, and the next phase starts at its end
+        end_kept = len(now) > phase and now[phase][1] == end
+    else:  # the phase the run goes on in: it may end later (or, mid-phase, earlier)
+        end_kept = len(now) > phase and now[phase][1] >= step
+    if not (end_kept and now[:phase] == saved[:phase] and now[phase][0] == start):
+        raise config_lib.ConfigError(
+            f"steps: resuming at step {step} with these steps moves the phases the run trained "
+            f"in ([start, end) steps {[list(b) for b in saved]} stored, "
+            f"{[list(b) for b in now]} now): their data would be read from the start again. "
+            "Extend a run only while its phases keep their steps (one phase, or the last "
+            "one longer), or start a new run from its checkpoint (--config.init_from)"
+        )
 
 
 def _make_iterator(cfg, corpora: _Corpora, phase_index: int):

@@ -4,15 +4,17 @@ fields and leaves the old run's files as they were), and a finished run is exten
 asked to."""
 
 import dataclasses
+import hashlib
 import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from composer_jax.config import ConfigError
-from composer_jax.train import run_pretraining
+from composer_jax.train import loop, run_pretraining
 from composer_jax.train.workdir import LAUNCHES, check_resume, config_diff
 from tests.train.helpers import ONE_PHASE, make_corpus, tiny_experiment
 
@@ -112,6 +114,38 @@ def test_must_extends_the_run_and_never_refuses_it(tmp_path, corpus):
     assert extended.final_step == 3
     assert [r["resumed_step"] for r in _launches(workdir)] == [None, 2]
     assert json.load(open(os.path.join(workdir, "config.json")))["steps"] == 3
+
+
+def test_an_extended_run_reads_on_where_it_stopped(tmp_path, corpus, monkeypatch):
+    """Extended past its last step, the run's phase goes on with the data it had not read (its
+    iterator was dropped at the phase's end, so the extension trained on the first batches
+    again); a longer run whose earlier phase would move is refused."""
+    seen = []
+    real = loop._make_iterator
+
+    class Recording:  # the training iterator, each batch it gives recorded
+        def __init__(self, iterator):
+            self.iterator = iterator
+
+        def __getattr__(self, name):
+            return getattr(self.iterator, name)
+
+        def __next__(self):
+            batch = next(self.iterator)
+            seen.append(hashlib.sha256(np.asarray(batch["tokens"]).tobytes()).hexdigest())
+            return batch
+
+    monkeypatch.setattr(loop, "_make_iterator", lambda *args: Recording(real(*args)))
+    cfg = tiny_experiment(str(tmp_path / "run"), corpus, steps=2, phases=ONE_PHASE)
+    run_pretraining(cfg, progress=False)
+    first, seen[:] = list(seen), []
+    run_pretraining(dataclasses.replace(cfg, steps=4, resume="must"), progress=False)
+    assert len(first) == len(seen) == 2 and not set(first) & set(seen)
+
+    two = tiny_experiment(str(tmp_path / "two"), corpus, steps=2)  # phases [0, 1), [1, 2)
+    run_pretraining(two, progress=False)
+    with pytest.raises(ConfigError, match=r"moves the phases the run trained in"):
+        run_pretraining(dataclasses.replace(two, steps=4, resume="must"), progress=False)
 
 
 def test_an_unreadable_stored_config_is_named(tmp_path, corpus):
