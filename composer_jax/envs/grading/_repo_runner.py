@@ -87,14 +87,23 @@ _FROZEN_ALIASES = {
     "importlib._bootstrap_external": "_frozen_importlib_external",
 }
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-_PROCESS_MEMORY = re.compile(r"/proc/[^/]+(/task/[^/]+)?/(mem|map_files/.*)")
+# A process's memory, and the folders a memory file can be opened relative to (`dir_fd`, which
+# the open event does not carry): /proc itself, a process's, a thread's, its mapped files.
+_PROCESS_MEMORY = re.compile(
+    r"/proc(/(\d+|self|thread-self)(/task(/\d+)?)?(/(mem|map_files(/.*)?))?)?"
+)
+_MEMORY_NAMES = ("mem", "map_files")
 
 
 def _process_memory(path) -> bool:
-    """Whether `path`, its links followed, is a process's memory (which holds the verdict's
-    nonce); a path that cannot be resolved counts as one."""
+    """Whether opening `path` could read a process's memory (which holds the verdict's nonce):
+    it is, its links followed, a memory file or a folder one can be opened from, or it is named
+    like one (opened relative to such a folder); a path that cannot be resolved counts too."""
     try:
-        return bool(_PROCESS_MEMORY.fullmatch(os.path.realpath(os.fsdecode(path))))
+        text = os.fsdecode(path)
+        if os.path.basename(text.rstrip("/")) in _MEMORY_NAMES:
+            return True
+        return bool(_PROCESS_MEMORY.fullmatch(os.path.realpath(text)))
     except (OSError, ValueError):
         return True
 
@@ -385,6 +394,8 @@ class Guard:
                 return True
             writes = any(c in (mode or "") for c in "wax+") or bool((flags or 0) & _WRITE_FLAGS)
             return writes and not os.fsdecode(path).startswith(("/tmp/", "/dev/null"))
+        if event == "os.symlink":  # a link to a process's memory, opened relative to its folder
+            return "/proc" in os.fsdecode(args[0]) or _process_memory(args[0])
         if event == "compile":  # code posing as a trusted file
             filename = args[1]
             return isinstance(filename, str) and self._trusted(filename)

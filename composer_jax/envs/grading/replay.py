@@ -277,13 +277,21 @@ def replayable(call: dict, outcome: dict) -> bool:
 
 
 def value_tests(replay: dict) -> set[str]:
-    """The tests that check a value: one of their recorded calls does not end in an exception.
-    A body that raises whatever it is given passes the others (an input check alone)."""
+    """The tests that check a value: one of their recorded calls does not end in an exception
+    before giving anything (a generator raising at its first item counts as raising). A body
+    that raises whatever it is given passes the others (an input check alone)."""
     return {
         call["test"]
         for call, want in zip(replay["calls"], replay["expected"])
-        if want["result"][0] != "raise"
+        if not _raises_at_once(want["result"])
     }
+
+
+def _raises_at_once(result: list) -> bool:
+    if result[0] == "iter":
+        items, end = result[1], result[2]
+        return not items and isinstance(end, list) and end[:1] == ["raise"]
+    return result[0] == "raise"
 
 
 def matches(replay: dict, outcomes: list[dict] | None) -> list[bool]:

@@ -50,16 +50,19 @@ for _module in list(_sys.modules.values()):
     if "_WRITE" in vars(_module):
         vars(_module)["_WRITE"] = _rewrite
 """
-# Reads (or tries to) the process's memory, directly and through a link.
+# Reads (or tries to) the process's memory: by its path, through a link, and relative to a
+# folder it lies in (the open event names only the relative part).
 _READ_MEMORY = """
 import os as _os
-for _path in ("/proc/self/mem", "/tmp/cj_memory"):
+def _attempt(read):
     try:
-        if _path.startswith("/tmp"):
-            _os.symlink("/proc/self/mem", _path)
-        open(_path, "rb").close()
+        read()
     except OSError:
         pass
+_attempt(lambda: open("/proc/self/mem", "rb").close())
+_attempt(lambda: _os.symlink("/proc/self/mem", "/tmp/cj_memory"))
+_attempt(lambda: _os.open("mem", _os.O_RDONLY, dir_fd=_os.open("/proc/self", _os.O_RDONLY)))
+_attempt(lambda: _os.open("self/mem", _os.O_RDONLY, dir_fd=_os.open("/proc", _os.O_RDONLY)))
 """
 
 
@@ -94,7 +97,7 @@ def test_reading_the_process_memory_is_refused(backend):
     task = attack_task("toolz")
     files = _module_attack(task, _READ_MEMORY, in_function="return None")
     result = grade_solution(task, files, backend=backend, require_isolation=True)
-    assert result.scores["blocked"] == 2.0, result.scores
+    assert result.scores["blocked"] == 4.0, result.scores
 
 
 def _call(test, expected):
@@ -116,6 +119,12 @@ def test_a_body_that_only_raises_scores_0_whatever_the_verdict():
     counts, since A as a whole fails and B checks no value (2/3 when each matched call of a
     passed test counted)."""
     assert replay.value_tests(_TASK.grader["replay"]) == {"A"}
+    generator_raises = {
+        "result": ["iter", [], ["raise", "builtins.ValueError"]],
+        "args_after": None,
+    }
+    calls, expected = zip(_call("G", generator_raises))
+    assert replay.value_tests({"calls": calls, "expected": expected}) == set()
     for verdict in ({"A": "pass", "B": "pass"}, {"A": "fail", "B": "pass"}):
         result = _replay_result(_TASK, verdict, "", {}, [RAISED] * 3)
         assert result.reward == 0.0 and result.outcomes["B"] == "pass"
