@@ -344,6 +344,8 @@ def run_pretraining(
         print(sharding_table(setup.abstract_state.params), flush=True)
     try:
         resume_step, state, data_position = _start_state(folder, setup, pretrained)
+        if data_position:  # before the start is recorded: a refused one leaves the run as it was
+            _check_extension(data_position, resume_step, setup.bounds)
         launch = folder.commit(resume_step, "pretrain")
         run = _Pretraining(setup, folder, documents, state, resume_step, launch, sft_examples)
         eval_start = run.evaluate() if run.step == 0 else None
@@ -434,8 +436,6 @@ class _Pretraining:
             desc="pretrain",
             dynamic_ncols=True,
         )
-        if data_position:
-            _check_extension(data_position, self.step, self.setup.bounds)
         try:
             with StopRequest() as stop:
                 stopping = stop.agreed()  # only the agreed value steers the loop (see `agreed`)

@@ -146,6 +146,8 @@ def test_an_extended_run_reads_on_where_it_stopped(tmp_path, corpus, monkeypatch
     run_pretraining(two, progress=False)
     with pytest.raises(ConfigError, match=r"moves the phases the run trained in"):
         run_pretraining(dataclasses.replace(two, steps=4, resume="must"), progress=False)
+    assert json.load(open(tmp_path / "two" / "config.json"))["steps"] == 2  # left as it was
+    assert [r["resumed_step"] for r in _launches(str(tmp_path / "two"))] == [None]
 
 
 def test_an_unreadable_stored_config_is_named(tmp_path, corpus):
