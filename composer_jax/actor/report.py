@@ -153,7 +153,8 @@ def plot_curves(metrics_path: str, out_path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lines = [m for m in read_metrics(metrics_path) if "reward_mean" in m]
+    # Step records (reward_mean is missing from a step whose every sample was abandoned).
+    lines = [m for m in read_metrics(metrics_path) if "staleness_mean" in m]
     heldout = [m for m in read_metrics(metrics_path) if "heldout_reward" in m]
     if not lines:
         return

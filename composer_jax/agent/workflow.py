@@ -318,7 +318,8 @@ class AgentWorkflow:
         if not hints:
             return
         if self.context.distill:  # the teacher context is only built when it is trained on
-            hint = self.tokenizer.encode(feedback.render_hint(hints))
+            # The hint quotes tool errors: text the code under test wrote.
+            hint = self.tokenizer.encode(feedback.render_hint(hints), special=False)
             start, end = episode.turn_span
             episode.hinted.append((start, end, np.asarray(hint, np.int32)))
         for name, _ in hints:

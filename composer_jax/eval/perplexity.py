@@ -146,7 +146,7 @@ def codebase_perplexity(
     if not 0 < stride <= window:
         raise ValueError(f"stride must be in (0, window={window}], got {stride}")
     text = read_codebase_text(root, extensions, max_bytes)
-    tokens = tokenizer.encode(text, add_bos=True)
+    tokens = tokenizer.encode(text, add_bos=True, special=False)  # as training reads code
     total_nll, num_tokens = strided_nll(
         logits_fn,
         tokens,

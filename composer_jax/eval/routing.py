@@ -1,6 +1,6 @@
 """Where a model's tokens go: the experts each MoE layer picks per token, and the load per expert.
 
-    stats = routing_stats(model, tokenizer.encode(text, add_bos=True))
+    stats = routing_stats(model, tokenizer.encode(text, add_bos=True, special=False))
     stats.load_share_LE        # share of the layer's (token, slot) picks per expert
     stats.imbalance_L          # max / mean expert load per layer (1 = perfectly balanced)
     plot_expert_load(stats)    # heat map of the shares

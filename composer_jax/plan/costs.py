@@ -5,7 +5,7 @@ Argument, output and temporary bytes come from XLA's memory analysis (the step's
 arguments + outputs - donated aliases + temporaries); collective bytes by kind and by mesh axes,
 and matmul FLOPs, from one run over the module's HLO with loop trip counts applied
 (`parallel.hlo`). `estimate` prices them on a GPU: compute at the bf16 dense peak, each
-collective's wire bytes ((n-1)/n of what it produces, twice that for an all-reduce) over NVLink
+collective's wire bytes (a ring's: `_wire_factor`) over NVLink
 inside a domain and over the scale-out network across domains, with compute and communication
 either fully overlapped (the lower bound) or serial (the upper bound).
 """

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from composer_jax.data.corpus import list_source_files, read_source
-from composer_jax.data.tokenizer import ByteTokenizer
+from composer_jax.data.tokenizer import ByteTokenizer, load_tokenizer
+from composer_jax.eval import perplexity
 from composer_jax.eval.perplexity import (
     codebase_perplexity,
     read_codebase_text,
@@ -159,3 +160,18 @@ def test_bad_stride_is_rejected(code_root, stride):
     _, logits_fn = _bigram_logits_fn(np.random.default_rng())
     with pytest.raises(ValueError, match="stride"):
         codebase_perplexity(logits_fn, TOKENIZER, code_root, window=16, stride=stride)
+
+
+def test_code_holding_a_special_tokens_text_is_scored_on_the_tokens_training_reads(
+    tmp_path, monkeypatch
+):
+    """`x = '<|eos|>'` is text in a training document; scored here, it was the eos token."""
+    (tmp_path / "a.py").write_text("x = '<|eos|>'\n")
+    tokenizer = load_tokenizer("code_bpe_2k")
+    scored = []
+    monkeypatch.setattr(
+        perplexity, "strided_nll", lambda fn, tokens, **kw: scored.append(list(tokens)) or (0, 1)
+    )
+    codebase_perplexity(None, tokenizer, str(tmp_path), window=8, stride=8)
+    want = tokenizer.encode("x = '<|eos|>'\n", add_bos=True, special=False)
+    assert scored == [want] and tokenizer.eos_id not in want
