@@ -77,10 +77,16 @@ def test_the_curves_draw_one_line_per_reward_parts_advantage(tmp_path):
     rng = np.random.default_rng()
     parts = ["kl", "length_penalty", "task", "total"]
     lines = [
-        {"step": s, "reward_mean": 0.1, **{f"advantage_rms/{p}": rng.uniform() for p in parts}}
+        {
+            "step": s,
+            "staleness_mean": 0.0,
+            "reward_mean": 0.1,
+            **{f"advantage_rms/{p}": rng.uniform() for p in parts},
+        }
         for s in range(1, 6)
     ]
-    lines.append({"step": 6, "reward_mean": 0.2})  # a step without the parts: a gap, no error
+    # A step without the parts (nor a reward: every sample abandoned): a gap, no error.
+    lines.append({"step": 6, "staleness_mean": 0.0})
     _, ax = plt.subplots()
     _plot_advantage_parts(ax, [m["step"] for m in lines], lines)
     drawn = {line.get_label(): line.get_ydata() for line in ax.get_lines()}
