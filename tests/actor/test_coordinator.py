@@ -153,21 +153,29 @@ def test_rollout_summarises_repeatedly_and_trains_the_chain_as_one_sample(tmp_pa
     assert np.isfinite(float(loss))
 
 
-@pytest.mark.parametrize("failure", ["kill", "hang"])
-def test_environment_worker_failure_requeues_the_sample(tmp_path, failure):
-    task = envs.builtin_tasks(1, seed=8, max_ops=1)[0]
-    slow = protocol.render_call("run_shell", {"command": "sleep 1.5"})
-    turns = [slow, *envs.oracle_turns(task)]
-    sampler = ScriptedSampler(
+# One group of two samples, at most four turns, no feedback detectors.
+PAIR = RLConfig(
+    rollout=RolloutConfig(group_size=2, groups_per_step=1),
+    agent=AgentConfig(max_turns=4, feedback_detectors=()),
+)
+
+
+def _scripted(turns):
+    """A sampler that writes `turns` in order, whatever the prompt."""
+    return ScriptedSampler(
         lambda prompt, turn: turns[turn],
         TOKENIZER,
         moe_layers=MODEL_CFG.num_moe_layers,
         k=MODEL_CFG.num_experts_per_tok,
     )
-    cfg = RLConfig(
-        rollout=RolloutConfig(group_size=2, groups_per_step=1),
-        agent=AgentConfig(max_turns=4, feedback_detectors=()),
-    )
+
+
+@pytest.mark.parametrize("failure", ["kill", "hang"])
+def test_environment_worker_failure_requeues_the_sample(tmp_path, failure):
+    task = envs.builtin_tasks(1, seed=8, max_ops=1)[0]
+    slow = protocol.render_call("run_shell", {"command": "sleep 1.5"})
+    turns = [slow, *envs.oracle_turns(task)]
+    sampler, cfg = _scripted(turns), PAIR
     pool = ProcessEnvironmentPool(2, timeout_s=3.0 if failure == "hang" else 30.0)
     ledger = GroupLedger(tmp_path / "ledger")
     coordinator = make_coordinator(cfg, sampler, pool, ledger, [("p0", task)])
@@ -210,16 +218,7 @@ def test_an_abandoned_sample_is_no_reward_measurement(tmp_path):
     and the abandonment is counted."""
     task = envs.builtin_tasks(1, seed=8, max_ops=1)[0]
     turns = envs.oracle_turns(task)
-    sampler = ScriptedSampler(
-        lambda prompt, turn: turns[turn],
-        TOKENIZER,
-        moe_layers=MODEL_CFG.num_moe_layers,
-        k=MODEL_CFG.num_experts_per_tok,
-    )
-    cfg = RLConfig(
-        rollout=RolloutConfig(group_size=2, groups_per_step=1),
-        agent=AgentConfig(max_turns=4, feedback_detectors=()),
-    )
+    sampler, cfg = _scripted(turns), PAIR
     with _RefusingPool(2, timeout_s=60) as pool:
         coordinator, group = _run_one_group(
             cfg, sampler, pool, GroupLedger(tmp_path / "ledger"), task
