@@ -219,7 +219,7 @@ def loop_run(base, name: str, max_staleness: int, warm: str) -> dict:
     lines = [
         m
         for m in read_metrics(os.path.join(workdir, "metrics.jsonl"))
-        if "reward_mean" in m and m["step"] >= 2
+        if "staleness_mean" in m and m["step"] >= 2  # step records
     ]
     with open(trace) as f:
         recorded = json.load(f)

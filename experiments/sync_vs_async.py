@@ -87,7 +87,7 @@ def summarize(metrics: list[dict], samples_per_step: int, histogram: dict) -> di
     """One run's steps 2+ (step 1 compiles): throughput, step times, staleness, reward."""
     import numpy as np
 
-    lines = [m for m in metrics if "reward_mean" in m and m["step"] >= 2]
+    lines = [m for m in metrics if "staleness_mean" in m and m["step"] >= 2]  # step records
     seconds = sum(m["seconds_per_step"] for m in lines)
     return dict(
         seconds=seconds,
@@ -97,7 +97,8 @@ def summarize(metrics: list[dict], samples_per_step: int, histogram: dict) -> di
         staleness=np.mean([m["staleness_mean"] for m in lines]),
         dropped=sum(m["groups_dropped_stale"] for m in lines),
         histogram=histogram,
-        reward=np.mean([m["reward_mean"] for m in lines]),
+        # A step whose every sample was abandoned measured no reward.
+        reward=np.mean([m["reward_mean"] for m in lines if "reward_mean" in m]),
     )
 
 

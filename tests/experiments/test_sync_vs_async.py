@@ -29,3 +29,10 @@ def test_summary_skips_step_one_and_report_prints_the_ratio(capsys):
     out = capsys.readouterr().out
     assert "async / sync throughput: 2.00x" in out
     assert "{0: 2, 1: 2}" in out and "(ratio 3.00)" in out
+
+
+def test_a_step_without_a_measured_reward_still_counts_as_a_step():
+    """Every sample of step 3 was abandoned: its record has no reward_mean; its time counts."""
+    abandoned = {k: v for k, v in _line(3, 4.0).items() if k != "reward_mean"}
+    summary = sync_vs_async.summarize([_line(2, 4.0), abandoned], 16, {})
+    assert summary["seconds"] == 8.0 and summary["reward"] == 0.5
