@@ -128,7 +128,8 @@ def train_step_rows(cfg, steps: int, prompt_len: int) -> list[tuple[str, float, 
     @jax.jit
     def ref_fn(params, buffers, batch):
         with use_layout(setup.layout):
-            return reference_logprobs(nnx.merge(setup.graphdef, params, buffers), batch)
+            model = nnx.merge(setup.graphdef, params, buffers)
+            return reference_logprobs(model, batch, cfg.rl.rollout.temperature)
 
     t0 = time.perf_counter()
     ref_logp = jax.block_until_ready(ref_fn(*reference, batch))
@@ -142,6 +143,7 @@ def train_step_rows(cfg, steps: int, prompt_len: int) -> list[tuple[str, float, 
             rl_objective(cfg.rl),
             setup.schedule,
             setup.layout,
+            temperature=cfg.rl.rollout.temperature,  # as the trainer steps
         ),
         donate_argnums=0,
     )
